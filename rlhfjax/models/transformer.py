@@ -1,0 +1,383 @@
+"""A decoder-only transformer covering the Llama family, in Flax linen.
+
+Letters in names and einsum strings: b batch, t query length, s key length, d hidden,
+h query heads, k kv heads, g query heads per kv head, n head dim, f mlp, v vocab, l layers.
+
+Parameters carry logical axis names only ('vocab', 'embed', 'heads', 'kv_heads', 'head_dim',
+'mlp', 'layers', 'norm'); `rlhfjax.mesh.rules` maps them onto a mesh per layout.
+
+One call signature serves every use:
+  * a full forward (training, scoring): `cache=None`, keys are the `t` new tokens;
+  * prefill and decode (rollout): `cache` holds `[l, b, s, k, n]` keys and values; the `t` new
+    keys/values are written at `cache_index_b` of each row and attention runs over all `s` slots.
+The caller supplies positions and a boolean mask `[b, t, s]`, so left padding, continuous
+batching slots and sliding windows are all just masks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rlhfjax.models.config import HeadKind, ModelConfig
+
+Params = Any
+Cache = dict[str, jax.Array]  # {'k': [l, b, s, k, n], 'v': [l, b, s, k, n]}
+
+_INIT_STD = 0.02
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
+
+
+def _param(module: nn.Module, name: str, shape, axes, init, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class Linear(nn.Module):
+  """`y = einsum(eqn, x, kernel) (+ bias)` with logically named kernel axes."""
+
+  eqn: str
+  kernel_shape: tuple[int, ...]
+  kernel_axes: tuple[str, ...]
+  bias_axes: tuple[str, ...] | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = _param(
+      self,
+      "kernel",
+      self.kernel_shape,
+      self.kernel_axes,
+      nn.initializers.normal(_INIT_STD),
+      self.param_dtype,
+    )
+    y = jnp.einsum(self.eqn, x.astype(self.dtype), kernel.astype(self.dtype))
+    if self.bias_axes is not None:
+      bias_shape = self.kernel_shape[-len(self.bias_axes) :]
+      bias = _param(
+        self, "bias", bias_shape, self.bias_axes, nn.initializers.zeros, self.param_dtype
+      )
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+class RMSNorm(nn.Module):
+  """`x / rms(x) * scale`, normalised in float32 as Hugging Face does."""
+
+  eps: float
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    scale_d = _param(
+      self, "scale", (x_btd.shape[-1],), ("norm",), nn.initializers.ones, self.param_dtype
+    )
+    x32 = x_btd.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (scale_d.astype(jnp.float32) * x32).astype(self.dtype)
+
+
+def rotary(x_btxn: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in the 'rotate half' convention of Llama: pairs (i, i + n/2)."""
+  n = x_btxn.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, n, 2, dtype=jnp.float32) / n))
+  angles_bt1m = (positions_bt.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+  cos, sin = jnp.cos(angles_bt1m), jnp.sin(angles_bt1m)
+  x1, x2 = jnp.split(x_btxn.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btxn.dtype)
+
+
+def _write_cache(cache_bskn: jax.Array, new_btkn: jax.Array, index_b: jax.Array) -> jax.Array:
+  """Writes each row's `t` new entries at its own offset `index_b[row]`."""
+  write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i, axis=0)
+  return jax.vmap(write)(cache_bskn, new_btkn, index_b)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt, mask_bts, cache, cache_index_b):
+    cfg = self.config
+    d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
+    bias = lambda axes: axes if cfg.qkv_bias else None
+    q_bthn = Linear(
+      "btd,dhn->bthn",
+      (d, h, n),
+      ("embed", "heads", "head_dim"),
+      bias(("heads", "head_dim")),
+      name="q_proj",
+      **kw,
+    )(x_btd)
+    k_btkn = Linear(
+      "btd,dkn->btkn",
+      (d, k, n),
+      ("embed", "kv_heads", "head_dim"),
+      bias(("kv_heads", "head_dim")),
+      name="k_proj",
+      **kw,
+    )(x_btd)
+    v_btkn = Linear(
+      "btd,dkn->btkn",
+      (d, k, n),
+      ("embed", "kv_heads", "head_dim"),
+      bias(("kv_heads", "head_dim")),
+      name="v_proj",
+      **kw,
+    )(x_btd)
+    q_bthn = rotary(q_bthn, positions_bt, cfg.rope_theta)
+    k_btkn = rotary(k_btkn, positions_bt, cfg.rope_theta)
+
+    if cache is None:
+      keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
+    else:
+      keys_bskn = _write_cache(cache["k"], k_btkn, cache_index_b)
+      values_bskn = _write_cache(cache["v"], v_btkn, cache_index_b)
+      new_cache = {"k": keys_bskn, "v": values_bskn}
+
+    b, t = x_btd.shape[:2]
+    q_btkgn = q_bthn.reshape(b, t, k, h // k, n)  # query head j uses kv head j // g
+    scores_bkgts = jnp.einsum("btkgn,bskn->bkgts", q_btkgn, keys_bskn.astype(q_btkgn.dtype))
+    scores_bkgts = scores_bkgts.astype(jnp.float32) * (n**-0.5)
+    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASKED)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cfg.jnp_dtype)
+    out_btkgn = jnp.einsum("bkgts,bskn->btkgn", probs_bkgts, values_bskn.astype(cfg.jnp_dtype))
+    out_bthn = out_btkgn.reshape(b, t, h, n)
+    out_btd = Linear(
+      "bthn,hnd->btd",
+      (h, n, d),
+      ("heads", "head_dim", "embed"),
+      ("embed",) if cfg.o_bias else None,
+      name="o_proj",
+      **kw,
+    )(out_bthn)
+    return out_btd, new_cache
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd):
+    cfg = self.config
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
+    gate_btf = Linear("btd,df->btf", (d, f), ("embed", "mlp"), name="gate_proj", **kw)(x_btd)
+    up_btf = Linear("btd,df->btf", (d, f), ("embed", "mlp"), name="up_proj", **kw)(x_btd)
+    return Linear("btf,fd->btd", (f, d), ("mlp", "embed"), name="down_proj", **kw)(
+      jax.nn.silu(gate_btf) * up_btf
+    )
+
+
+class Block(nn.Module):
+  """Pre-norm attention and SwiGLU MLP with residuals; one layer of the scanned stack."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt, mask_bts, cache, cache_index_b):
+    cfg = self.config
+    norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
+    attn_btd, new_cache = Attention(cfg, name="attn")(
+      norm(name="attn_norm")(x_btd), positions_bt, mask_bts, cache, cache_index_b
+    )
+    x_btd = x_btd + attn_btd
+    x_btd = x_btd + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x_btd))
+    return x_btd, new_cache
+
+
+class Transformer(nn.Module):
+  """Token embedding, `num_layers` scanned blocks, final norm and an LM or value head.
+
+  Returns `(out, new_cache)`: float32 logits `[b, t, v]` for the 'lm' head or float32 values
+  `[b, t]` for the 'value' head, and the updated cache (None without one).
+  """
+
+  config: ModelConfig
+  head: HeadKind = "lm"
+
+  @nn.compact
+  def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, cache_index_b=None):
+    cfg = self.config
+    embedding_vd = _param(
+      self,
+      "embedding",
+      (cfg.vocab_size, cfg.hidden_size),
+      ("vocab", "embed"),
+      nn.initializers.normal(_INIT_STD),
+      cfg.jnp_param_dtype,
+    )
+    x_btd = jnp.take(embedding_vd, tokens_bt, axis=0).astype(cfg.jnp_dtype)
+
+    stack = nn.scan(
+      Block,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+      length=cfg.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    x_btd, new_cache = stack(cfg, name="layers")(
+      x_btd, positions_bt, mask_bts, cache, cache_index_b
+    )
+    x_btd = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="final_norm")(x_btd)
+
+    if self.head == "value":
+      w_d = _param(
+        self,
+        "value_head",
+        (cfg.hidden_size,),
+        ("embed",),
+        nn.initializers.normal(_INIT_STD),
+        cfg.jnp_param_dtype,
+      )
+      out = jnp.einsum("btd,d->bt", x_btd, w_d.astype(cfg.jnp_dtype))
+    elif cfg.tie_embeddings:
+      out = jnp.einsum("btd,vd->btv", x_btd, embedding_vd.astype(cfg.jnp_dtype))
+    else:
+      out = Linear(
+        "btd,dv->btv",
+        (cfg.hidden_size, cfg.vocab_size),
+        ("embed", "vocab"),
+        dtype=cfg.jnp_dtype,
+        param_dtype=cfg.jnp_param_dtype,
+        name="lm_head",
+      )(x_btd)
+    return out.astype(jnp.float32), new_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and positions.
+
+
+def positions_from_mask(attention_mask_bt: jax.Array) -> jax.Array:
+  """Position ids that start at 0 on each row's first real token (left padding safe)."""
+  mask = attention_mask_bt.astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+
+
+def causal_mask(attention_mask_bt: jax.Array, sliding_window: int | None = None) -> jax.Array:
+  """`[b, t, t]` boolean: query i sees real keys j <= i (and i - j < window, if set)."""
+  t = attention_mask_bt.shape[-1]
+  q_t1, k_1s = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+  allowed_ts = k_1s <= q_t1
+  if sliding_window is not None:
+    allowed_ts &= q_t1 - k_1s < sliding_window
+  return allowed_ts[None] & attention_mask_bt.astype(bool)[:, None, :]
+
+
+def last_token_index(attention_mask_bt: jax.Array) -> jax.Array:
+  """Index of each row's last real token (works for left and right padding)."""
+  t = attention_mask_bt.shape[-1]
+  return t - 1 - jnp.argmax(jnp.flip(attention_mask_bt.astype(bool), axis=-1), axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional entry points.
+
+
+def _dummy_inputs():
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return tokens, tokens, jnp.ones((1, 1, 1), bool)
+
+
+def init_params(
+  config: ModelConfig,
+  head: HeadKind = "lm",
+  rng: jax.Array | None = None,
+  *,
+  shardings: Any | None = None,
+):
+  """Randomly initialised parameters (plain arrays, no partitioning boxes).
+
+  With `shardings` (a tree of `jax.sharding.Sharding` matching the parameters), each array is
+  created directly in its shards by a jitted init: no device ever holds the whole model.
+  """
+  rng = jax.random.key(0) if rng is None else rng
+
+  def init(rng):
+    return nn.unbox(Transformer(config, head).init(rng, *_dummy_inputs())["params"])
+
+  if shardings is None:
+    return init(rng)
+  return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def abstract_params(config: ModelConfig, head: HeadKind = "lm"):
+  """`jax.ShapeDtypeStruct` tree of the parameters, with no allocation."""
+  return jax.eval_shape(lambda: init_params(config, head))
+
+
+def logical_axes(config: ModelConfig, head: HeadKind = "lm"):
+  """Tree matching the parameters whose leaves are tuples of logical axis names."""
+  boxed = jax.eval_shape(
+    lambda: Transformer(config, head).init(jax.random.key(0), *_dummy_inputs())["params"]
+  )
+  specs = nn.get_partition_spec(boxed)
+  return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def apply(
+  config: ModelConfig,
+  params: Params,
+  tokens_bt,
+  positions_bt,
+  mask_bts,
+  *,
+  head: HeadKind = "lm",
+  cache: Cache | None = None,
+  cache_index_b=None,
+):
+  """`Transformer.apply` with explicit positions, mask and optional KV cache."""
+  return Transformer(config, head).apply(
+    {"params": params}, tokens_bt, positions_bt, mask_bts, cache, cache_index_b
+  )
+
+
+def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:
+  """Zeroed KV cache `[l, b, s, k, n]` in the compute dtype."""
+  shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+  return {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
+
+
+def _full_forward(config, params, tokens_bt, attention_mask_bt, head):
+  if attention_mask_bt is None:
+    attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+  positions_bt = positions_from_mask(attention_mask_bt)
+  mask_bts = causal_mask(attention_mask_bt, config.sliding_window)
+  out, _ = apply(config, params, tokens_bt, positions_bt, mask_bts, head=head)
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_logits(
+  config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None
+) -> jax.Array:
+  """Float32 logits `[b, t, vocab]` for int32 tokens `[b, t]`.
+
+  `attention_mask` (`[b, t]`, 1 = real token) handles padded batches, left padding included:
+  positions restart at 0 on each row's first real token and pads are never attended to.
+  """
+  return _full_forward(config, params, tokens, attention_mask, "lm")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_values(
+  config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None
+) -> jax.Array:
+  """Float32 per-token values `[b, t]` from a value-head model (critic, reward)."""
+  return _full_forward(config, params, tokens, attention_mask, "value")
+
+
+def sequence_reward(values_bt: jax.Array, attention_mask_bt: jax.Array) -> jax.Array:
+  """A sequence's reward: the value at its last non-pad token."""
+  idx_b = last_token_index(attention_mask_bt)
+  return jnp.take_along_axis(values_bt, idx_b[:, None], axis=-1)[:, 0]

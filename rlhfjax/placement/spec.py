@@ -1,0 +1,83 @@
+"""Placement as data: which devices and which mesh each RLHF role gets.
+
+A `PlacementSpec` maps every `Role` to a `RoleSpec`: indices into `jax.devices()`, named mesh
+axes with sizes, and the layout (training or generation) that decides how parameters are laid
+out on that mesh. Co-location is simply two roles with the same devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping
+
+
+class Role(enum.StrEnum):
+  ACTOR = "actor"
+  CRITIC = "critic"
+  REFERENCE = "reference"
+  REWARD = "reward"
+  ROLLOUT = "rollout"
+
+
+class Layout(enum.StrEnum):
+  TRAINING = "training"
+  """FSDP over `fsdp` (and `data`), tensor parallel over `tensor`."""
+  GENERATION = "generation"
+  """Tensor parallel over heads and MLP, replicated across `data` groups."""
+
+
+LAYOUT_AXES: Mapping[Layout, tuple[str, ...]] = {
+    Layout.TRAINING: ("data", "fsdp", "tensor"),
+    Layout.GENERATION: ("data", "tensor"),
+}
+"""The mesh axes of each layout, in mesh order (devices are listed row-major over them)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleSpec:
+  """Where one role runs."""
+
+  devices: tuple[int, ...]
+  """Indices into `jax.devices()`, in mesh order (row-major over `axes`)."""
+  axes: tuple[tuple[str, int], ...]
+  """Named mesh axes and their sizes, e.g. (('data', 1), ('fsdp', 4), ('tensor', 1))."""
+  layout: Layout
+
+  @property
+  def axis_names(self) -> tuple[str, ...]:
+    return tuple(name for name, _ in self.axes)
+
+  @property
+  def axis_sizes(self) -> tuple[int, ...]:
+    return tuple(size for _, size in self.axes)
+
+  @property
+  def mesh_size(self) -> int:
+    return math.prod(self.axis_sizes)
+
+  def axis_size(self, name: str) -> int:
+    return dict(self.axes).get(name, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlacementSpec:
+  """A `RoleSpec` for every role, plus the name of the strategy that built it."""
+
+  strategy: str
+  roles: Mapping[Role, RoleSpec]
+  disjoint: tuple[tuple[Role, Role], ...] = ()
+  """Pairs of roles meant to run at the same time, so they must not share any device."""
+
+  def __getitem__(self, role: Role | str) -> RoleSpec:
+    return self.roles[Role(role)]
+
+  def colocated(self, a: Role | str, b: Role | str) -> bool:
+    """True when two roles share any device (so they cannot run at the same time)."""
+    return bool(set(self[a].devices) & set(self[b].devices))
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    """All device indices the job uses, sorted."""
+    return tuple(sorted({d for spec in self.roles.values() for d in spec.devices}))
