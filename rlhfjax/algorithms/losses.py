@@ -1,0 +1,84 @@
+"""PPO losses: clipped policy surrogate, clipped value loss, entropy bonus.
+
+Letters: b batch, t response length, v vocab. All means are token-level over the response mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlhfjax.algorithms.masked import masked_mean
+
+
+def clipped_policy_loss(
+  logp_bt: jax.Array,
+  old_logp_bt: jax.Array,
+  advantages_bt: jax.Array,
+  mask_bt: jax.Array,
+  *,
+  clip_eps: float,
+  behaviour_logp_bt: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO-clip (Schulman et al., 2017):
+
+    rho_t = exp(logp_t - old_logp_t)
+    L     = mean_t max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps, 1 + eps))
+
+  With `behaviour_logp_bt` (the log-probs of the policy that actually generated the tokens,
+  e.g. one step stale in asynchronous rollout), each token is also weighted by the truncated
+  importance ratio `min(exp(old_logp - behaviour_logp), 1 + eps)` (no gradient through it).
+
+  Returns the loss and statistics: clip fraction and the approximate KL to `old`.
+  """
+  log_ratio_bt = logp_bt - old_logp_bt
+  ratio_bt = jnp.exp(log_ratio_bt)
+  unclipped_bt = -advantages_bt * ratio_bt
+  clipped_bt = -advantages_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps)
+  per_token_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  if behaviour_logp_bt is not None:
+    weight_bt = jnp.minimum(jnp.exp(old_logp_bt - behaviour_logp_bt), 1.0 + clip_eps)
+    per_token_bt = per_token_bt * jax.lax.stop_gradient(weight_bt)
+  stats = {
+    "clipfrac": masked_mean((clipped_bt > unclipped_bt).astype(jnp.float32), mask_bt),
+    "approx_kl": masked_mean(0.5 * jnp.square(log_ratio_bt), mask_bt),
+    "ratio_max": jnp.max(jnp.where(mask_bt > 0, ratio_bt, -jnp.inf)),
+  }
+  return masked_mean(per_token_bt, mask_bt), stats
+
+
+def clipped_value_loss(
+  values_bt: jax.Array,
+  old_values_bt: jax.Array,
+  returns_bt: jax.Array,
+  mask_bt: jax.Array,
+  *,
+  clip_eps: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped value loss:
+
+  V^clip_t = V^old_t + clip(V_t - V^old_t, -eps, eps)
+  L        = 1/2 mean_t max((V_t - R_t)^2, (V^clip_t - R_t)^2)
+  """
+  clipped_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
+  err_bt = jnp.square(values_bt - returns_bt)
+  err_clipped_bt = jnp.square(clipped_bt - returns_bt)
+  loss = 0.5 * masked_mean(jnp.maximum(err_bt, err_clipped_bt), mask_bt)
+  return loss, {"clipfrac": masked_mean((err_clipped_bt > err_bt).astype(jnp.float32), mask_bt)}
+
+
+def entropy_from_logits(logits_btv: jax.Array) -> jax.Array:
+  """`H_t = -sum_v p_v log p_v` per token, computed stably from logits."""
+  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+
+
+def entropy_bonus(logits_btv: jax.Array, mask_bt: jax.Array) -> jax.Array:
+  """Mean entropy over response tokens; PPO subtracts `coef * bonus` from the loss."""
+  return masked_mean(entropy_from_logits(logits_btv), mask_bt)
+
+
+def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+  """`log softmax(logits)[token]` per position, in float32."""
+  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp_btv, tokens_bt[..., None], axis=-1)[..., 0]

@@ -1,0 +1,226 @@
+"""RL maths against plain NumPy loops written from the equations."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfjax import algorithms as alg
+
+B, T, V = 5, 7, 11
+
+
+@pytest.fixture
+def batch():
+  rng = np.random.default_rng(0)
+  lengths = np.array([7, 3, 1, 5, 6])
+  mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+  return dict(
+    rng=rng,
+    mask=mask,
+    lengths=lengths,
+    logp=rng.normal(-2.0, 0.5, (B, T)).astype(np.float32),
+    ref=rng.normal(-2.0, 0.5, (B, T)).astype(np.float32),
+    values=rng.normal(0.0, 1.0, (B, T)).astype(np.float32),
+    rewards=rng.normal(0.0, 1.0, (B, T)).astype(np.float32),
+    scores=rng.normal(0.0, 1.0, B).astype(np.float32),
+  )
+
+
+def _close(a, b, atol=1e-5):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=1e-5)
+
+
+def test_kl_estimators(batch):
+  logp, ref = batch["logp"].astype(np.float64), batch["ref"].astype(np.float64)
+  formulas = {
+    "k1": lambda lp, r: lp - r,
+    "k2": lambda lp, r: 0.5 * (r - lp) ** 2,
+    "k3": lambda lp, r: math.exp(r - lp) - 1 - (r - lp),
+  }
+  for name, formula in formulas.items():
+    expected = [[formula(logp[i, t], ref[i, t]) for t in range(T)] for i in range(B)]
+    _close(
+      alg.get_kl_estimator(name)(jnp.asarray(batch["logp"]), jnp.asarray(batch["ref"])), expected
+    )
+  assert np.all(np.asarray(alg.kl_k3(jnp.asarray(logp), jnp.asarray(ref))) >= 0)
+  with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):
+    alg.get_kl_estimator("k9")
+
+
+def test_k1_and_k3_are_unbiased_estimates_of_kl():
+  rng = np.random.default_rng(1)
+  p = np.array([0.5, 0.3, 0.2])
+  q = np.array([0.2, 0.5, 0.3])
+  true_kl = np.sum(p * np.log(p / q))
+  samples = rng.choice(3, size=200_000, p=p)
+  logp, logq = jnp.log(p)[samples], jnp.log(q)[samples]
+  assert abs(float(jnp.mean(alg.kl_k1(logp, logq))) - true_kl) < 5e-3
+  assert abs(float(jnp.mean(alg.kl_k3(logp, logq))) - true_kl) < 5e-3
+
+
+def test_adaptive_kl_controller():
+  state = alg.KLControllerState(coef=0.1)
+  up = alg.adaptive_kl_update(state, current_kl=12.0, num_samples=64, target=6.0, horizon=1000)
+  assert up.coef == pytest.approx(0.1 * (1 + 0.2 * 64 / 1000))  # error clipped at +0.2
+  down = alg.adaptive_kl_update(state, current_kl=5.4, num_samples=64, target=6.0, horizon=1000)
+  assert down.coef == pytest.approx(0.1 * (1 - 0.1 * 64 / 1000))
+  assert alg.fixed_kl_update(state, 100.0, 64, target=6.0, horizon=1000) == state
+
+
+def test_shape_rewards(batch):
+  kl = batch["logp"] - batch["ref"]
+  expected = np.zeros((B, T))
+  for i in range(B):
+    for t in range(batch["lengths"][i]):
+      expected[i, t] = -0.05 * kl[i, t]
+    expected[i, batch["lengths"][i] - 1] += batch["scores"][i]
+  got = alg.shape_rewards(
+    jnp.asarray(batch["scores"]), jnp.asarray(kl), jnp.asarray(batch["mask"]), 0.05
+  )
+  _close(got, expected)
+
+
+def _numpy_gae(rewards, values, lengths, gamma, lam):
+  adv = np.zeros_like(rewards, dtype=np.float64)
+  for i in range(rewards.shape[0]):
+    last = 0.0
+    for t in reversed(range(lengths[i])):
+      next_v = values[i, t + 1] if t + 1 < lengths[i] else 0.0
+      delta = rewards[i, t] + gamma * next_v - values[i, t]
+      last = delta + gamma * lam * last
+      adv[i, t] = last
+  ret = np.where(np.arange(rewards.shape[1])[None] < lengths[:, None], adv + values, 0.0)
+  return adv, ret
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0)])
+def test_gae(batch, gamma, lam):
+  # Garbage beyond each response must not leak in.
+  rewards = np.where(batch["mask"] > 0, batch["rewards"], 123.0)
+  values = np.where(batch["mask"] > 0, batch["values"], -77.0)
+  adv, ret = alg.gae(
+    jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(batch["mask"]), gamma=gamma, lam=lam
+  )
+  exp_adv, exp_ret = _numpy_gae(batch["rewards"], batch["values"], batch["lengths"], gamma, lam)
+  _close(adv, exp_adv)
+  _close(ret, exp_ret)
+
+
+def test_group_relative(batch):
+  scores = np.array([1.0, 2.0, 4.0, 0.0, 0.0, 3.0], np.float32)
+  mask = np.ones((6, 4), np.float32)
+  mask[2, 2:] = 0
+  adv, _ = alg.group_relative(jnp.asarray(scores), jnp.asarray(mask), group_size=3)
+  for g in range(2):
+    s = scores[3 * g : 3 * g + 3]
+    expected = (s - s.mean()) / (s.std() + 1e-6)
+    _close(np.asarray(adv)[3 * g : 3 * g + 3, 0], expected)
+  assert np.asarray(adv)[2, 3] == 0.0
+  with pytest.raises(ValueError, match="not a multiple of group_size 4"):
+    alg.group_relative(jnp.asarray(scores), jnp.asarray(mask), group_size=4)
+
+
+def test_whitening(batch):
+  x, mask = batch["values"], batch["mask"]
+  vals = x[mask > 0].astype(np.float64)
+  expected = (x - vals.mean()) / np.sqrt(vals.var(ddof=1) + 1e-8) * mask
+  _close(alg.whiten_advantages(jnp.asarray(x), jnp.asarray(mask)), expected)
+  kept = alg.masked_whiten(jnp.asarray(x), jnp.asarray(mask), shift_mean=False)
+  _close(kept, (expected + vals.mean()) * mask)
+
+
+def test_clipped_policy_loss(batch):
+  rng = batch["rng"]
+  old = batch["logp"]
+  new = old + rng.normal(0, 0.3, old.shape).astype(np.float32)
+  adv = rng.normal(0, 1, old.shape).astype(np.float32)
+  mask, eps = batch["mask"], 0.2
+  total, count, clipped = 0.0, 0, 0
+  for i in range(B):
+    for t in range(batch["lengths"][i]):
+      r = np.exp(new[i, t] - old[i, t])
+      a, b = -adv[i, t] * r, -adv[i, t] * np.clip(r, 1 - eps, 1 + eps)
+      total += max(a, b)
+      clipped += b > a
+      count += 1
+  loss, stats = alg.clipped_policy_loss(
+    jnp.asarray(new), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), clip_eps=eps
+  )
+  _close(loss, total / count)
+  _close(stats["clipfrac"], clipped / count)
+  # Gradient flows only through unclipped tokens.
+  grad = jax.grad(
+    lambda lp: alg.clipped_policy_loss(
+      lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), clip_eps=eps
+    )[0]
+  )(jnp.asarray(new))
+  ratio = np.exp(new - old)
+  expected_grad = np.where(
+    (mask > 0) & ~(-adv * np.clip(ratio, 1 - eps, 1 + eps) > -adv * ratio),
+    -adv * ratio / count,
+    0.0,
+  )
+  _close(grad, expected_grad)
+
+
+def test_behaviour_policy_importance_weight(batch):
+  old, mask = batch["logp"], batch["mask"]
+  adv = np.ones_like(old)
+  behaviour = old - 0.1  # the stale policy gave these tokens lower probability
+  loss, _ = alg.clipped_policy_loss(
+    jnp.asarray(old),
+    jnp.asarray(old),
+    jnp.asarray(adv),
+    jnp.asarray(mask),
+    clip_eps=0.2,
+    behaviour_logp_bt=jnp.asarray(behaviour),
+  )
+  _close(loss, -np.exp(0.1))
+  far = old - 5.0
+  loss, _ = alg.clipped_policy_loss(
+    jnp.asarray(old),
+    jnp.asarray(old),
+    jnp.asarray(adv),
+    jnp.asarray(mask),
+    clip_eps=0.2,
+    behaviour_logp_bt=jnp.asarray(far),
+  )
+  _close(loss, -1.2)  # truncated at 1 + eps
+
+
+def test_clipped_value_loss(batch):
+  rng = batch["rng"]
+  old_v = batch["values"]
+  new_v = old_v + rng.normal(0, 0.5, old_v.shape).astype(np.float32)
+  ret = rng.normal(0, 1, old_v.shape).astype(np.float32)
+  eps, total, count = 0.2, 0.0, 0
+  for i in range(B):
+    for t in range(batch["lengths"][i]):
+      vc = old_v[i, t] + np.clip(new_v[i, t] - old_v[i, t], -eps, eps)
+      total += max((new_v[i, t] - ret[i, t]) ** 2, (vc - ret[i, t]) ** 2)
+      count += 1
+  loss, _ = alg.clipped_value_loss(
+    jnp.asarray(new_v),
+    jnp.asarray(old_v),
+    jnp.asarray(ret),
+    jnp.asarray(batch["mask"]),
+    clip_eps=eps,
+  )
+  _close(loss, 0.5 * total / count)
+
+
+def test_entropy_and_token_logprobs(batch):
+  rng = batch["rng"]
+  logits = rng.normal(0, 2, (B, T, V)).astype(np.float32)
+  tokens = rng.integers(0, V, (B, T))
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  ent = -(p * np.log(p)).sum(-1)
+  _close(alg.entropy_from_logits(jnp.asarray(logits)), ent)
+  mask = batch["mask"]
+  _close(alg.entropy_bonus(jnp.asarray(logits), jnp.asarray(mask)), (ent * mask).sum() / mask.sum())
+  lp = np.log(np.take_along_axis(p, tokens[..., None], -1)[..., 0])
+  _close(alg.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens)), lp)
