@@ -29,8 +29,8 @@ class Layout(enum.StrEnum):
 
 
 LAYOUT_AXES: Mapping[Layout, tuple[str, ...]] = {
-    Layout.TRAINING: ("data", "fsdp", "tensor"),
-    Layout.GENERATION: ("data", "tensor"),
+  Layout.TRAINING: ("data", "fsdp", "tensor"),
+  Layout.GENERATION: ("data", "tensor"),
 }
 """The mesh axes of each layout, in mesh order (devices are listed row-major over them)."""
 

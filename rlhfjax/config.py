@@ -1,0 +1,251 @@
+"""Typed experiment configuration, converted from the `ml_collections.ConfigDict` of a config file.
+
+`configs/*.py` expose `get_config()` returning a `ConfigDict` (so absl flags can override any
+field: `--config.placement.strategy=interleaved`); `from_config_dict` turns it into a frozen
+`ExperimentConfig` and rejects unknown fields and wrong types with a one-line `ConfigError`.
+Later sections (ppo, data, checkpoint, ...) are new fields of `ExperimentConfig` with defaults:
+the conversion walks the dataclass fields, so nothing else has to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from rlhfjax.models import config as model_config
+
+_DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config field is unknown, missing, of the wrong type or has an invalid value."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+  """Which registered model each role runs."""
+
+  size: str
+  """Size of the actor; the reference and the rollout run the same model."""
+  critic_size: str | None = None
+  """Size of the critic; None: the actor's size."""
+  reward_size: str | None = None
+  """Size of the reward model; None: the actor's size."""
+  dtype: str | None = None
+  """Compute dtype override for every model ('float32' or 'bfloat16'); None: the size's own."""
+  param_dtype: str | None = None
+  """Parameter dtype override for every model; None: the size's own."""
+
+  def __post_init__(self):
+    known = model_config.model_sizes()
+    for name in ("size", "critic_size", "reward_size"):
+      value = getattr(self, name)
+      if value is not None and value not in known:
+        raise ConfigError(
+          f"unknown model size {value!r} for 'model.{name}'; known sizes: {', '.join(known)}"
+        )
+    for name in ("dtype", "param_dtype"):
+      value = getattr(self, name)
+      if value is not None and value not in _DTYPES:
+        raise ConfigError(f"'model.{name}' must be one of {', '.join(_DTYPES)}, got {value!r}")
+
+  def size_for(self, role: str) -> str:
+    """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs."""
+    if role == "critic":
+      return self.critic_size or self.size
+    if role == "reward":
+      return self.reward_size or self.size
+    if role in ("actor", "reference", "rollout"):
+      return self.size
+    raise ValueError(f"unknown role {role!r}")
+
+  def for_role(self, role: str) -> model_config.ModelConfig:
+    """The `ModelConfig` of `role`, with the dtype overrides applied."""
+    overrides = {
+      name: getattr(self, name)
+      for name in ("dtype", "param_dtype")
+      if getattr(self, name) is not None
+    }
+    return model_config.get_model_config(self.size_for(role), **overrides)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExplicitRoleSection:
+  """Where one role runs in a hand-written placement."""
+
+  devices: tuple[int, ...] = ()
+  """Indices into `jax.devices()`, in mesh order (row-major over the layout's axes)."""
+  axes: dict[str, int] = dataclasses.field(default_factory=dict)
+  """Mesh axis sizes by name, e.g. {'fsdp': 4}; axes of the layout left out have size 1."""
+  layout: str | None = None
+  """'training' or 'generation'; None: generation for the rollout, training for the others."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExplicitPlacementSection:
+  """A hand-written placement, used when `placement.strategy='explicit'`.
+
+  Roles not listed together in a `colocate` group must use disjoint devices: sharing devices
+  serialises two roles, which a hand-written spec should say on purpose rather than by a typo
+  in a device list.
+  """
+
+  actor: ExplicitRoleSection | None = None
+  critic: ExplicitRoleSection | None = None
+  reference: ExplicitRoleSection | None = None
+  reward: ExplicitRoleSection | None = None
+  rollout: ExplicitRoleSection | None = None
+  colocate: tuple[tuple[str, ...], ...] = ()
+  """Groups of roles allowed to share devices, e.g. (('actor', 'rollout'),)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlacementSection:
+  """How the roles are placed on devices; see `rlhfjax.placement.strategies`."""
+
+  strategy: str = "colocated"
+  """'colocated', 'interleaved', 'disaggregated' or 'explicit'."""
+  num_devices: int | None = None
+  """Devices the job uses (the first ones of `jax.devices()`); None: all of them."""
+  memory_per_device_gb: float | None = None
+  """Memory budget of one device in GiB (2**30 bytes); None: skip the memory check."""
+  tensor: int = 1
+  """Tensor-parallel size of the training roles (actor, critic, reference, reward)."""
+  rollout_tensor: int = 1
+  """Tensor-parallel size of the rollout (generation layout)."""
+  rollout_fraction: float = 0.5
+  """disaggregated: the fraction of the devices given to the rollout."""
+  split_actor_critic: bool = False
+  """interleaved, disaggregated: actor and critic on disjoint halves, updating concurrently."""
+  split_reference_reward: bool = False
+  """disaggregated: reference and reward on disjoint halves (interleaved always splits them)."""
+  explicit: ExplicitPlacementSection = dataclasses.field(default_factory=ExplicitPlacementSection)
+  """The hand-written spec of the 'explicit' strategy."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSection:
+  """Shape of one rollout batch."""
+
+  batch_size: int = 16
+  """Prompts per rollout batch (over all rollout devices)."""
+  max_prompt_len: int = 64
+  max_new_tokens: int = 64
+
+  def __post_init__(self):
+    for name in ("batch_size", "max_prompt_len", "max_new_tokens"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"'rollout.{name}' must be >= 1, got {getattr(self, name)}")
+
+  @property
+  def max_seq_len(self) -> int:
+    """Tokens per sequence the KV cache holds: prompt plus response."""
+    return self.max_prompt_len + self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+  """The whole experiment; each field is one section of the config file."""
+
+  model: ModelSection
+  placement: PlacementSection = dataclasses.field(default_factory=PlacementSection)
+  rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+
+
+def from_config_dict(config_dict: Any) -> ExperimentConfig:
+  """Converts a `ConfigDict` (or nested mapping) into an `ExperimentConfig`.
+
+  Args:
+    config_dict: an `ml_collections.ConfigDict` or a plain nested mapping.
+
+  Returns:
+    The typed, validated config.
+
+  Raises:
+    ConfigError: a field is unknown (naming its dotted path and a close match), missing, of the
+      wrong type, or invalid (for example an unknown model size).
+  """
+  if hasattr(config_dict, "to_dict"):
+    config_dict = config_dict.to_dict()
+  return _convert(config_dict, ExperimentConfig, "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+  """Checks `value` against the type annotation `tp`, recursing into sections and tuples."""
+  if dataclasses.is_dataclass(tp):
+    return _convert_section(value, tp, path)
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (types.UnionType, typing.Union):
+    if value is None and type(None) in args:
+      return None
+    (inner,) = [arg for arg in args if arg is not type(None)]
+    if isinstance(inner, type) and not dataclasses.is_dataclass(inner):
+      return _convert_plain(value, inner, path, shown_type=tp)
+    return _convert(value, inner, path)
+  if origin is tuple:
+    if not isinstance(value, list | tuple):
+      raise _type_error(path, tp, value)
+    item_type = args[0]
+    return tuple(_convert(item, item_type, f"{path}[{i}]") for i, item in enumerate(value))
+  if origin is dict:
+    if not isinstance(value, Mapping):
+      raise _type_error(path, tp, value)
+    key_type, value_type = args
+    return {
+      _convert(key, key_type, path): _convert(item, value_type, f"{path}.{key}")
+      for key, item in value.items()
+    }
+  return _convert_plain(value, tp, path, shown_type=tp)
+
+
+def _convert_plain(value: Any, tp: type, path: str, *, shown_type: Any) -> Any:
+  """Checks a scalar (int, float, str, bool); ints are accepted where floats are expected."""
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  # bool is a subclass of int, but `num_devices=True` is a mistake, not the number 1.
+  if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+    raise _type_error(path, shown_type, value)
+  return value
+
+
+def _convert_section(value: Any, cls: type, path: str) -> Any:
+  if not isinstance(value, Mapping):
+    raise ConfigError(f"config field {path!r} must be a section, got {type(value).__name__}")
+  fields = {field.name: field for field in dataclasses.fields(cls)}
+  hints = _type_hints(cls)
+  prefix = f"{path}." if path else ""
+  for key in value:
+    if key not in fields:
+      raise ConfigError(_unknown_field_message(f"{prefix}{key}", key, fields, prefix))
+  kwargs = {}
+  for name, field in fields.items():
+    if name in value:
+      kwargs[name] = _convert(value[name], hints[name], f"{prefix}{name}")
+    elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+      raise ConfigError(f"missing config field '{prefix}{name}'")
+  return cls(**kwargs)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _unknown_field_message(dotted: str, key: str, fields: Mapping[str, Any], prefix: str) -> str:
+  message = f"unknown config field {dotted!r}"
+  close = difflib.get_close_matches(str(key), list(fields), n=1)
+  if close:
+    return f"{message}; did you mean '{prefix}{close[0]}'?"
+  return f"{message}; known fields: {', '.join(fields)}"
+
+
+def _type_error(path: str, tp: Any, value: Any) -> ConfigError:
+  expected = tp.__name__ if isinstance(tp, type) else str(tp)
+  return ConfigError(
+    f"config field {path!r} must be {expected}, got {type(value).__name__} {value!r}"
+  )

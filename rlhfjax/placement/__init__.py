@@ -1,0 +1,37 @@
+"""Adaptive model placement: which devices and which mesh each RLHF role gets."""
+
+from rlhfjax.placement.memory import MemoryEstimate, estimate_memory, estimate_placement_memory
+from rlhfjax.placement.report import format_placement_table
+from rlhfjax.placement.spec import LAYOUT_AXES, Layout, PlacementSpec, Role, RoleSpec
+from rlhfjax.placement.strategies import (
+  build_placement,
+  colocated,
+  disaggregated,
+  from_explicit,
+  interleaved,
+  plan_placement,
+  register_strategy,
+  strategy_names,
+)
+from rlhfjax.placement.validate import PlacementError
+
+__all__ = [
+  "LAYOUT_AXES",
+  "Layout",
+  "MemoryEstimate",
+  "PlacementError",
+  "PlacementSpec",
+  "Role",
+  "RoleSpec",
+  "build_placement",
+  "colocated",
+  "disaggregated",
+  "estimate_memory",
+  "estimate_placement_memory",
+  "format_placement_table",
+  "from_explicit",
+  "interleaved",
+  "plan_placement",
+  "register_strategy",
+  "strategy_names",
+]

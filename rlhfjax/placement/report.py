@@ -1,0 +1,109 @@
+"""Human-readable rendering of a placement: one row per role and a summary line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from rlhfjax.placement.memory import GIB, MemoryEstimate, device_totals
+from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
+
+_HEADER = ("role", "devices", "mesh", "layout", "total", "params", "optimizer", "grads", "kv cache")
+_NUMERIC_FROM = _HEADER.index("total")
+_UNITS = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_devices(devices: Iterable[int]) -> str:
+  """Compact device list: runs of three or more become ranges, e.g. '0-3' or '0,1,4-7'."""
+  runs: list[list[int]] = []
+  for d in devices:
+    if runs and d == runs[-1][-1] + 1:
+      runs[-1].append(d)
+    else:
+      runs.append([d])
+  return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
+
+
+def format_mesh(spec: RoleSpec) -> str:
+  """Mesh axes with their sizes, e.g. 'data=1 fsdp=8 tensor=1'."""
+  return " ".join(f"{name}={size}" for name, size in spec.axes)
+
+
+def format_placement_table(
+  spec: PlacementSpec,
+  estimates: Mapping[Role, MemoryEstimate],
+  *,
+  memory_per_device_gb: float | None = None,
+) -> str:
+  """A title, a table of where each role runs and its memory per device, a summary line.
+
+  Args:
+    spec: the placement.
+    estimates: per-device memory of each role (`estimate_placement_memory`).
+    memory_per_device_gb: the budget of one device in GiB, shown in the summary if given.
+
+  Returns:
+    The table, lines joined by newlines, without a trailing newline.
+  """
+  totals = device_totals(spec, estimates)
+  unit, scale = _unit(max(totals.values()))
+  rows = [_HEADER]
+  for role in Role:
+    role_spec, estimate = spec[role], estimates[role]
+    rows.append(
+      (
+        role.value,
+        format_devices(role_spec.devices),
+        format_mesh(role_spec),
+        role_spec.layout.value,
+        *(
+          _amount(getattr(estimate, kind), scale)
+          for kind in ("total", "params", "optimizer", "grads", "kv_cache")
+        ),
+      )
+    )
+  title = f"{spec.strategy} placement on {len(spec.devices)} devices, est. memory/device in {unit}"
+  lines = [title, *_align(rows)]
+  lines.append(_summary(spec, totals, unit, scale, memory_per_device_gb))
+  return "\n".join(lines)
+
+
+def _align(rows: Sequence[Sequence[str]]) -> list[str]:
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  lines = []
+  for row in rows:
+    cells = [
+      cell.rjust(width) if i >= _NUMERIC_FROM else cell.ljust(width)
+      for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+    ]
+    lines.append("  ".join(cells).rstrip())
+  return lines
+
+
+def _summary(
+  spec: PlacementSpec,
+  totals: Mapping[int, int],
+  unit: str,
+  scale: int,
+  memory_per_device_gb: float | None,
+) -> str:
+  peak_device = max(totals, key=lambda d: (totals[d], -d))
+  peak_roles = "+".join(role.value for role in Role if peak_device in spec[role].devices)
+  budget = f" of a {memory_per_device_gb:g} GiB budget" if memory_per_device_gb is not None else ""
+  disjoint = ", ".join(f"{a}|{b}" for a, b in spec.disjoint) or "none"
+  return (
+    f"summary: {spec.strategy} on {len(spec.devices)} devices; peak "
+    f"{totals[peak_device] / scale:.2f} {unit}{budget} on device {peak_device} ({peak_roles}); "
+    f"disjoint pairs: {disjoint}"
+  )
+
+
+def _amount(num_bytes: int, scale: int) -> str:
+  return f"{num_bytes / scale:.2f}" if num_bytes else "-"
+
+
+def _unit(num_bytes: int) -> tuple[str, int]:
+  """The largest unit in which `num_bytes` is at least 1 (KiB at the smallest)."""
+  for unit, scale in _UNITS:
+    if num_bytes >= scale:
+      return unit, scale
+  return _UNITS[-1]

@@ -1,0 +1,292 @@
+"""Placement strategies: functions that build a `PlacementSpec` for a job of N devices.
+
+Devices are the indices 0..N-1 into `jax.devices()`. Training roles (actor, critic, reference,
+reward) use the training layout with axes (data=1, fsdp=n/tensor, tensor); the rollout uses the
+generation layout with axes (data=n/rollout_tensor, tensor=rollout_tensor).
+
+- `colocated`: every role on all N devices, run one after another (the flattening baseline).
+- `interleaved`: actor and critic on all devices; reference and reward on disjoint halves so
+  they score at the same time. `split_actor_critic` puts actor and critic on disjoint halves
+  too so their updates run concurrently. The rollout shares the actor's devices.
+- `disaggregated`: the rollout on its own last `rollout_fraction` of the devices; the training
+  roles share the rest (optionally split into halves like `interleaved`).
+- `explicit`: a hand-written spec from the config.
+
+`build_placement` picks a strategy by name from the config and checks the result;
+`plan_placement` also checks the models (tensor sizes, rollout batch, memory) of an experiment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from collections.abc import Callable, Sequence
+
+from rlhfjax.config import ExperimentConfig, ExplicitPlacementSection, PlacementSection
+from rlhfjax.placement.spec import LAYOUT_AXES, Layout, PlacementSpec, Role, RoleSpec
+from rlhfjax.placement.validate import (
+  PlacementError,
+  check_models,
+  check_spec,
+  resolve_num_devices,
+)
+
+Builder = Callable[[PlacementSection, int], PlacementSpec]
+"""Builds a placement from the config section for a job of the given number of devices."""
+
+_TRAINING_ROLES = (Role.ACTOR, Role.CRITIC, Role.REFERENCE, Role.REWARD)
+
+
+def colocated(num_devices: int, *, tensor: int = 1, rollout_tensor: int = 1) -> PlacementSpec:
+  """Every role on all `num_devices` devices; the roles run one after another.
+
+  Args:
+    num_devices: devices of the job.
+    tensor: tensor-parallel size of the training roles; fsdp takes the rest.
+    rollout_tensor: tensor-parallel size of the rollout; data takes the rest.
+  """
+  devices = _device_range(0, num_devices)
+  roles = {role: _training_spec(role, devices, tensor) for role in _TRAINING_ROLES}
+  roles[Role.ROLLOUT] = _generation_spec(devices, rollout_tensor)
+  return PlacementSpec(strategy="colocated", roles=roles)
+
+
+def interleaved(
+  num_devices: int,
+  *,
+  split_actor_critic: bool = False,
+  tensor: int = 1,
+  rollout_tensor: int = 1,
+) -> PlacementSpec:
+  """Reference and reward on disjoint halves (scoring concurrently), as in the APP paper.
+
+  Args:
+    num_devices: devices of the job; must be even.
+    split_actor_critic: actor on the first half and critic on the second, so their updates
+      run concurrently; otherwise both use all devices.
+    tensor: tensor-parallel size of the training roles.
+    rollout_tensor: tensor-parallel size of the rollout, which uses the actor's devices.
+  """
+  devices = _device_range(0, num_devices)
+  first, second = _halves(devices, "interleaved")
+  actor, critic = (first, second) if split_actor_critic else (devices, devices)
+  roles = {
+    Role.ACTOR: _training_spec(Role.ACTOR, actor, tensor),
+    Role.CRITIC: _training_spec(Role.CRITIC, critic, tensor),
+    Role.REFERENCE: _training_spec(Role.REFERENCE, first, tensor),
+    Role.REWARD: _training_spec(Role.REWARD, second, tensor),
+    Role.ROLLOUT: _generation_spec(actor, rollout_tensor),
+  }
+  disjoint = [(Role.REFERENCE, Role.REWARD)]
+  if split_actor_critic:
+    disjoint.append((Role.ACTOR, Role.CRITIC))
+  return PlacementSpec(strategy="interleaved", roles=roles, disjoint=tuple(disjoint))
+
+
+def disaggregated(
+  num_devices: int,
+  *,
+  rollout_fraction: float = 0.5,
+  rollout_tensor: int = 1,
+  tensor: int = 1,
+  split_actor_critic: bool = False,
+  split_reference_reward: bool = False,
+) -> PlacementSpec:
+  """The rollout on devices of its own, the training roles on the rest.
+
+  Generation of the next batch can then overlap training on this one; the actor's weights
+  are resharded onto the rollout mesh after every update.
+
+  Args:
+    num_devices: devices of the job; at least 2.
+    rollout_fraction: share of the devices given to the rollout (rounded to the nearest
+      count, at least 1 and leaving at least 1); the rollout takes the last ones.
+    rollout_tensor: tensor-parallel size of the rollout.
+    tensor: tensor-parallel size of the training roles.
+    split_actor_critic: actor and critic on disjoint halves of the training devices.
+    split_reference_reward: reference and reward on disjoint halves of the training devices.
+  """
+  if not 0.0 < rollout_fraction < 1.0:
+    raise PlacementError(f"placement.rollout_fraction must be in (0, 1), got {rollout_fraction}")
+  num_rollout = int(num_devices * rollout_fraction + 0.5)
+  if not 1 <= num_rollout <= num_devices - 1:
+    raise PlacementError(
+      f"disaggregated: rollout_fraction={rollout_fraction} of {num_devices} devices gives "
+      f"{num_rollout} rollout devices; need at least 1 for the rollout and 1 for training"
+    )
+  training = _device_range(0, num_devices - num_rollout)
+  rollout = _device_range(num_devices - num_rollout, num_devices)
+  actor = critic = reference = reward = training
+  disjoint = [(role, Role.ROLLOUT) for role in _TRAINING_ROLES]
+  if split_actor_critic:
+    actor, critic = _halves(training, "disaggregated with split_actor_critic")
+    disjoint.append((Role.ACTOR, Role.CRITIC))
+  if split_reference_reward:
+    reference, reward = _halves(training, "disaggregated with split_reference_reward")
+    disjoint.append((Role.REFERENCE, Role.REWARD))
+  roles = {
+    Role.ACTOR: _training_spec(Role.ACTOR, actor, tensor),
+    Role.CRITIC: _training_spec(Role.CRITIC, critic, tensor),
+    Role.REFERENCE: _training_spec(Role.REFERENCE, reference, tensor),
+    Role.REWARD: _training_spec(Role.REWARD, reward, tensor),
+    Role.ROLLOUT: _generation_spec(rollout, rollout_tensor),
+  }
+  return PlacementSpec(strategy="disaggregated", roles=roles, disjoint=tuple(disjoint))
+
+
+def from_explicit(explicit: ExplicitPlacementSection) -> PlacementSpec:
+  """The hand-written spec of `placement.explicit`, unchecked (see `check_spec`).
+
+  Every role must be given. Axes are put in the layout's order (devices are listed row-major
+  over them), axes left out get size 1, and unknown axis names are kept for `check_spec` to
+  report. Roles that share no `colocate` group must use disjoint devices.
+  """
+  roles = {}
+  for role in Role:
+    section = getattr(explicit, role.value)
+    if section is None:
+      raise PlacementError(
+        f"placement.explicit.{role} is not set; an explicit placement needs every role "
+        f"({', '.join(Role)})"
+      )
+    default = Layout.GENERATION if role == Role.ROLLOUT else Layout.TRAINING
+    layout_name = section.layout or default.value
+    if layout_name not in tuple(Layout):
+      raise PlacementError(
+        f"placement.explicit.{role}.layout must be one of {', '.join(Layout)}, got {layout_name!r}"
+      )
+    layout = Layout(layout_name)
+    known = LAYOUT_AXES[layout]
+    axes = tuple((name, section.axes.get(name, 1)) for name in known)
+    axes += tuple((name, size) for name, size in section.axes.items() if name not in known)
+    roles[role] = RoleSpec(devices=section.devices, axes=axes, layout=layout)
+  for group in explicit.colocate:
+    for name in group:
+      if name not in tuple(Role):
+        raise PlacementError(
+          f"placement.explicit.colocate: unknown role {name!r}; roles: {', '.join(Role)}"
+        )
+  disjoint = tuple(
+    (a, b)
+    for a, b in itertools.combinations(Role, 2)
+    if not any(a in group and b in group for group in explicit.colocate)
+  )
+  return PlacementSpec(strategy="explicit", roles=roles, disjoint=disjoint)
+
+
+def _build_colocated(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
+  return colocated(num_devices, tensor=cfg.tensor, rollout_tensor=cfg.rollout_tensor)
+
+
+def _build_interleaved(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
+  return interleaved(
+    num_devices,
+    split_actor_critic=cfg.split_actor_critic,
+    tensor=cfg.tensor,
+    rollout_tensor=cfg.rollout_tensor,
+  )
+
+
+def _build_disaggregated(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
+  return disaggregated(
+    num_devices,
+    rollout_fraction=cfg.rollout_fraction,
+    rollout_tensor=cfg.rollout_tensor,
+    tensor=cfg.tensor,
+    split_actor_critic=cfg.split_actor_critic,
+    split_reference_reward=cfg.split_reference_reward,
+  )
+
+
+def _build_explicit(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
+  del num_devices  # the spec names its devices; `check_spec` checks them against the count
+  return from_explicit(cfg.explicit)
+
+
+_STRATEGIES: dict[str, Builder] = {
+  "colocated": _build_colocated,
+  "interleaved": _build_interleaved,
+  "disaggregated": _build_disaggregated,
+  "explicit": _build_explicit,
+}
+
+
+def register_strategy(name: str, builder: Builder) -> None:
+  """Makes `builder` available as `placement.strategy=name`."""
+  if name in _STRATEGIES:
+    raise ValueError(f"placement strategy {name!r} is already registered")
+  _STRATEGIES[name] = builder
+
+
+def strategy_names() -> tuple[str, ...]:
+  """Names accepted by `placement.strategy`."""
+  return tuple(_STRATEGIES)
+
+
+def build_placement(placement_cfg: PlacementSection, available_devices: int) -> PlacementSpec:
+  """Builds the placement named by `placement_cfg.strategy` and checks its structure.
+
+  Args:
+    placement_cfg: the `placement` section of the config.
+    available_devices: devices the process sees (`jax.device_count()`).
+
+  Raises:
+    PlacementError: unknown strategy, bad device count, or a spec that fails `check_spec`.
+  """
+  name = placement_cfg.strategy
+  if name not in _STRATEGIES:
+    close = difflib.get_close_matches(name, list(_STRATEGIES), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise PlacementError(
+      f"unknown placement strategy {name!r}; {hint}known strategies: {', '.join(_STRATEGIES)}"
+    )
+  num_devices = resolve_num_devices(placement_cfg.num_devices, available_devices)
+  spec = _STRATEGIES[name](placement_cfg, num_devices)
+  check_spec(spec, num_devices)
+  return spec
+
+
+def plan_placement(config: ExperimentConfig, available_devices: int) -> PlacementSpec:
+  """`build_placement`, then checks the models of `config` against it (`check_models`)."""
+  spec = build_placement(config.placement, available_devices)
+  check_models(spec, config.model, config.rollout, config.placement.memory_per_device_gb)
+  return spec
+
+
+def _device_range(start: int, stop: int) -> tuple[int, ...]:
+  if stop <= start:
+    raise PlacementError(f"placement.num_devices must be >= 1, got {stop - start}")
+  return tuple(range(start, stop))
+
+
+def _halves(devices: Sequence[int], what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  if len(devices) < 2 or len(devices) % 2:
+    raise PlacementError(
+      f"{what} splits {len(devices)} devices into two halves; needs an even number"
+    )
+  half = len(devices) // 2
+  return tuple(devices[:half]), tuple(devices[half:])
+
+
+def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpec:
+  if tensor < 1 or len(devices) % tensor:
+    raise PlacementError(
+      f"{role}: placement.tensor={tensor} does not divide its {len(devices)} devices"
+    )
+  return RoleSpec(
+    devices=devices,
+    axes=(("data", 1), ("fsdp", len(devices) // tensor), ("tensor", tensor)),
+    layout=Layout.TRAINING,
+  )
+
+
+def _generation_spec(devices: tuple[int, ...], tensor: int) -> RoleSpec:
+  if tensor < 1 or len(devices) % tensor:
+    raise PlacementError(
+      f"rollout: placement.rollout_tensor={tensor} does not divide its {len(devices)} devices"
+    )
+  return RoleSpec(
+    devices=devices,
+    axes=(("data", len(devices) // tensor), ("tensor", tensor)),
+    layout=Layout.GENERATION,
+  )

@@ -1,0 +1,633 @@
+"""Placement strategies, validation, memory estimates, configs and the show_placement script."""
+
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfjax.config import ConfigError, ExperimentConfig, from_config_dict
+from rlhfjax.placement import (
+  Layout,
+  PlacementError,
+  PlacementSpec,
+  Role,
+  RoleSpec,
+  build_placement,
+  colocated,
+  disaggregated,
+  estimate_memory,
+  estimate_placement_memory,
+  format_placement_table,
+  interleaved,
+  plan_placement,
+  strategies,
+)
+from rlhfjax.placement.memory import device_totals
+from rlhfjax.placement.validate import check_spec
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "show_placement.py"
+SHIPPED_CONFIGS = sorted((REPO / "configs").glob("*.py"))
+TRAINING_ROLES = (Role.ACTOR, Role.CRITIC, Role.REFERENCE, Role.REWARD)
+
+
+def _config(**sections) -> ExperimentConfig:
+  sections.setdefault("model", {"size": "tiny"})
+  return from_config_dict(sections)
+
+
+def _explicit(**overrides) -> dict:
+  """A valid explicit placement on 8 devices (the one of configs/ppo_tiny.py), as a dict."""
+  first, second = [0, 1, 2, 3], [4, 5, 6, 7]
+  roles = {
+    role: {"devices": devices, "axes": {"fsdp": 4}}
+    for role, devices in (
+      ("actor", first),
+      ("reference", first),
+      ("critic", second),
+      ("reward", second),
+    )
+  }
+  roles["rollout"] = {"devices": first, "axes": {"data": 2, "tensor": 2}}
+  roles["colocate"] = [["actor", "reference", "rollout"], ["critic", "reward"]]
+  for role, changes in overrides.items():
+    roles[role] = {**roles[role], **changes} if isinstance(changes, dict) else changes
+  return {"strategy": "explicit", "num_devices": 8, "explicit": roles}
+
+
+def _devices(spec: PlacementSpec, role: Role) -> list[int]:
+  return list(spec[role].devices)
+
+
+def _replace_role(spec: PlacementSpec, role: Role, **changes) -> PlacementSpec:
+  roles = dict(spec.roles)
+  roles[role] = dataclasses.replace(roles[role], **changes)
+  return dataclasses.replace(spec, roles=roles)
+
+
+# --- Strategies -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [8, 4, 2])
+def test_colocated_puts_every_role_on_all_devices(n):
+  spec = colocated(n)
+  for role in Role:
+    assert _devices(spec, role) == list(range(n))
+  for role in TRAINING_ROLES:
+    assert spec[role].axes == (("data", 1), ("fsdp", n), ("tensor", 1))
+    assert spec[role].layout == Layout.TRAINING
+  assert spec[Role.ROLLOUT].axes == (("data", n), ("tensor", 1))
+  assert spec[Role.ROLLOUT].layout == Layout.GENERATION
+  assert spec.disjoint == ()
+  assert all(spec.colocated(a, b) for a in Role for b in Role)
+
+
+def test_colocated_tensor_sizes():
+  spec = colocated(8, tensor=2, rollout_tensor=4)
+  assert spec[Role.ACTOR].axes == (("data", 1), ("fsdp", 4), ("tensor", 2))
+  assert spec[Role.ROLLOUT].axes == (("data", 2), ("tensor", 4))
+
+
+@pytest.mark.parametrize("n", [8, 4, 2])
+def test_interleaved_splits_reference_and_reward(n):
+  spec = interleaved(n)
+  half = n // 2
+  assert _devices(spec, Role.ACTOR) == _devices(spec, Role.CRITIC) == list(range(n))
+  assert _devices(spec, Role.REFERENCE) == list(range(half))
+  assert _devices(spec, Role.REWARD) == list(range(half, n))
+  assert _devices(spec, Role.ROLLOUT) == _devices(spec, Role.ACTOR)
+  assert not spec.colocated(Role.REFERENCE, Role.REWARD)
+  assert spec.colocated(Role.ACTOR, Role.CRITIC)
+  assert spec[Role.REFERENCE].axes == (("data", 1), ("fsdp", half), ("tensor", 1))
+  assert spec.disjoint == ((Role.REFERENCE, Role.REWARD),)
+
+
+@pytest.mark.parametrize("n", [8, 4, 2])
+def test_interleaved_split_actor_critic(n):
+  spec = interleaved(n, split_actor_critic=True)
+  half = n // 2
+  assert _devices(spec, Role.ACTOR) == _devices(spec, Role.REFERENCE) == list(range(half))
+  assert _devices(spec, Role.CRITIC) == _devices(spec, Role.REWARD) == list(range(half, n))
+  assert _devices(spec, Role.ROLLOUT) == list(range(half))
+  assert not spec.colocated(Role.ACTOR, Role.CRITIC)
+  assert not spec.colocated(Role.REFERENCE, Role.REWARD)
+  assert set(spec.disjoint) == {(Role.REFERENCE, Role.REWARD), (Role.ACTOR, Role.CRITIC)}
+
+
+@pytest.mark.parametrize("n", [8, 4, 2])
+def test_disaggregated_gives_rollout_its_own_devices(n):
+  spec = disaggregated(n)
+  half = n // 2
+  assert _devices(spec, Role.ROLLOUT) == list(range(half, n))
+  assert spec[Role.ROLLOUT].axes == (("data", half), ("tensor", 1))
+  for role in TRAINING_ROLES:
+    assert _devices(spec, role) == list(range(half))
+    assert not spec.colocated(role, Role.ROLLOUT)
+    assert (role, Role.ROLLOUT) in spec.disjoint
+
+
+def test_disaggregated_fraction_tensor_and_splits():
+  spec = disaggregated(
+    8,
+    rollout_fraction=0.25,
+    rollout_tensor=2,
+    split_actor_critic=True,
+    split_reference_reward=True,
+  )
+  assert _devices(spec, Role.ROLLOUT) == [6, 7]
+  assert spec[Role.ROLLOUT].axes == (("data", 1), ("tensor", 2))
+  assert _devices(spec, Role.ACTOR) == _devices(spec, Role.REFERENCE) == [0, 1, 2]
+  assert _devices(spec, Role.CRITIC) == _devices(spec, Role.REWARD) == [3, 4, 5]
+  assert not spec.colocated(Role.ACTOR, Role.CRITIC)
+  assert not spec.colocated(Role.REFERENCE, Role.REWARD)
+
+
+@pytest.mark.parametrize("n", [8, 4, 2])
+@pytest.mark.parametrize(
+  "strategy, extra",
+  [
+    ("colocated", {}),
+    ("interleaved", {}),
+    ("interleaved", {"split_actor_critic": True}),
+    ("disaggregated", {}),
+  ],
+)
+def test_mesh_sizes_multiply_to_group_size(n, strategy, extra):
+  spec = build_placement(_config(placement={"strategy": strategy, **extra}).placement, n)
+  assert spec.strategy == strategy
+  assert set(spec.roles) == set(Role)
+  for role_spec in spec.roles.values():
+    assert math.prod(size for _, size in role_spec.axes) == len(role_spec.devices)
+    assert len(set(role_spec.devices)) == len(role_spec.devices)
+  assert spec.devices == tuple(range(n))
+
+
+def test_build_placement_matches_the_strategy_functions():
+  cases = [
+    ({"strategy": "colocated", "tensor": 2}, colocated(8, tensor=2)),
+    (
+      {"strategy": "interleaved", "split_actor_critic": True},
+      interleaved(8, split_actor_critic=True),
+    ),
+    ({"strategy": "disaggregated", "rollout_tensor": 2}, disaggregated(8, rollout_tensor=2)),
+  ]
+  for placement, expected in cases:
+    assert build_placement(_config(placement=placement).placement, 8) == expected
+
+
+def test_num_devices_none_uses_all_available():
+  assert build_placement(_config().placement, 4).devices == (0, 1, 2, 3)
+
+
+def test_explicit_placement():
+  spec = build_placement(_config(placement=_explicit()).placement, 8)
+  assert _devices(spec, Role.ACTOR) == [0, 1, 2, 3]
+  assert spec[Role.ACTOR].axes == (("data", 1), ("fsdp", 4), ("tensor", 1))
+  assert spec[Role.ROLLOUT].axes == (("data", 2), ("tensor", 2))
+  assert spec[Role.ROLLOUT].layout == Layout.GENERATION
+  assert spec.colocated(Role.ACTOR, Role.ROLLOUT)
+  assert (Role.ACTOR, Role.CRITIC) in spec.disjoint
+  assert (Role.ACTOR, Role.ROLLOUT) not in spec.disjoint
+
+
+def test_explicit_sharing_allowed_by_colocate_group():
+  everything = [["actor", "critic", "reference", "reward", "rollout"]]
+  shared = {"devices": [0, 1, 2, 3]}
+  placement = _explicit(critic=shared, reward=shared, colocate=everything)
+  spec = build_placement(_config(placement=placement).placement, 8)
+  assert spec.disjoint == ()
+  assert spec.colocated(Role.ACTOR, Role.CRITIC)
+
+
+def test_register_strategy(monkeypatch):
+  monkeypatch.setattr(strategies, "_STRATEGIES", dict(strategies._STRATEGIES))
+  strategies.register_strategy("reversed", lambda cfg, n: colocated(n))
+  assert "reversed" in strategies.strategy_names()
+  spec = build_placement(_config(placement={"strategy": "reversed"}).placement, 4)
+  assert spec.devices == (0, 1, 2, 3)
+  with pytest.raises(ValueError, match="already registered"):
+    strategies.register_strategy("colocated", lambda cfg, n: colocated(n))
+
+
+# --- Validation errors ------------------------------------------------------------------------
+
+_BAD_PLACEMENTS = [
+  (
+    {"strategy": "interleave"},
+    r"^unknown placement strategy 'interleave'; did you mean 'interleaved'\? known strategies: "
+    r"colocated, interleaved, disaggregated, explicit$",
+  ),
+  ({"num_devices": 0}, r"^placement\.num_devices must be >= 1, got 0$"),
+  ({"num_devices": -3}, r"^placement\.num_devices must be >= 1, got -3$"),
+  ({"num_devices": 9}, r"^placement\.num_devices=9 exceeds the 8 available devices$"),
+  ({"strategy": "colocated", "tensor": 3}, r"^actor: placement\.tensor=3 does not divide its 8"),
+  (
+    {"strategy": "colocated", "rollout_tensor": 16},
+    r"^rollout: placement\.rollout_tensor=16 does not divide its 8 devices$",
+  ),
+  ({"strategy": "interleaved", "num_devices": 7}, r"^interleaved splits 7 devices into two"),
+  (
+    {"strategy": "disaggregated", "rollout_fraction": 1.0},
+    r"^placement\.rollout_fraction must be in \(0, 1\), got 1\.0$",
+  ),
+  (
+    {"strategy": "disaggregated", "rollout_fraction": 0.05},
+    r"^disaggregated: rollout_fraction=0\.05 of 8 devices gives 0 rollout devices",
+  ),
+  (
+    {"strategy": "disaggregated", "split_actor_critic": True, "num_devices": 6},
+    r"^disaggregated with split_actor_critic splits 3 devices into two halves",
+  ),
+  (
+    _explicit(actor={"devices": [0, 1, 2, 8]}),
+    r"^actor: device index 8 is out of range for 8 devices \(valid: 0\.\.7\)$",
+  ),
+  (_explicit(actor={"devices": [-1, 0, 1, 2]}), r"^actor: device index -1 is out of range"),
+  (_explicit(actor={"devices": [0, 1, 1, 2]}), r"^actor: device 1 is listed more than once$"),
+  (
+    _explicit(critic={"axes": {"fsdp": 3}}),
+    r"^critic: mesh axes data=1 x fsdp=3 x tensor=1 = 3 devices, but the role has 4 devices$",
+  ),
+  (
+    _explicit(rollout={"axes": {"fsdp": 4}}),
+    r"^rollout: unknown mesh axis 'fsdp' for the generation layout; allowed: data, tensor$",
+  ),
+  (
+    _explicit(actor={"axes": {"fsdp": 4, "model": 1}}),
+    r"^actor: unknown mesh axis 'model' for the training layout",
+  ),
+  (_explicit(actor={"axes": {"fsdp": 0}}), r"^actor: mesh axis fsdp=0 must be >= 1$"),
+  (
+    _explicit(critic={"devices": [3, 4, 5, 6]}),
+    r"^explicit: actor and critic must not share devices but both use 3 \(list them in one "
+    r"placement\.explicit\.colocate group to allow it\)$",
+  ),
+  (
+    _explicit(reward={"devices": [0, 1, 2, 3]}),
+    r"^explicit: actor and reward must not share devices but both use 0-3",
+  ),
+  (_explicit(reward=None), r"^placement\.explicit\.reward is not set; an explicit placement "),
+  (
+    _explicit(rollout={"layout": "inference"}),
+    r"^placement\.explicit\.rollout\.layout must be one of training, generation, got 'inference'$",
+  ),
+  (
+    _explicit(colocate=[["actor", "policy"]]),
+    r"^placement\.explicit\.colocate: unknown role 'policy'; roles: actor, critic, reference",
+  ),
+]
+
+
+@pytest.mark.parametrize("placement, message", _BAD_PLACEMENTS)
+def test_bad_placement_raises_one_line_error(placement, message):
+  config = _config(placement={"num_devices": 8, **placement})
+  with pytest.raises(PlacementError, match=message) as info:
+    build_placement(config.placement, 8)
+  assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+  "strategy, role, steal_from",
+  [
+    ("interleaved", Role.REWARD, Role.REFERENCE),
+    ("disaggregated", Role.ROLLOUT, Role.ACTOR),
+  ],
+)
+def test_forbidden_overlap_of_a_strategy(strategy, role, steal_from):
+  spec = build_placement(_config(placement={"strategy": strategy}).placement, 8)
+  bad = _replace_role(spec, role, devices=spec[steal_from].devices)
+  a, b = sorted((role, steal_from), key=list(Role).index)
+  with pytest.raises(PlacementError, match=rf"^{strategy}: {a} and {b} must not share devices"):
+    check_spec(bad, 8)
+
+
+def test_missing_role_is_an_error():
+  spec = colocated(8)
+  roles = {role: s for role, s in spec.roles.items() if role != Role.CRITIC}
+  with pytest.raises(PlacementError, match=r"^colocated: no placement for role\(s\) critic$"):
+    check_spec(dataclasses.replace(spec, roles=roles), 8)
+
+
+def test_axes_out_of_layout_order_is_an_error():
+  spec = _replace_role(colocated(8), Role.ACTOR, axes=(("fsdp", 8), ("data", 1), ("tensor", 1)))
+  with pytest.raises(
+    PlacementError,
+    match=r"^actor: the training layout needs mesh axes "
+    r"\(data, fsdp, tensor\) in this order, got \(fsdp, data, tensor\)$",
+  ):
+    check_spec(spec, 8)
+
+
+@pytest.mark.parametrize(
+  "placement, message",
+  [
+    ({"tensor": 4}, r"^actor: tensor=4 does not divide num_kv_heads=2 of model 'tiny'$"),
+    ({"rollout_tensor": 8}, r"^rollout: tensor=8 does not divide num_heads=4 of model 'tiny'$"),
+  ],
+)
+def test_tensor_must_divide_heads(placement, message):
+  config = _config(placement={"num_devices": 8, **placement})
+  with pytest.raises(PlacementError, match=message):
+    plan_placement(config, 8)
+
+
+def test_rollout_batch_must_split_over_data():
+  config = _config(rollout={"batch_size": 12})
+  with pytest.raises(
+    PlacementError,
+    match=r"^rollout\.batch_size=12 does not split evenly over "
+    r"the 8 batch shards \(data\) of the rollout mesh$",
+  ):
+    plan_placement(config, 8)
+
+
+def test_70b_does_not_fit_colocated_on_8_devices_of_16_gib():
+  config = _config(
+    model={"size": "70b"},
+    placement={"strategy": "colocated", "num_devices": 8, "memory_per_device_gb": 16},
+  )
+  message = (
+    r"^actor does not fit: needs 96\.4 GiB per device \(params 16\.1, optimizer 64\.2, "
+    r"grads 16\.1, kv cache 0\) on its 8 devices but the budget is 16 GiB "
+    r"\(placement\.memory_per_device_gb\)$"
+  )
+  with pytest.raises(PlacementError, match=message) as info:
+    plan_placement(config, 8)
+  assert "\n" not in str(info.value)
+
+
+def test_roles_sharing_a_device_must_fit_together():
+  config = _config(placement={"strategy": "colocated"})
+  spec = plan_placement(config, 8)
+  estimates = estimate_placement_memory(spec, config.model, config.rollout)
+  colocated_peak = max(device_totals(spec, estimates).values())
+  budget_gib = (colocated_peak - 1) / 2**30  # each role fits alone, all five together do not
+  assert all(estimate.total <= colocated_peak - 1 for estimate in estimates.values())
+  tight = _config(placement={"strategy": "colocated", "memory_per_device_gb": budget_gib})
+  with pytest.raises(
+    PlacementError,
+    match=r"^device 0 holds actor \+ critic \+ reference \+ "
+    r"reward \+ rollout together: [\d.e-]+ GiB but the budget is [\d.e-]+ GiB",
+  ):
+    plan_placement(tight, 8)
+  # Disaggregated moves the rollout, the biggest resident, off the training devices.
+  separate = _config(placement={"strategy": "disaggregated", "memory_per_device_gb": budget_gib})
+  plan_placement(separate, 8)
+
+
+# --- Memory estimate --------------------------------------------------------------------------
+
+
+def _tiny_param_count(head: str) -> int:
+  """Parameters of the tiny model, counted from its weight shapes."""
+  v, d, f, layers, h, kv, hd = 328, 56, 152, 3, 4, 2, 12
+  layer = [
+    (d, h * hd),
+    (d, kv * hd),
+    (d, kv * hd),
+    (h * hd, d),  # q, k, v, o
+    (d, f),
+    (d, f),
+    (f, d),  # gate, up, down
+    (d,),
+    (d,),
+  ]  # two RMSNorm scales
+  out = (d, v) if head == "lm" else (d, 1)
+  shapes = [(v, d)] + layer * layers + [(d,), out]
+  return int(sum(np.prod(shape) for shape in shapes))
+
+
+def test_memory_of_tiny_roles_matches_hand_computation():
+  lm, value = _tiny_param_count("lm"), _tiny_param_count("value")
+  config = _config(rollout={"batch_size": 16, "max_prompt_len": 64, "max_new_tokens": 64})
+  spec = build_placement(
+    _config(placement={"strategy": "colocated", "rollout_tensor": 2}).placement, 8
+  )
+  estimates = estimate_placement_memory(spec, config.model, config.rollout)
+  fp32 = 4
+  actor = estimates[Role.ACTOR]
+  assert actor.params == math.ceil(lm * fp32 / 8)
+  assert actor.optimizer == math.ceil(lm * 2 * 4 / 8)
+  assert actor.grads == actor.params
+  assert actor.kv_cache == 0
+  critic = estimates[Role.CRITIC]
+  assert (critic.params, critic.optimizer) == (math.ceil(value * fp32 / 8), value * 8 // 8)
+  assert estimates[Role.REFERENCE].total == estimates[Role.REFERENCE].params == lm * fp32 // 8
+  assert estimates[Role.REWARD].total == math.ceil(value * fp32 / 8)
+  rollout = estimates[Role.ROLLOUT]
+  # Generation layout, data=4 x tensor=2: params split over tensor only; 16 / 4 sequences of
+  # 128 tokens, K and V of 3 layers x 2 kv heads x 12 dims in fp32, kv heads split over 2.
+  assert rollout.params == lm * fp32 // 2
+  assert rollout.kv_cache == (16 // 4) * 128 * (2 * 3 * 2 * 12 * fp32) // 2
+  assert rollout.optimizer == rollout.grads == 0
+  assert rollout.total == rollout.params + rollout.kv_cache
+
+
+def test_memory_of_a_training_layout_ignores_data_replicas():
+  spec = RoleSpec(
+    devices=tuple(range(8)), axes=(("data", 2), ("fsdp", 2), ("tensor", 2)), layout=Layout.TRAINING
+  )
+  model = _config().model.for_role("actor")
+  estimate = estimate_memory(Role.ACTOR, spec, model, _config().rollout)
+  assert estimate.params == math.ceil(_tiny_param_count("lm") * 4 / 4)
+
+
+def test_70b_memory_per_device():
+  config = _config(model={"size": "70b"})
+  spec = colocated(8)
+  estimate = estimate_placement_memory(spec, config.model, config.rollout)[Role.ACTOR]
+  params = 68_976_648_192  # Llama-2-70B with an untied LM head
+  assert estimate.params == params * 2 // 8
+  assert estimate.optimizer == params * 8 // 8
+  assert estimate.total / 2**30 == pytest.approx(params * 12 / 8 / 2**30)
+
+
+def test_format_placement_table_lists_every_role():
+  config = _config(placement={"strategy": "interleaved", "memory_per_device_gb": 16})
+  spec = plan_placement(config, 8)
+  table = format_placement_table(
+    spec, estimate_placement_memory(spec, config.model, config.rollout), memory_per_device_gb=16
+  )
+  lines = table.splitlines()
+  assert lines[0] == "interleaved placement on 8 devices, est. memory/device in MiB"
+  assert lines[1].split()[:4] == ["role", "devices", "mesh", "layout"]
+  assert lines[2].split()[:6] == ["actor", "0-7", "data=1", "fsdp=8", "tensor=1", "training"]
+  assert lines[4].split()[:2] == ["reference", "0-3"]
+  assert lines[5].split()[:2] == ["reward", "4-7"]
+  assert lines[6].split()[:5] == ["rollout", "0-7", "data=8", "tensor=1", "generation"]
+  assert lines[-1].startswith("summary: interleaved on 8 devices; peak ")
+  assert "of a 16 GiB budget" in lines[-1]
+  assert lines[-1].endswith("disjoint pairs: reference|reward")
+
+
+# --- Config -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "config_dict, message",
+  [
+    (
+      {"model": {"size": "tiny"}, "placement": {"stratgy": "colocated"}},
+      r"^unknown config field 'placement\.stratgy'; did you mean 'placement\.strategy'\?$",
+    ),
+    (
+      {"model": {"size": "tiny"}, "rollouts": {}},
+      r"^unknown config field 'rollouts'; did you mean 'rollout'\?$",
+    ),
+    (
+      {"model": {"size": "tiny"}, "placement": {"xyz": 1}},
+      r"^unknown config field 'placement\.xyz'; known fields: strategy, num_devices, ",
+    ),
+    (
+      {"model": {"size": "huge"}},
+      r"^unknown model size 'huge' for 'model\.size'; known sizes: tiny, 125m, 1b, 7b, 13b, 70b$",
+    ),
+    (
+      {"model": {"size": "tiny", "critic_size": "3b"}},
+      r"^unknown model size '3b' for 'model\.critic_size'",
+    ),
+    (
+      {"model": {"size": "tiny", "dtype": "float16"}},
+      r"^'model\.dtype' must be one of float32, bfloat16, got 'float16'$",
+    ),
+    ({"model": {}}, r"^missing config field 'model\.size'$"),
+    ({"placement": {}}, r"^missing config field 'model'$"),
+    (
+      {"model": {"size": "tiny"}, "placement": {"num_devices": "8"}},
+      r"^config field 'placement\.num_devices' must be int \| None, got str '8'$",
+    ),
+    (
+      {"model": {"size": "tiny"}, "placement": {"split_actor_critic": 1}},
+      r"^config field 'placement\.split_actor_critic' must be bool, got int 1$",
+    ),
+    (
+      {"model": {"size": "tiny"}, "placement": {"tensor": True}},
+      r"^config field 'placement\.tensor' must be int, got bool True$",
+    ),
+    (
+      {"model": {"size": "tiny"}, "placement": {"explicit": {"actor": {"devices": [0, "1"]}}}},
+      r"^config field 'placement\.explicit\.actor\.devices\[1\]' must be int, got str '1'$",
+    ),
+    ({"model": "tiny"}, r"^config field 'model' must be a section, got str$"),
+    (
+      {"model": {"size": "tiny"}, "rollout": {"batch_size": 0}},
+      r"^'rollout\.batch_size' must be >= 1, got 0$",
+    ),
+  ],
+)
+def test_bad_config_raises_one_line_error(config_dict, message):
+  with pytest.raises(ConfigError, match=message):
+    from_config_dict(config_dict)
+
+
+def test_model_section_picks_each_role_model():
+  model = _config(model={"size": "tiny", "reward_size": "125m", "param_dtype": "bfloat16"}).model
+  assert model.size_for("critic") == "tiny"
+  assert model.size_for("reward") == "125m"
+  assert model.for_role("reward").hidden_size == 768
+  assert model.for_role("actor").param_dtype == "bfloat16"
+
+
+def _load_config_file(path: pathlib.Path):
+  module_spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_loads_and_validates(path):
+  config = from_config_dict(_load_config_file(path))
+  plan_placement(config, jax.device_count())
+
+
+def test_ppo_tiny_validates_with_every_strategy():
+  config = from_config_dict(_load_config_file(REPO / "configs" / "ppo_tiny.py"))
+  assert (config.model.size, config.placement.strategy) == ("tiny", "colocated")
+  assert config.placement.num_devices == 8
+  for strategy in ("colocated", "interleaved", "disaggregated", "explicit"):
+    placement = dataclasses.replace(config.placement, strategy=strategy)
+    plan_placement(dataclasses.replace(config, placement=placement), 8)
+
+
+# --- scripts/show_placement.py ----------------------------------------------------------------
+
+_TYPO_CONFIG = """
+import ml_collections
+def get_config():
+  return ml_collections.ConfigDict(
+    {"model": {"size": "tiny"}, "placement": {"num_devices": 8, "stratgy": "colocated"}})
+"""
+
+_GOOD_RUNS = {
+  "colocated": ["--config.placement.strategy=colocated"],
+  "interleaved": ["--config.placement.strategy=interleaved"],
+  "disaggregated": ["--config.placement.strategy=disaggregated"],
+  "explicit": ["--config.placement.strategy=explicit"],
+}
+_BAD_RUNS = {
+  "unknown_strategy": (["--config.placement.strategy=foo"], r"unknown placement strategy 'foo'"),
+  "zero_devices": (["--config.placement.num_devices=0"], r"num_devices must be >= 1, got 0"),
+  "too_many_devices": (["--config.placement.num_devices=99"], r"num_devices=99 exceeds"),
+  "unknown_override": (["--config.placement.stratgy=x"], r"'stratgy'.*did you mean.*strategy"),
+  "unknown_field_in_file": (None, r"unknown config field 'placement\.stratgy'; did you mean"),
+  "unknown_size": (["--config.model.size=huge"], r"unknown model size 'huge'"),
+}
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory):
+  """Runs every show_placement case at once (each starts JAX) and returns name -> result."""
+  typo = tmp_path_factory.mktemp("configs") / "typo.py"
+  typo.write_text(_TYPO_CONFIG)
+  cases = {name: ["--config=configs/ppo_tiny.py", *args] for name, args in _GOOD_RUNS.items()}
+  for name, (args, _) in _BAD_RUNS.items():
+    cases[name] = [f"--config={typo}"] if args is None else ["--config=configs/ppo_tiny.py", *args]
+  processes = {
+    name: subprocess.Popen(
+      [sys.executable, str(SCRIPT), *args],
+      cwd=REPO,
+      text=True,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+    )
+    for name, args in cases.items()
+  }
+  results = {}
+  for name, process in processes.items():
+    stdout, stderr = process.communicate(timeout=120)
+    results[name] = (process.returncode, stdout, stderr)
+  return results
+
+
+@pytest.mark.parametrize("strategy", list(_GOOD_RUNS))
+def test_show_placement_prints_every_role(script_runs, strategy):
+  returncode, stdout, stderr = script_runs[strategy]
+  assert returncode == 0, stderr
+  lines = stdout.splitlines()
+  assert lines[0].startswith(f"{strategy} placement on 8 devices")
+  for role in Role:
+    assert any(line.split()[:1] == [role.value] for line in lines), (role, stdout)
+  assert lines[-1].startswith(f"summary: {strategy} on 8 devices")
+  if strategy == "disaggregated":
+    assert any(
+      line.split()[:5] == ["rollout", "4-7", "data=4", "tensor=1", "generation"] for line in lines
+    ), stdout
+
+
+@pytest.mark.parametrize("case", list(_BAD_RUNS))
+def test_show_placement_bad_input_exits_2_with_one_error_line(script_runs, case):
+  returncode, stdout, stderr = script_runs[case]
+  assert returncode == 2, (stdout, stderr)
+  assert "Traceback" not in stderr
+  lines = stderr.splitlines()
+  assert len(lines) == 1, stderr
+  assert lines[0].startswith("error: ")
+  assert re.search(_BAD_RUNS[case][1], lines[0], flags=re.IGNORECASE), lines[0]
