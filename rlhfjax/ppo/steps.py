@@ -1,0 +1,157 @@
+"""Pure PPO step functions: scoring of experience and actor / critic train steps.
+
+Letters: b batch, p prompt length, t response length, s = p + t sequence length, v vocab,
+m micro-batches. A sequence is its prompt, left-padded to `p`, followed by its response,
+right-padded to `t`; `attention_mask_bs` marks real tokens and `response_mask_bt` real response
+tokens. The logits at column `p - 1 + j` predict response token `j`, and the critic's value of
+response token `j` is read at the same column (the state before the token is chosen).
+
+Every function here is pure and compiled once by its caller with explicit shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rlhfjax import algorithms as alg
+from rlhfjax import models
+from rlhfjax.models import ModelConfig
+from rlhfjax.training.state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def _response_slice(x_bs: jax.Array, prompt_len: int) -> jax.Array:
+  """Columns `p - 1 .. s - 2`: the predictions (and values) for the response tokens."""
+  return x_bs[:, prompt_len - 1 : -1]
+
+
+def response_logits(
+  config: ModelConfig,
+  params: Any,
+  tokens_bs: jax.Array,
+  attention_mask_bs: jax.Array,
+  prompt_len: int,
+) -> jax.Array:
+  """Float32 logits `[b, t, v]` that predict each response token."""
+  logits_bsv = models.forward_logits(config, params, tokens_bs, attention_mask_bs)
+  return _response_slice(logits_bsv, prompt_len)
+
+
+def response_logprobs(
+  config: ModelConfig,
+  params: Any,
+  tokens_bs: jax.Array,
+  attention_mask_bs: jax.Array,
+  prompt_len: int,
+) -> jax.Array:
+  """`log pi(token_j | prefix)` for every response token `j`, `[b, t]`."""
+  logits_btv = response_logits(config, params, tokens_bs, attention_mask_bs, prompt_len)
+  return alg.token_logprobs(logits_btv, tokens_bs[:, prompt_len:])
+
+
+def response_values(
+  config: ModelConfig,
+  params: Any,
+  tokens_bs: jax.Array,
+  attention_mask_bs: jax.Array,
+  prompt_len: int,
+) -> jax.Array:
+  """The critic's value of each response token's state, `[b, t]`."""
+  values_bs = models.forward_values(config, params, tokens_bs, attention_mask_bs)
+  return _response_slice(values_bs, prompt_len)
+
+
+def sequence_scores(
+  config: ModelConfig, params: Any, tokens_bs: jax.Array, attention_mask_bs: jax.Array
+) -> jax.Array:
+  """The reward model's score of each whole sequence: its value at the last real token."""
+  values_bs = models.forward_values(config, params, tokens_bs, attention_mask_bs)
+  return models.sequence_reward(values_bs, attention_mask_bs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses of one micro-batch.
+
+
+def actor_loss(
+  params: Any,
+  batch: Batch,
+  *,
+  config: ModelConfig,
+  prompt_len: int,
+  clip_eps: float,
+  entropy_coef: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens."""
+  logits_btv = response_logits(config, params, batch["tokens"], batch["attention_mask"], prompt_len)
+  logp_bt = alg.token_logprobs(logits_btv, batch["tokens"][:, prompt_len:])
+  mask_bt = batch["response_mask"]
+  policy_loss, stats = alg.clipped_policy_loss(
+    logp_bt,
+    batch["old_logprobs"],
+    batch["advantages"],
+    mask_bt,
+    clip_eps=clip_eps,
+    behaviour_logp_bt=batch.get("behaviour_logprobs"),
+  )
+  entropy = alg.entropy_bonus(logits_btv, mask_bt)
+  metrics = {
+    "loss/policy": policy_loss,
+    "policy/entropy": entropy,
+    "policy/clipfrac": stats["clipfrac"],
+    "policy/approx_kl": stats["approx_kl"],
+  }
+  return policy_loss - entropy_coef * entropy, metrics
+
+
+def critic_loss(
+  params: Any, batch: Batch, *, config: ModelConfig, prompt_len: int, clip_eps: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  values_bt = response_values(config, params, batch["tokens"], batch["attention_mask"], prompt_len)
+  loss, stats = alg.clipped_value_loss(
+    values_bt, batch["old_values"], batch["returns"], batch["response_mask"], clip_eps=clip_eps
+  )
+  return loss, {"loss/value": loss, "value/clipfrac": stats["clipfrac"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Train steps with gradient accumulation.
+
+
+LossFn = Callable[[Any, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def accumulate_and_apply(
+  loss_fn: LossFn, tx: optax.GradientTransformation, state: TrainState, batch: Batch
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update from a mini-batch split into micro-batches.
+
+  `batch` leaves have a leading micro-batch axis `[m, ...]`; gradients are averaged over the
+  `m` micro-batches by a `lax.scan`, so only one micro-batch of activations is live at a time.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def micro_step(grads_acc, micro_batch):
+    (_, metrics), grads = grad_fn(state.params, micro_batch)
+    grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
+    return grads_acc, metrics
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+  grads_sum, metrics_m = jax.lax.scan(micro_step, zeros, batch)
+  num_micro = jax.tree.leaves(batch)[0].shape[0]
+  grads = jax.tree.map(lambda g, p: (g / num_micro).astype(p.dtype), grads_sum, state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = jax.tree.map(jnp.mean, metrics_m)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  metrics["grad_finite"] = jnp.all(
+    jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+  )
+  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, metrics
