@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhfjax.models import config as model_config
+from rlhfjax.training.optimizer import OptimizerConfig
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -136,16 +137,109 @@ class RolloutSection:
   """Prompts per rollout batch (over all rollout devices)."""
   max_prompt_len: int = 64
   max_new_tokens: int = 64
+  temperature: float = 1.0
+  """Sampling temperature; 0 means greedy."""
+  top_k: int = 0
+  """Keep the k most likely tokens (0: all)."""
+  top_p: float = 1.0
+  """Keep the smallest set of tokens with this much probability (1: all)."""
+  slots: int = 0
+  """Decode slots of the continuous-batching engine (0: one per prompt of the batch)."""
 
   def __post_init__(self):
     for name in ("batch_size", "max_prompt_len", "max_new_tokens"):
       if getattr(self, name) < 1:
         raise ConfigError(f"'rollout.{name}' must be >= 1, got {getattr(self, name)}")
+    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.slots < 0:
+      raise ConfigError(
+        "rollout sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, slots >= 0"
+      )
 
   @property
   def max_seq_len(self) -> int:
     """Tokens per sequence the KV cache holds: prompt plus response."""
     return self.max_prompt_len + self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOSection:
+  """The PPO algorithm: advantage estimation, KL penalty, losses and update schedule."""
+
+  ppo_epochs: int = 1
+  """Passes over each rollout batch."""
+  mini_batches: int = 1
+  """Optimizer updates per epoch: the rollout batch is split into this many mini-batches."""
+  micro_batches: int = 1
+  """Gradient-accumulation steps per mini-batch."""
+  clip_eps: float = 0.2
+  value_clip_eps: float = 0.2
+  entropy_coef: float = 0.0
+  advantage: str = "gae"
+  """'gae' (with the critic) or 'group_relative' (critic-free, GRPO-style)."""
+  group_size: int = 1
+  """Samples per prompt; 'group_relative' compares the samples of one prompt."""
+  gamma: float = 1.0
+  lam: float = 0.95
+  whiten_advantages: bool = True
+  kl_estimator: str = "k1"
+  """Per-token KL estimator against the reference: 'k1', 'k2' or 'k3'."""
+  kl_coef: float = 0.05
+  """Initial coefficient of the KL penalty in the shaped reward."""
+  kl_controller: str = "fixed"
+  """'fixed' or 'adaptive' (proportional controller towards `kl_target`)."""
+  kl_target: float = 6.0
+  kl_horizon: int = 10_000
+  async_rollout: bool = False
+  """Generate the next batch while this one trains (one step off-policy, importance-corrected).
+  Needs a rollout on its own devices (disaggregated)."""
+
+  def __post_init__(self):
+    from rlhfjax import algorithms
+
+    if self.advantage not in algorithms.ADVANTAGE_ESTIMATORS:
+      raise ConfigError(
+        f"'ppo.advantage' must be one of "
+        f"{', '.join(algorithms.ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}"
+      )
+    if self.kl_estimator not in algorithms.KL_ESTIMATORS:
+      raise ConfigError(
+        f"'ppo.kl_estimator' must be one of "
+        f"{', '.join(algorithms.KL_ESTIMATORS)}, got {self.kl_estimator!r}"
+      )
+    if self.kl_controller not in algorithms.KL_CONTROLLERS:
+      raise ConfigError(
+        f"'ppo.kl_controller' must be one of "
+        f"{', '.join(algorithms.KL_CONTROLLERS)}, got {self.kl_controller!r}"
+      )
+    for name in ("ppo_epochs", "mini_batches", "micro_batches", "group_size"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"'ppo.{name}' must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSection:
+  """Where the sequence score comes from: `model_coef * reward model + fn_coef * fn`."""
+
+  fn: str = ""
+  """Rule-based reward 'module:function', called as fn(prompts, responses, metadata) ->
+  float32[batch] with token-id arrays; empty: none."""
+  fn_coef: float = 1.0
+  model_coef: float = 0.0
+  """Weight of the reward model's score; 0 skips the reward model."""
+
+  def __post_init__(self):
+    if self.fn and ":" not in self.fn:
+      raise ConfigError(f"'reward.fn' must be 'module:function', got {self.fn!r}")
+    if not self.fn and self.model_coef == 0:
+      raise ConfigError("no reward: set 'reward.fn' or a non-zero 'reward.model_coef'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+  """Where prompts come from."""
+
+  task: str = "vowels"
+  """A bundled task of `rlhfjax.tasks` (prompts and a default reward)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,6 +249,21 @@ class ExperimentConfig:
   model: ModelSection
   placement: PlacementSection = dataclasses.field(default_factory=PlacementSection)
   rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+  seed: int = 0
+  total_steps: int = 20
+  """PPO iterations (rollout, score, update, sync)."""
+  ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
+  reward: RewardSection = dataclasses.field(
+    default_factory=lambda: RewardSection(fn="rlhfjax.tasks:vowel_reward")
+  )
+  data: DataSection = dataclasses.field(default_factory=DataSection)
+  actor_optimizer: OptimizerConfig = dataclasses.field(
+    default_factory=lambda: OptimizerConfig(learning_rate=1e-5)
+  )
+  critic_optimizer: OptimizerConfig = dataclasses.field(
+    default_factory=lambda: OptimizerConfig(learning_rate=5e-5)
+  )
+  log_every: int = 1
 
 
 def from_config_dict(config_dict: Any) -> ExperimentConfig:
@@ -228,7 +337,12 @@ def _convert_section(value: Any, cls: type, path: str) -> Any:
       kwargs[name] = _convert(value[name], hints[name], f"{prefix}{name}")
     elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
       raise ConfigError(f"missing config field '{prefix}{name}'")
-  return cls(**kwargs)
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except ValueError as e:  # a section's own validation (e.g. OptimizerConfig)
+    raise ConfigError(f"{path or 'config'}: {e}") from None
 
 
 @functools.cache

@@ -37,10 +37,15 @@ def response_logits(
   tokens_bs: jax.Array,
   attention_mask_bs: jax.Array,
   prompt_len: int,
+  temperature: float = 1.0,
 ) -> jax.Array:
-  """Float32 logits `[b, t, v]` that predict each response token."""
+  """Float32 logits `[b, t, v]` that predict each response token, divided by `temperature`.
+
+  A policy that samples at temperature T is softmax(logits / T); T = 0 (greedy) is scored as 1.
+  """
   logits_bsv = models.forward_logits(config, params, tokens_bs, attention_mask_bs)
-  return _response_slice(logits_bsv, prompt_len)
+  logits_btv = _response_slice(logits_bsv, prompt_len)
+  return logits_btv if temperature in (0.0, 1.0) else logits_btv / temperature
 
 
 def response_logprobs(
@@ -49,9 +54,12 @@ def response_logprobs(
   tokens_bs: jax.Array,
   attention_mask_bs: jax.Array,
   prompt_len: int,
+  temperature: float = 1.0,
 ) -> jax.Array:
   """`log pi(token_j | prefix)` for every response token `j`, `[b, t]`."""
-  logits_btv = response_logits(config, params, tokens_bs, attention_mask_bs, prompt_len)
+  logits_btv = response_logits(
+    config, params, tokens_bs, attention_mask_bs, prompt_len, temperature
+  )
   return alg.token_logprobs(logits_btv, tokens_bs[:, prompt_len:])
 
 
@@ -87,9 +95,12 @@ def actor_loss(
   prompt_len: int,
   clip_eps: float,
   entropy_coef: float,
+  temperature: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens."""
-  logits_btv = response_logits(config, params, batch["tokens"], batch["attention_mask"], prompt_len)
+  logits_btv = response_logits(
+    config, params, batch["tokens"], batch["attention_mask"], prompt_len, temperature
+  )
   logp_bt = alg.token_logprobs(logits_btv, batch["tokens"][:, prompt_len:])
   mask_bt = batch["response_mask"]
   policy_loss, stats = alg.clipped_policy_loss(

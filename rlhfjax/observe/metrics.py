@@ -1,0 +1,73 @@
+"""Per-iteration metrics: one JSON object per line in `metrics.jsonl`, TensorBoard, and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+
+def _plain(value):
+  value = float(value)
+  return value if math.isfinite(value) else str(value)
+
+
+class MetricsWriter:
+  """Appends metrics to `workdir/metrics.jsonl` and TensorBoard events under `workdir/tb`.
+
+  Only one process of a multi-host job should write: pass `enabled=False` elsewhere.
+  """
+
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.enabled = enabled
+    self._tb = None
+    if enabled:
+      os.makedirs(workdir, exist_ok=True)
+      if tensorboard:
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    if self._tb is not None:
+      for key, value in metrics.items():
+        self._tb.add_scalar(key, float(value), int(step))
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+  @staticmethod
+  def read(path: str) -> list[dict]:
+    with open(path) as f:
+      return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metric(rows: Sequence[Mapping], key: str, path: str, title: str = "") -> None:
+  """A line plot of `key` against `step`, for rows that have it."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), int | float)]
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  if points:
+    ax.plot(*zip(*points, strict=True), marker="o", markersize=3)
+  ax.set_xlabel("step")
+  ax.set_ylabel(key)
+  ax.set_title(title or key)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

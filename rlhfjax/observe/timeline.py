@@ -1,0 +1,124 @@
+"""Stage timeline: every stage of an iteration records (role, stage, start, end, devices).
+
+The records are written as JSON and drawn as a Gantt chart with one lane per device group, so
+a run shows where its time goes and which stages overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageRecord:
+  iteration: int
+  role: str
+  stage: str
+  start: float
+  """Seconds since the timeline began."""
+  end: float
+  devices: tuple[int, ...]
+
+  @property
+  def seconds(self) -> float:
+    return self.end - self.start
+
+
+class Timeline:
+  """Thread-safe list of stage records; stages running in threads record concurrently."""
+
+  def __init__(self, clock=time.perf_counter):
+    self._clock = clock
+    self._origin = clock()
+    self._lock = threading.Lock()
+    self.records: list[StageRecord] = []
+
+  def now(self) -> float:
+    return self._clock() - self._origin
+
+  @contextlib.contextmanager
+  def stage(self, iteration: int, role: str, stage: str, devices: Sequence[int]) -> Iterator[None]:
+    """Records the wall time of the block. The block must wait for its device work."""
+    start = self.now()
+    try:
+      yield
+    finally:
+      record = StageRecord(
+        iteration=iteration,
+        role=role,
+        stage=stage,
+        start=start,
+        end=self.now(),
+        devices=tuple(devices),
+      )
+      with self._lock:
+        self.records.append(record)
+
+  def for_iteration(self, iteration: int) -> list[StageRecord]:
+    with self._lock:
+      return [r for r in self.records if r.iteration == iteration]
+
+  def write_json(self, path: str) -> None:
+    with self._lock:
+      rows = [dataclasses.asdict(r) for r in self.records]
+    with open(path, "w") as f:
+      json.dump(rows, f, indent=1)
+
+  @staticmethod
+  def read_json(path: str) -> list[StageRecord]:
+    with open(path) as f:
+      return [StageRecord(**{**row, "devices": tuple(row["devices"])}) for row in json.load(f)]
+
+
+def _lane_name(devices: tuple[int, ...]) -> str:
+  if len(devices) > 1 and devices == tuple(range(devices[0], devices[-1] + 1)):
+    return f"devices {devices[0]}-{devices[-1]}"
+  return "devices " + ",".join(map(str, devices))
+
+
+def plot_gantt(records: Sequence[StageRecord], path: str, title: str = "") -> None:
+  """One lane per distinct device group; bars coloured by stage, labelled by role."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  lanes = sorted({r.devices for r in records}, key=lambda d: (d[0] if d else -1, -len(d)))
+  stages = sorted({r.stage for r in records})
+  colours = dict(zip(stages, plt.get_cmap("tab10").colors, strict=False))
+  fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.5))
+  for record in records:
+    lane = lanes.index(record.devices)
+    ax.barh(
+      lane,
+      record.seconds,
+      left=record.start,
+      height=0.6,
+      color=colours[record.stage],
+      edgecolor="black",
+      linewidth=0.3,
+    )
+    if record.seconds > 0:
+      ax.text(
+        record.start + record.seconds / 2,
+        lane,
+        record.role,
+        ha="center",
+        va="center",
+        fontsize=6,
+        clip_on=True,
+      )
+  ax.set_yticks(range(len(lanes)), [_lane_name(d) for d in lanes])
+  ax.invert_yaxis()
+  ax.set_xlabel("seconds")
+  ax.set_title(title or "stage timeline")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=colours[s]) for s in stages]
+  ax.legend(handles, stages, loc="upper right", fontsize=7, ncols=min(len(stages), 6))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

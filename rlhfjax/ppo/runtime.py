@@ -1,0 +1,62 @@
+"""One model on one role's mesh: its shardings, parameters and compiled functions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlhfjax import models
+from rlhfjax.mesh import meshes, rules
+from rlhfjax.models.config import HeadKind, ModelConfig
+from rlhfjax.placement.spec import Role, RoleSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleRuntime:
+  """Where a role lives and how its parameters and batches are laid out there."""
+
+  role: Role
+  spec: RoleSpec
+  mesh: Mesh
+  model: ModelConfig
+  head: HeadKind
+  param_shardings: Any
+
+  @classmethod
+  def create(
+    cls, role: Role, spec: RoleSpec, model: ModelConfig, head: HeadKind, mesh: Mesh | None = None
+  ) -> RoleRuntime:
+    mesh = meshes.make_mesh(spec) if mesh is None else mesh
+    shardings = rules.named_shardings(
+      models.logical_axes(model, head), models.abstract_params(model, head), mesh, spec.layout
+    )
+    return cls(role=role, spec=spec, mesh=mesh, model=model, head=head, param_shardings=shardings)
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    return self.spec.devices
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  def batch_sharding(self, shape: tuple[int, ...], leading: int = 0) -> NamedSharding:
+    """Rows (dimension `leading`) split over the layout's batch axes, the rest replicated."""
+    axes = (None,) * leading + ("batch",) + (None,) * (len(shape) - leading - 1)
+    return NamedSharding(self.mesh, rules.partition_spec(axes, self.spec.layout, self.mesh, shape))
+
+  def batch_shardings(self, tree: Any, leading: int = 0) -> Any:
+    return jax.tree.map(lambda x: self.batch_sharding(np.shape(x), leading), tree)
+
+  def put_batch(self, tree: Any, leading: int = 0) -> Any:
+    """Sends a batch (host or device arrays) to this role's mesh, rows split over the batch
+    axes. Device arrays move device to device."""
+    return jax.device_put(tree, self.batch_shardings(tree, leading))
+
+  def init_params(self, rng: jax.Array) -> Any:
+    """Fresh parameters created directly in this role's shards."""
+    return models.init_params(self.model, self.head, rng, shardings=self.param_shardings)
