@@ -1,29 +1,48 @@
-"""PPO on the tiny model, 8 devices: the CPU test and demo configuration.
+"""PPO on the tiny model and the bundled 'vowels' task, 8 devices: the demo and test config.
 
+  python scripts/train_ppo.py --config=configs/ppo_tiny.py --workdir=workdirs/ppo
+  python scripts/train_ppo.py --config=configs/ppo_tiny.py:disaggregated --workdir=...
   python scripts/show_placement.py --config=configs/ppo_tiny.py \
       --config.placement.strategy=interleaved --config.placement.split_actor_critic=True
+
+The optional argument after ':' picks a placement variant: colocated (default), interleaved,
+interleaved_split, disaggregated, disaggregated_async, explicit.
 """
 
 import ml_collections
 
+_VARIANTS = (
+  "colocated",
+  "interleaved",
+  "interleaved_split",
+  "disaggregated",
+  "disaggregated_async",
+  "explicit",
+)
 
-def get_config() -> ml_collections.ConfigDict:
+
+def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
+  if variant not in _VARIANTS:
+    raise ValueError(f"unknown variant {variant!r} of ppo_tiny; known: {', '.join(_VARIANTS)}")
   config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.total_steps = 60
+  config.log_every = 1
 
   config.model = ml_collections.ConfigDict()
   config.model.size = "tiny"
 
   config.placement = ml_collections.ConfigDict()
-  config.placement.strategy = "colocated"
+  config.placement.strategy = variant.split("_")[0]
   config.placement.num_devices = 8
   config.placement.memory_per_device_gb = 16.0
   config.placement.tensor = 1
-  config.placement.rollout_tensor = 1
+  config.placement.rollout_tensor = 2
   config.placement.rollout_fraction = 0.5
-  config.placement.split_actor_critic = False
+  config.placement.split_actor_critic = variant == "interleaved_split"
   config.placement.split_reference_reward = False
-  # Used with --config.placement.strategy=explicit: actor, reference and rollout share the
-  # first half, critic and reward the second; the two halves update concurrently.
+  # Used with the 'explicit' variant: actor, reference and rollout share the first half,
+  # critic and reward the second; the two halves update concurrently.
   config.placement.explicit = ml_collections.ConfigDict()
   first, second = (0, 1, 2, 3), (4, 5, 6, 7)
   for role, devices in (
@@ -42,6 +61,44 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.rollout = ml_collections.ConfigDict()
   config.rollout.batch_size = 16
-  config.rollout.max_prompt_len = 64
-  config.rollout.max_new_tokens = 64
+  config.rollout.max_prompt_len = 48
+  config.rollout.max_new_tokens = 24
+  config.rollout.temperature = 1.0
+  config.rollout.top_k = 0
+  config.rollout.top_p = 1.0
+  config.rollout.slots = 0
+
+  config.data = ml_collections.ConfigDict()
+  config.data.task = "vowels"
+
+  config.reward = ml_collections.ConfigDict()
+  config.reward.fn = "rlhfjax.tasks:vowel_reward"
+  config.reward.fn_coef = 1.0
+  config.reward.model_coef = 0.0
+
+  config.ppo = ml_collections.ConfigDict()
+  config.ppo.ppo_epochs = 2
+  config.ppo.mini_batches = 2
+  config.ppo.micro_batches = 1
+  config.ppo.clip_eps = 0.2
+  config.ppo.value_clip_eps = 0.2
+  config.ppo.entropy_coef = 0.0
+  config.ppo.advantage = "gae"
+  config.ppo.group_size = 1
+  config.ppo.gamma = 1.0
+  config.ppo.lam = 0.95
+  config.ppo.whiten_advantages = True
+  config.ppo.kl_estimator = "k1"
+  config.ppo.kl_coef = 0.01
+  config.ppo.kl_controller = "fixed"
+  config.ppo.kl_target = 6.0
+  config.ppo.kl_horizon = 10_000
+  config.ppo.async_rollout = variant == "disaggregated_async"
+
+  config.actor_optimizer = ml_collections.ConfigDict(
+    {"learning_rate": 1e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}
+  )
+  config.critic_optimizer = ml_collections.ConfigDict(
+    {"learning_rate": 2e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}
+  )
   return config

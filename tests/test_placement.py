@@ -618,7 +618,7 @@ def test_show_placement_prints_every_role(script_runs, strategy):
   assert lines[-1].startswith(f"summary: {strategy} on 8 devices")
   if strategy == "disaggregated":
     assert any(
-      line.split()[:5] == ["rollout", "4-7", "data=4", "tensor=1", "generation"] for line in lines
+      line.split()[:5] == ["rollout", "4-7", "data=2", "tensor=2", "generation"] for line in lines
     ), stdout
 
 

@@ -1,0 +1,222 @@
+"""PPO end to end on every placement: same numbers everywhere, arrays where the spec says."""
+
+import itertools
+import json
+import os
+import pathlib
+import runpy
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfjax.config import from_config_dict
+from rlhfjax.observe.timeline import Timeline
+from rlhfjax.placement.spec import Role
+from rlhfjax.ppo import dispatch
+from rlhfjax.ppo.trainer import PPOTrainer
+
+_CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
+_VARIANTS = ("colocated", "interleaved_split", "disaggregated", "explicit")
+
+
+def _config(variant: str, **changes):
+  cd = runpy.run_path(str(_CONFIGS / "ppo_tiny.py"))["get_config"](variant)
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.reward.model_coef = 0.5  # exercise the reward model too
+  for dotted, value in changes.items():
+    section, _, field = dotted.rpartition("__")
+    target = cd[section] if section else cd
+    target[field] = value
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  out = {}
+  for variant in _VARIANTS:
+    trainer = PPOTrainer(
+      _config(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False
+    )
+    out[variant] = (trainer, trainer.run())
+  return out
+
+
+_COMPARED = (
+  "reward/mean",
+  "kl/mean",
+  "loss/policy",
+  "loss/value",
+  "policy/entropy",
+  "critic/grad_norm",
+  "actor/grad_norm",
+)
+
+
+@pytest.mark.parametrize("variant", _VARIANTS[1:])
+def test_every_placement_gives_the_colocated_numbers(runs, variant):
+  base = runs["colocated"][1].metrics
+  other = runs[variant][1].metrics
+  assert len(base) == len(other) == 2
+  for a, b in zip(base, other, strict=True):
+    for key in _COMPARED:
+      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (variant, key)
+  # The runs are not trivially equal: something changed between the two iterations.
+  assert base[0]["loss/policy"] != base[1]["loss/policy"]
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_each_program_compiles_once(runs, variant):
+  trainer, result = runs[variant]
+  assert set(result.compilations.values()) == {1}, result.compilations
+  assert {
+    "actor_step",
+    "critic_step",
+    "actor_logprobs",
+    "reference_logprobs",
+    "critic_values",
+    "reward_scores",
+    "advantages",
+  } <= set(result.compilations)
+  assert set(trainer.engine.compilations.values()) == {1}, trainer.engine.compilations
+
+
+def _devices_of(tree):
+  return {shard.device.id for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards}
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_weights_live_on_their_roles_devices(runs, variant):
+  trainer, _ = runs[variant]
+  ids = [d.id for d in jax.devices()]
+  want = lambda role: {ids[i] for i in trainer.placement[role].devices}
+  assert _devices_of(trainer.actor_state.params) == want(Role.ACTOR)
+  assert _devices_of(trainer.actor_state.opt_state) == want(Role.ACTOR)
+  assert _devices_of(trainer.critic_state.params) == want(Role.CRITIC)
+  assert _devices_of(trainer.reference_params) == want(Role.REFERENCE)
+  assert _devices_of(trainer.reward_params) == want(Role.REWARD)
+  assert _devices_of(trainer.engine.params) == want(Role.ROLLOUT)
+  # After the last sync the rollout holds exactly the trained actor weights.
+  for a, b in zip(
+    jax.tree.leaves(trainer.actor_state.params), jax.tree.leaves(trainer.engine.params), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_outputs_metrics_timeline_and_plots(runs):
+  trainer, result = runs["disaggregated"]
+  workdir = pathlib.Path(result.workdir)
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [0, 1]
+  required = {
+    "reward/mean",
+    "kl/mean",
+    "loss/policy",
+    "loss/value",
+    "time/iteration",
+    "time/generate",
+    "time/score",
+    "time/update",
+    "time/sync",
+    "throughput/tokens_per_s_per_device",
+    "logprob_mismatch/max",
+  }
+  assert required <= set(rows[0])
+  # Synchronous mode: the rollout sampled from the same weights the actor scores with.
+  assert rows[1]["logprob_mismatch/max"] < 1e-4
+  records = Timeline.read_json(workdir / "timeline.json")
+  spec = trainer.placement
+  by_stage = {(r.role, r.stage) for r in records}
+  assert {
+    ("rollout", "generate"),
+    ("actor", "score"),
+    ("reference", "score"),
+    ("critic", "score"),
+    ("reward", "score"),
+    ("actor", "update"),
+    ("critic", "update"),
+    ("rollout", "sync"),
+  } <= by_stage
+  for r in records:
+    if r.stage == "generate":
+      assert r.devices == spec[Role.ROLLOUT].devices
+    if r.stage == "update":
+      assert r.devices == spec[Role(r.role)].devices
+  for name in ("timeline.png", "reward.png"):
+    assert (workdir / name).stat().st_size > 1000
+  assert any(f.startswith("events") for f in os.listdir(workdir / "tb"))
+
+
+def test_async_rollout_overlaps_generation_with_training(tmp_path):
+  trainer = PPOTrainer(
+    _config("disaggregated_async", total_steps=3), str(tmp_path), show_progress=False
+  )
+  result = trainer.run()
+  records = trainer.timeline.records
+  generate = {r.iteration: r for r in records if r.stage == "generate"}
+  assert sorted(generate) == [0, 1, 2]
+  # Batch k+1 is generated while batch k is scored and trained on.
+  for k in (0, 1):
+    update_end = max(r.end for r in records if r.iteration == k and r.stage == "update")
+    assert generate[k + 1].start < update_end
+  # One step off-policy: the rollout's log-probs come from older weights than the actor's.
+  assert result.metrics[1]["logprob_mismatch/max"] > 1e-4
+  assert set(result.compilations.values()) == {1}
+
+
+def test_async_rollout_needs_its_own_devices(tmp_path):
+  with pytest.raises(ValueError, match="async_rollout needs the rollout on its own devices"):
+    PPOTrainer(_config("colocated", ppo__async_rollout=True), str(tmp_path))
+
+
+def _stage(role, devices, fn):
+  return dispatch.Stage(role=role, name="score", devices=devices, fn=fn)
+
+
+def test_disjoint_stages_run_at_the_same_time():
+  both_started = threading.Barrier(2, timeout=10)
+  stages = [
+    _stage("reference", (0, 1, 2, 3), both_started.wait),
+    _stage("reward", (4, 5, 6, 7), both_started.wait),
+  ]
+  # Each stage waits for the other to have started: this only finishes if they overlap.
+  dispatch.run_stages(stages, Timeline(), 0)
+
+
+def test_colocated_stages_run_one_after_another():
+  running, overlaps = [], []
+
+  def work():
+    running.append(1)
+    overlaps.append(len(running) > 1)
+    time.sleep(0.05)
+    running.pop()
+
+  timeline = Timeline()
+  stages = [
+    _stage("actor", (0, 1), work),
+    _stage("critic", (1, 2), work),
+    _stage("reward", (2, 3), work),
+    _stage("reference", (5,), lambda: 7),
+  ]
+  results = dispatch.run_stages(stages, timeline, 0)
+  assert results[3] == 7 and not any(overlaps)
+  assert dispatch.device_groups(stages) == [[0, 1, 2], [3]]
+  ordered = sorted((r for r in timeline.records if r.role != "reference"), key=lambda r: r.start)
+  assert [r.role for r in ordered] == ["actor", "critic", "reward"]
+  assert all(a.end <= b.start for a, b in itertools.pairwise(ordered))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["colocated", "disaggregated"])
+def test_reward_rises(variant, tmp_path):
+  cfg = _config(variant, total_steps=30, rollout__batch_size=16, reward__model_coef=0.0)
+  rewards = [
+    r["reward/mean"] for r in PPOTrainer(cfg, str(tmp_path), show_progress=False).run().metrics
+  ]
+  first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+  assert last > first + 0.05 and last > 2 * first, rewards
