@@ -1,0 +1,276 @@
+"""Weight transfer between meshes: values, placement, byte counts, and no host round trip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfjax.mesh import transfer as transfer_lib
+from rlhfjax.mesh.meshes import make_mesh
+from rlhfjax.mesh.rules import named_shardings
+from rlhfjax.mesh.transfer import no_host_transfers, transfer, verify_transfer
+from rlhfjax.placement.spec import Layout, RoleSpec
+
+# Tiny distinct dimensions, so that a transposed axis cannot pass.
+V, E, H, K, D, F, L = 328, 56, 4, 2, 12, 152, 3
+
+AXES = {
+  "embed": {"embedding": ("vocab", "embed")},
+  "layers": {
+    "attn": {
+      "q_proj": {
+        "kernel": ("layers", "embed", "heads", "head_dim"),
+        "bias": ("layers", "heads", "head_dim"),
+      },
+      "k_proj": {"kernel": ("layers", "embed", "kv_heads", "head_dim")},
+      "v_proj": {"kernel": ("layers", "embed", "kv_heads", "head_dim")},
+      "o_proj": {"kernel": ("layers", "heads", "head_dim", "embed")},
+    },
+    "mlp": {
+      "gate_proj": {"kernel": ("layers", "embed", "mlp")},
+      "up_proj": {"kernel": ("layers", "embed", "mlp")},
+      "down_proj": {"kernel": ("layers", "mlp", "embed")},
+    },
+    "attn_norm": {"scale": ("layers", "norm")},
+    "mlp_norm": {"scale": ("layers", "norm")},
+  },
+  "final_norm": {"scale": ("norm",)},
+  "lm_head": {"kernel": ("embed", "vocab")},
+}
+_DIMS = {
+  "vocab": V,
+  "embed": E,
+  "heads": H,
+  "kv_heads": K,
+  "head_dim": D,
+  "mlp": F,
+  "layers": L,
+  "norm": E,
+}
+_is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+SHAPES = jax.tree.map(lambda axes: tuple(_DIMS[a] for a in axes), AXES, is_leaf=_is_axes)
+
+
+def _training(devices, data=1, fsdp=1, tensor=1):
+  return RoleSpec(
+    devices=tuple(devices),
+    axes=(("data", data), ("fsdp", fsdp), ("tensor", tensor)),
+    layout=Layout.TRAINING,
+  )
+
+
+def _generation(devices, data=1, tensor=1):
+  return RoleSpec(
+    devices=tuple(devices), axes=(("data", data), ("tensor", tensor)), layout=Layout.GENERATION
+  )
+
+
+def _shardings(spec):
+  return named_shardings(AXES, SHAPES, make_mesh(spec), spec.layout)
+
+
+def _host_tree(dtype, seed=0):
+  """Distinct values in every leaf (and across leaves), so a misplaced block cannot pass."""
+  rng = np.random.default_rng(seed)
+  leaves, treedef = jax.tree.flatten(SHAPES, is_leaf=_is_axes)
+  out, offset = [], 0
+  for shape in leaves:
+    n = int(np.prod(shape))
+    if dtype == jnp.bfloat16:  # too few bfloat16 values for a permutation; random is enough
+      values = rng.standard_normal(n).astype(jnp.bfloat16)
+    else:
+      values = (offset + rng.permutation(n)).astype(dtype)
+    out.append(values.reshape(shape))
+    offset += n
+  return jax.tree.unflatten(treedef, out)
+
+
+def _nbytes(tree, keep=lambda path: True):
+  return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(tree) if keep(path))
+
+
+def _assert_equal_to_host(tree, host):
+  for got, want in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(host), strict=True):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def _is_norm(path):
+  return "norm" in jax.tree_util.keystr(path)
+
+
+# (source, target, which leaves move). Norm scales are replicated in both layouts, so they stay
+# in place when the device set is the same.
+CASES = {
+  "disaggregated": (_training(range(4), fsdp=4), _generation(range(4, 8), data=2, tensor=2), None),
+  "colocated": (_training(range(8), fsdp=8), _generation(range(8), data=4, tensor=2), _is_norm),
+  "interleaved": (_training(range(8), fsdp=8), _generation(range(4), tensor=4), None),
+  "fsdp_tensor_to_other_devices": (
+    _training(range(4), fsdp=2, tensor=2),
+    _generation(range(4, 8), data=2, tensor=2),
+    None,
+  ),
+  "same_layout_other_devices": (_training(range(4), fsdp=4), _training(range(4, 8), fsdp=4), None),
+  "same_devices_other_order": (_training((3, 2, 1, 0), fsdp=4), _training(range(4), fsdp=4), None),
+  "one_to_four": (_training((5,)), _generation(range(4), tensor=4), None),
+  "four_to_one": (_generation(range(4), tensor=4), _generation((5,)), None),
+  "non_contiguous": (
+    _training((7, 1, 4, 2), fsdp=2, tensor=2),
+    _generation((0, 6), tensor=2),
+    None,
+  ),
+}
+
+
+@pytest.mark.parametrize(
+  ("case", "dtype"),
+  [(case, jnp.float32) for case in CASES]
+  + [(case, jnp.bfloat16) for case in ("disaggregated", "colocated", "interleaved")],
+)
+def test_transfer(case, dtype):
+  src_spec, dst_spec, stays = CASES[case]
+  host = _host_tree(dtype)
+  dst_shardings = _shardings(dst_spec)
+  src = jax.block_until_ready(jax.device_put(host, _shardings(src_spec)))
+  with no_host_transfers():
+    moved, nbytes = transfer(src, dst_shardings)
+    jax.block_until_ready(moved)
+  _assert_equal_to_host(moved, host)
+  verify_transfer(src, moved, dst_shardings)
+  expected_devices = {jax.devices()[i] for i in dst_spec.devices}
+  for leaf in jax.tree.leaves(moved):
+    assert {s.device for s in leaf.addressable_shards} == expected_devices
+  assert nbytes == _nbytes(host, lambda path: stays is None or not stays(path))
+  _assert_equal_to_host(src, host)  # the source is untouched
+
+
+def test_transfer_one_device_to_four_and_back():
+  host = _host_tree(jnp.float32)
+  one, four = _shardings(_training((2,))), _shardings(_generation((4, 5, 6, 7), data=2, tensor=2))
+  src = jax.device_put(host, one)
+  with no_host_transfers():
+    there, _ = transfer(src, four)
+    back, nbytes = transfer(there, one)
+    jax.block_until_ready(back)
+  verify_transfer(src, there, four)
+  verify_transfer(there, back, one)
+  _assert_equal_to_host(back, host)
+  assert nbytes == _nbytes(host)
+
+
+@pytest.mark.parametrize("case", ["disaggregated", "colocated", "interleaved", "one_to_four"])
+def test_transfer_into_donated_buffers(case):
+  src_spec, dst_spec, _ = CASES[case]
+  dst_shardings = _shardings(dst_spec)
+  old_host, new_host = _host_tree(jnp.float32, seed=0), _host_tree(jnp.float32, seed=1)
+  old = jax.device_put(old_host, _shardings(src_spec))
+  new = jax.device_put(new_host, _shardings(src_spec))
+  with no_host_transfers():
+    first, _ = transfer(old, dst_shardings)
+    jax.block_until_ready(first)
+  pointers = jax.tree.map(
+    lambda x: [s.data.unsafe_buffer_pointer() for s in x.addressable_shards], first
+  )
+  with no_host_transfers():
+    second, _ = transfer(new, dst_shardings, into=first)
+    jax.block_until_ready(second)
+  verify_transfer(new, second, dst_shardings)
+  _assert_equal_to_host(second, new_host)
+  assert all(x.is_deleted() for x in jax.tree.leaves(first))
+  # Blocks that had to be cut or joined were written in place, into the donated buffers.
+  reused = jax.tree.map(
+    lambda x, p: [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == p,
+    second,
+    pointers,
+    is_leaf=lambda x: isinstance(x, list),
+  )
+  assert reused["embed"]["embedding"] and reused["lm_head"]["kernel"]
+
+
+def test_transfer_donate_deletes_the_source():
+  src_spec, dst_spec, _ = CASES["disaggregated"]
+  host = _host_tree(jnp.float32)
+  dst_shardings = _shardings(dst_spec)
+  src = jax.device_put(host, _shardings(src_spec))
+  with no_host_transfers():
+    moved, _ = transfer(src, dst_shardings, donate=True)
+    jax.block_until_ready(moved)
+  assert all(x.is_deleted() for x in jax.tree.leaves(src))
+  _assert_equal_to_host(moved, host)
+
+
+def test_transfer_in_place_is_a_no_op():
+  spec = _training(range(4), fsdp=4)
+  src = jax.device_put(_host_tree(jnp.float32), _shardings(spec))
+  moved, nbytes = transfer(src, _shardings(spec))
+  assert nbytes == 0
+  assert all(a is b for a, b in zip(jax.tree.leaves(src), jax.tree.leaves(moved), strict=True))
+
+
+def test_transfer_accepts_a_sharding_prefix():
+  src = {
+    "a": jax.device_put(np.arange(24.0).reshape(4, 6), jax.devices()[0]),
+    "b": jax.device_put(np.arange(8.0), jax.devices()[1]),
+  }
+  mesh = make_mesh(_training((4, 5), fsdp=2))
+  target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  with no_host_transfers():
+    moved, nbytes = transfer(src, target)
+  verify_transfer(src, moved, {"a": target, "b": target})
+  assert nbytes == 24 * 4 + 8 * 4
+
+
+def test_transfer_rejects_host_arrays_and_mismatched_into():
+  spec = _training(range(4), fsdp=4)
+  with pytest.raises(TypeError, match="jax.Array"):
+    transfer({"x": np.zeros(4)}, {"x": jax.sharding.SingleDeviceSharding(jax.devices()[0])})
+  src = jax.device_put(_host_tree(jnp.float32), _shardings(spec))
+  wrong = jax.device_put(_host_tree(jnp.float32), _shardings(_training(range(4, 8), fsdp=4)))
+  with pytest.raises(ValueError, match="does not match"):
+    transfer(src, _shardings(_generation(range(4, 8), tensor=4)), into=wrong)
+
+
+def test_verify_transfer_catches_swapped_shards():
+  spec = _training(range(4), fsdp=4)
+  host = _host_tree(jnp.float32)["embed"]["embedding"]
+  sharding = _shardings(spec)["embed"]["embedding"]
+  src = jax.device_put(host, sharding)
+  shards = [s.data for s in src.addressable_shards]
+  # Same devices and sharding, but the data of devices 0 and 1 swapped.
+  swapped_data = [
+    jax.device_put(shards[1], shards[0].devices().pop()),
+    jax.device_put(shards[0], shards[1].devices().pop()),
+    *shards[2:],
+  ]
+  swapped = jax.make_array_from_single_device_arrays(host.shape, sharding, swapped_data)
+  with pytest.raises(AssertionError):
+    verify_transfer(src, swapped, sharding)
+
+
+def test_plain_device_put_round_trips_through_host():
+  """Documents the jax 0.10 behaviour `transfer` works around (see its module docstring).
+
+  If this starts failing, `jax.device_put` has learnt to relayout device to device, and
+  `transfer` may be able to use it directly.
+  """
+  src_spec, dst_spec, _ = CASES["disaggregated"]
+  src = jax.device_put(_host_tree(jnp.float32), _shardings(src_spec))
+  dst_shardings = _shardings(dst_spec)
+  with jax.transfer_guard("disallow"):  # explicit transfers pass this guard, host ones included
+    jax.block_until_ready(jax.device_put(src, dst_shardings))
+  with pytest.raises(Exception, match="Disallowed host-to-device transfer"), no_host_transfers():
+    jax.block_until_ready(jax.device_put(src, dst_shardings))
+
+
+def test_repeated_transfer_does_not_recompile():
+  src_spec, dst_spec, _ = CASES["disaggregated"]
+  dst_shardings = _shardings(dst_spec)
+  src = jax.device_put(_host_tree(jnp.float32), _shardings(src_spec))
+  jitted = (transfer_lib._cut_all, transfer_lib._join_all, transfer_lib._write_all)
+  moved = transfer(src, dst_shardings)[0]
+  moved = transfer(src, dst_shardings, into=moved)[0]
+  sizes = [f._cache_size() for f in jitted]
+  for _ in range(2):
+    moved = transfer(src, dst_shardings)[0]
+    moved = transfer(src, dst_shardings, into=moved)[0]
+  assert [f._cache_size() for f in jitted] == sizes
