@@ -41,6 +41,8 @@ class ModelSection:
   """Compute dtype override for every model ('float32' or 'bfloat16'); None: the size's own."""
   param_dtype: str | None = None
   """Parameter dtype override for every model; None: the size's own."""
+  overrides: dict[str, int] = dataclasses.field(default_factory=dict)
+  """Integer `ModelConfig` fields changed for every model, e.g. {'num_layers': 4}."""
 
   def __post_init__(self):
     known = model_config.model_sizes()
@@ -50,6 +52,10 @@ class ModelSection:
         raise ConfigError(
           f"unknown model size {value!r} for 'model.{name}'; known sizes: {', '.join(known)}"
         )
+    fields = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
+    for name in self.overrides:
+      if name not in fields:
+        raise ConfigError(f"unknown model field {name!r} in 'model.overrides'")
     for name in ("dtype", "param_dtype"):
       value = getattr(self, name)
       if value is not None and value not in _DTYPES:
@@ -66,13 +72,16 @@ class ModelSection:
     raise ValueError(f"unknown role {role!r}")
 
   def for_role(self, role: str) -> model_config.ModelConfig:
-    """The `ModelConfig` of `role`, with the dtype overrides applied."""
+    """The `ModelConfig` of `role`, with the dtype and field overrides applied."""
     overrides = {
       name: getattr(self, name)
       for name in ("dtype", "param_dtype")
       if getattr(self, name) is not None
     }
-    return model_config.get_model_config(self.size_for(role), **overrides)
+    try:
+      return model_config.get_model_config(self.size_for(role), **overrides, **self.overrides)
+    except ValueError as e:
+      raise ConfigError(f"model: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -76,6 +76,8 @@ class Timeline:
 
 
 def _lane_name(devices: tuple[int, ...]) -> str:
+  if not devices:
+    return "host"
   if len(devices) > 1 and devices == tuple(range(devices[0], devices[-1] + 1)):
     return f"devices {devices[0]}-{devices[-1]}"
   return "devices " + ",".join(map(str, devices))

@@ -1,0 +1,21 @@
+"""Rollout: KV-cache generation for the rollout role, with continuous batching over slots."""
+
+from rlhfjax.rollout.batching import GenerateOutput, as_prompt_list, generate
+from rlhfjax.rollout.decode import DecodeState
+from rlhfjax.rollout.engine import Engine, EngineConfig, Prefix, SlotView
+from rlhfjax.rollout.sampling import GREEDY, SamplingParams, sample, truncated_logits
+
+__all__ = [
+  "GREEDY",
+  "DecodeState",
+  "Engine",
+  "EngineConfig",
+  "GenerateOutput",
+  "Prefix",
+  "SamplingParams",
+  "SlotView",
+  "as_prompt_list",
+  "generate",
+  "sample",
+  "truncated_logits",
+]

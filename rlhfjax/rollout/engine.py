@@ -1,0 +1,530 @@
+"""The rollout engine: KV-cache generation on the rollout mesh, driven through decode slots.
+
+The slot API follows JetStream's engine protocol:
+
+    state = engine.init_decode_state()                 # every slot free
+    prefix = engine.prefill(prompts, sampling)         # batched prefill, first tokens sampled
+    state = engine.insert(prefix, state, slots)        # prompts take those slots
+    state, steps = engine.generate_steps(state, n)     # decode on device, all slots at once
+    view = engine.read(state)                          # host: which slots are done, their tokens
+
+A finished slot is free: the next `insert` into it replaces its row. `generate` (continuous
+batching over this API, see `rlhfjax.rollout.batching`) is the call most users want.
+
+Compiled programs, each jitted once with explicit in/out shardings on the engine's mesh:
+`prefill` per (prefill batch size, prompt bucket), `insert` per (prefill batch size, bucket),
+one `generate_steps` and one `init_decode_state`. Sampling settings, seeds, stop ids and token
+limits are data, so they never recompile; neither does `update_params`.
+
+Layout: the generation rules of `rlhfjax.mesh.rules` (tensor parallel over heads, KV heads,
+MLP and vocab; decode slots over 'data'). Prefill batches smaller than the 'data' axis are
+replicated over it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlhfjax import models
+from rlhfjax.mesh import meshes, rules, transfer
+from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
+from rlhfjax.rollout import batching, decode
+from rlhfjax.rollout.decode import DecodeState
+from rlhfjax.rollout.sampling import GREEDY, SamplingParams
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Static shapes of the rollout engine: what each compiled program is specialised to."""
+
+  num_slots: int = 8
+  """Decode batch size: sequences generated at the same time. A multiple of the 'data' axis."""
+  prompt_buckets: tuple[int, ...] = (64, 128, 256, 512)
+  """Prompt lengths prefill is compiled for; a prompt is left padded to the smallest that fits."""
+  max_new_tokens: int = 256
+  """Response capacity of the KV cache; a request may ask for fewer."""
+  prefill_batch_sizes: tuple[int, ...] | None = None
+  """Prompts per prefill call; None: powers of two up to `num_slots`. Must contain 1."""
+  max_stop_tokens: int = 4
+  """Most stop token ids one request may give."""
+  pad_token_id: int = 0
+  """Written into prompt padding and past the end of responses."""
+
+  def __post_init__(self):
+    if self.num_slots < 1:
+      raise ValueError(f"EngineConfig.num_slots must be >= 1, got {self.num_slots}")
+    buckets = tuple(int(b) for b in self.prompt_buckets)
+    if not buckets or min(buckets) < 1 or list(buckets) != sorted(set(buckets)):
+      raise ValueError(
+        "EngineConfig.prompt_buckets must be positive and strictly increasing, "
+        f"got {self.prompt_buckets}"
+      )
+    object.__setattr__(self, "prompt_buckets", buckets)
+    if self.max_new_tokens < 1:
+      raise ValueError(f"EngineConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.max_stop_tokens < 1:
+      raise ValueError(f"EngineConfig.max_stop_tokens must be >= 1, got {self.max_stop_tokens}")
+    sizes = self.prefill_batch_sizes
+    if sizes is None:
+      sizes = tuple(2**i for i in range(self.num_slots.bit_length()) if 2**i <= self.num_slots)
+    sizes = tuple(sorted({int(m) for m in sizes}))
+    if 1 not in sizes or sizes[-1] > self.num_slots:
+      raise ValueError(
+        "EngineConfig.prefill_batch_sizes must contain 1 and none may exceed "
+        f"num_slots={self.num_slots}, got {self.prefill_batch_sizes}"
+      )
+    object.__setattr__(self, "prefill_batch_sizes", sizes)
+
+  @property
+  def cache_length(self) -> int:
+    """Slots per row of the KV cache: the largest prompt bucket plus the response capacity."""
+    return self.prompt_buckets[-1] + self.max_new_tokens
+
+  def bucket(self, prompt_length: int) -> int:
+    """The smallest prompt bucket that holds `prompt_length` tokens."""
+    if prompt_length < 1:
+      raise ValueError("empty prompt: a prompt needs at least one token")
+    for b in self.prompt_buckets:
+      if prompt_length <= b:
+        return b
+    raise ValueError(
+      f"prompt of {prompt_length} tokens is longer than the largest prompt "
+      f"bucket ({self.prompt_buckets[-1]}); add a bucket to "
+      "EngineConfig.prompt_buckets"
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prefix:
+  """Prefilled prompts waiting to be inserted into decode slots."""
+
+  state: DecodeState
+  """Rows padded up to a prefill batch size; only the first `num_prompts` are real."""
+  num_prompts: int
+  bucket: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlotView:
+  """A host copy of what the decode slots hold (`Engine.read`)."""
+
+  done: np.ndarray
+  """[slots] bool: finished or never filled."""
+  stopped: np.ndarray
+  """[slots] bool: finished on a stop token."""
+  num_generated: np.ndarray
+  """[slots] int32: response length so far."""
+  tokens: np.ndarray
+  """[slots, max_new_tokens] int32; entries at and past `num_generated` are stale."""
+  logprobs: np.ndarray
+  """[slots, max_new_tokens] float32."""
+  last_tokens: np.ndarray
+  """[slots] int32: each slot's most recent token."""
+
+
+class Engine:
+  """Prefill, insert and generate on one mesh in the generation layout."""
+
+  def __init__(
+    self,
+    model_config: models.ModelConfig,
+    config: EngineConfig,
+    mesh: Mesh,
+    params: Any | None = None,
+  ):
+    """Builds the compiled programs (lazily, per shape) and optionally loads parameters.
+
+    Args:
+      model_config: The policy's architecture ('lm' head).
+      config: Static engine shapes.
+      mesh: The rollout mesh; its axes must be among ('data', 'tensor').
+      params: Parameters to load with `update_params`, or None to load later.
+    """
+    allowed = LAYOUT_AXES[Layout.GENERATION]
+    if unknown := [a for a in mesh.axis_names if a not in allowed]:
+      raise ValueError(f"rollout mesh axes {unknown} are not generation-layout axes {allowed}")
+    data = dict(mesh.shape).get("data", 1)
+    if config.num_slots % data:
+      raise ValueError(
+        f"EngineConfig.num_slots={config.num_slots} must be a multiple of the "
+        f"mesh's 'data' axis ({data})"
+      )
+    if config.cache_length > model_config.max_position_embeddings:
+      raise ValueError(
+        f"largest prompt bucket + max_new_tokens = {config.cache_length} exceeds "
+        f"the model's max_position_embeddings "
+        f"({model_config.max_position_embeddings})"
+      )
+    self.model_config = model_config
+    self.config = config
+    self.mesh = mesh
+    self._traces: collections.Counter[str] = collections.Counter()
+    self.param_shardings = rules.named_shardings(
+      models.logical_axes(model_config, "lm"),
+      models.abstract_params(model_config, "lm"),
+      mesh,
+      Layout.GENERATION,
+    )
+    self.state_shardings = self._state_shardings(config.num_slots)
+    self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._params = None
+
+    r, cfg = config.max_new_tokens, model_config
+    self._init_state = jax.jit(
+      self._counted(
+        "init_decode_state",
+        functools.partial(
+          decode.empty_state, cfg, config.num_slots, config.cache_length, r, config.max_stop_tokens
+        ),
+      ),
+      out_shardings=self.state_shardings,
+    )
+    self._generate_steps = jax.jit(
+      self._counted("generate_steps", functools.partial(decode.generate_steps, cfg)),
+      in_shardings=(self.param_shardings, self.state_shardings, self._replicated, self._replicated),
+      out_shardings=(self.state_shardings, self._replicated),
+      donate_argnums=1,
+    )
+    self._prefill: dict[int, Callable] = {}
+    self._insert: dict[int, Callable] = {}
+    self._request_shardings: dict[int, decode.Requests] = {}
+    self.prefix_shardings: dict[int, DecodeState] = {}
+    """Shardings of a prefill's output, by prefill batch size (rows over 'data' if they divide)."""
+    for m in config.prefill_batch_sizes:
+      prefix_shardings = self.prefix_shardings[m] = self._state_shardings(m)
+      self._request_shardings[m] = self._requests_shardings(m)
+      self._prefill[m] = jax.jit(
+        self._counted("prefill", functools.partial(decode.prefill, cfg, r)),
+        in_shardings=(self.param_shardings, self._request_shardings[m]),
+        out_shardings=prefix_shardings,
+      )
+      self._insert[m] = jax.jit(
+        self._counted("insert", decode.insert),
+        in_shardings=(prefix_shardings, self.state_shardings, self._replicated),
+        out_shardings=self.state_shardings,
+        donate_argnums=1,
+      )
+    if params is not None:
+      self.update_params(params)
+
+  @classmethod
+  def for_role(
+    cls,
+    model_config: models.ModelConfig,
+    config: EngineConfig,
+    role_spec: RoleSpec,
+    params: Any | None = None,
+  ) -> Engine:
+    """An engine on the mesh of a placement's rollout role."""
+    if role_spec.layout != Layout.GENERATION:
+      raise ValueError(f"the rollout role needs the generation layout, got {role_spec.layout}")
+    return cls(model_config, config, meshes.make_mesh(role_spec), params)
+
+  # -------------------------------------------------------------------------------------------
+  # Shardings and bookkeeping.
+
+  def _counted(self, name: str, fn: Callable) -> Callable:
+    """`fn`, counting its traces: each is one compilation of a new input shape."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+      self._traces[name] += 1
+      return fn(*args)
+
+    return traced
+
+  @property
+  def compilations(self) -> dict[str, int]:
+    """Programs traced (and so compiled) so far, by entry point."""
+    return dict(self._traces)
+
+  def _state_shardings(self, rows: int) -> DecodeState:
+    cfg = self.config
+    shapes = jax.eval_shape(
+      functools.partial(
+        decode.empty_state,
+        self.model_config,
+        rows,
+        cfg.cache_length,
+        cfg.max_new_tokens,
+        cfg.max_stop_tokens,
+      )
+    )
+    return rules.named_shardings(
+      decode.logical_axes(rules.KV_CACHE_AXES), shapes, self.mesh, Layout.GENERATION
+    )
+
+  def _requests_shardings(self, rows: int) -> decode.Requests:
+    row, row2 = ("batch",), ("batch", None)
+    axes = decode.Requests(
+      tokens_bp=row2,
+      lengths_b=row,
+      max_new_b=row,
+      stop_bm=row2,
+      temperature_b=row,
+      top_k_b=row,
+      top_p_b=row,
+      seed_b=row,
+      request_id_b=row,
+    )
+    shapes = jax.tree.map(lambda a: (rows,) * len(a), axes, is_leaf=lambda x: isinstance(x, tuple))
+    return rules.named_shardings(axes, shapes, self.mesh, Layout.GENERATION)
+
+  # -------------------------------------------------------------------------------------------
+  # Weights.
+
+  @property
+  def params(self) -> Any:
+    if self._params is None:
+      raise RuntimeError("the engine has no parameters yet: call update_params(params) first")
+    return self._params
+
+  def update_params(self, params: Any) -> int:
+    """Swaps in new weights without recompiling; returns the bytes moved to get them here.
+
+    Arrays already laid out on the engine's mesh as the generation layout asks are used as they
+    are; `jax.Array`s elsewhere are moved device to device by `rlhfjax.mesh.transfer`; host
+    arrays are uploaded. Shapes and dtypes must match the model config.
+    """
+    expected = models.abstract_params(self.model_config, "lm")
+    try:
+      pairs = jax.tree.map(lambda x, e: (x, e), params, expected)
+    except ValueError as e:
+      raise ValueError(f"parameter tree does not match the model config: {e}") from None
+    bad = [
+      f"{jax.tree_util.keystr(path)}: got {np.shape(x)} {getattr(x, 'dtype', '?')}, "
+      f"want {e.shape} {e.dtype}"
+      for path, (x, e) in jax.tree_util.tree_leaves_with_path(
+        pairs, is_leaf=lambda p: isinstance(p, tuple)
+      )
+      if tuple(np.shape(x)) != e.shape or getattr(x, "dtype", None) != e.dtype
+    ]
+    if bad:
+      raise ValueError("parameters do not match the model config:\n  " + "\n  ".join(bad[:5]))
+    on_host = lambda x: not isinstance(x, jax.Array)
+    params = jax.tree.map(
+      lambda x, s: jax.device_put(x, s) if on_host(x) else x, params, self.param_shardings
+    )
+    params, moved = transfer.transfer(params, self.param_shardings)
+    # Arrays the transfer left in place may carry an equivalent but different sharding object
+    # (say a single-device one); relabel them so every call hits the same compiled program.
+    self._params = jax.tree.map(_relabel, params, self.param_shardings)
+    return moved
+
+  # -------------------------------------------------------------------------------------------
+  # The slot API.
+
+  def init_decode_state(self) -> DecodeState:
+    """A decode batch with every slot free, allocated on the mesh."""
+    return self._init_state()
+
+  def prefill(
+    self,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    *,
+    seed: int = 0,
+    request_ids: Sequence[int] | None = None,
+  ) -> Prefix:
+    """Prefills prompts (at most the largest prefill batch size) and samples their first token.
+
+    Args:
+      prompts: Token ids, one non-empty list per prompt.
+      sampling: One setting for all prompts, or one per prompt.
+      seed: With `request_ids`, names each request's PRNG key
+        `fold_in(key(seed), request_id)`: same seed and id, same response.
+      request_ids: One int per prompt; defaults to 0, 1, ...
+
+    Returns:
+      A `Prefix` to `insert` into decode slots.
+    """
+    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    num = len(prompts)
+    sizes = self.config.prefill_batch_sizes
+    if not 1 <= num <= sizes[-1]:
+      raise ValueError(f"prefill takes 1 to {sizes[-1]} prompts, got {num}")
+    rows = next(m for m in sizes if m >= num)
+    settings = _per_prompt(sampling, num)
+    request_ids = list(range(num)) if request_ids is None else [int(i) for i in request_ids]
+    if len(request_ids) != num:
+      raise ValueError(f"{len(request_ids)} request ids for {num} prompts")
+    if not 0 <= seed <= _INT32_MAX or not all(0 <= i <= _INT32_MAX for i in request_ids):
+      raise ValueError("seed and request ids must be in [0, 2**31)")
+    bucket = max(self.config.bucket(len(p)) for p in prompts)
+    vocab = self.model_config.vocab_size
+    for i, p in enumerate(prompts):
+      if p.min() < 0 or p.max() >= vocab:
+        raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+
+    cfg = self.config
+    tokens = np.full((rows, bucket), cfg.pad_token_id, np.int32)
+    lengths = np.ones(rows, np.int32)  # padding rows: one pad token, never inserted
+    for i, p in enumerate(prompts):
+      tokens[i, bucket - len(p) :] = p
+      lengths[i] = len(p)
+    fields = _settings_arrays(settings, rows, cfg, self.model_config.eos_token_ids)
+    ids = np.zeros(rows, np.int32)
+    ids[:num] = request_ids
+    host = decode.Requests(
+      tokens_bp=tokens,
+      lengths_b=lengths,
+      seed_b=np.full(rows, seed, np.int32),
+      request_id_b=ids,
+      **fields,
+    )
+    requests = jax.device_put(host, self._request_shardings[rows])
+    return Prefix(state=self._prefill[rows](self.params, requests), num_prompts=num, bucket=bucket)
+
+  def insert(self, prefix: Prefix, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """Puts prefix row `i` into decode slot `slots[i]`. Donates `state`.
+
+    Whatever the slots held is replaced, finished or not: the caller tracks which are free.
+    """
+    slots = [int(s) for s in slots]
+    if len(slots) != prefix.num_prompts:
+      raise ValueError(f"{len(slots)} slots for a prefix of {prefix.num_prompts} prompts")
+    if len(set(slots)) != len(slots) or not all(0 <= s < self.config.num_slots for s in slots):
+      raise ValueError(f"slots must be distinct and in [0, {self.config.num_slots}), got {slots}")
+    rows = prefix.state.num_slots
+    slots_c = np.full(rows, -1, np.int32)
+    slots_c[: len(slots)] = slots
+    return self._insert[rows](prefix.state, state, jax.device_put(slots_c, self._replicated))
+
+  def generate_steps(
+    self, state: DecodeState, max_steps: int | None = None, until_free: int | None = None
+  ) -> tuple[DecodeState, jax.Array]:
+    """Decodes every slot on device. Donates `state`.
+
+    Args:
+      state: The decode batch.
+      max_steps: Most decode steps; None: `max_new_tokens` (enough to finish every row).
+      until_free: Return early once this many slots are free (done); None: all slots, that is
+        run until every row is done. 1 returns as soon as any row finishes.
+
+    Returns:
+      The new state and the number of steps taken (a device scalar).
+    """
+    max_steps = self.config.max_new_tokens if max_steps is None else int(max_steps)
+    until_free = self.config.num_slots if until_free is None else int(until_free)
+    steps_limit, free_limit = jax.device_put(
+      (np.int32(max_steps), np.int32(until_free)), self._replicated
+    )
+    return self._generate_steps(self.params, state, steps_limit, free_limit)
+
+  def warmup(self) -> dict[str, int]:
+    """Compiles every program the engine can need, so no later call compiles.
+
+    Runs one prefill and insert for each (prefill batch size, prompt bucket) pair and a
+    zero-step decode. Returns `compilations`.
+    """
+    setting = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=())
+    state = self.init_decode_state()
+    for rows in self.config.prefill_batch_sizes:
+      for bucket in self.config.prompt_buckets:
+        prefix = self.prefill([[self.config.pad_token_id] * bucket] * rows, setting)
+        state = self.insert(prefix, state, range(rows))
+    state, _ = self.generate_steps(state, max_steps=0)
+    jax.block_until_ready(state)
+    return self.compilations
+
+  def read(self, state: DecodeState) -> SlotView:
+    """Copies the slots' progress and responses to the host (waits for the device)."""
+    got = jax.device_get(
+      (
+        state.done_b,
+        state.stopped_b,
+        state.num_generated_b,
+        state.out_tokens_br,
+        state.out_logprobs_br,
+        state.tokens_b,
+      )
+    )
+    return SlotView(
+      done=got[0],
+      stopped=got[1],
+      num_generated=got[2],
+      tokens=got[3],
+      logprobs=got[4],
+      last_tokens=got[5],
+    )
+
+  def generate(
+    self,
+    prompts: Any,
+    lengths: Any = None,
+    *,
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    seed: int = 0,
+    padding_side: str = "left",
+  ) -> batching.GenerateOutput:
+    """Generates a response to every prompt with continuous batching over the slots.
+
+    See `rlhfjax.rollout.batching.generate`; the output is in input order.
+    """
+    return batching.generate(
+      self, prompts, lengths, sampling=sampling, seed=seed, padding_side=padding_side
+    )
+
+
+def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """`x` with exactly `sharding` (equivalent to its own), reusing its buffers."""
+  if x.sharding == sharding and x.committed:
+    return x
+  by_device = {shard.device: shard.data for shard in x.addressable_shards}
+  return jax.make_array_from_single_device_arrays(
+    x.shape, sharding, [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)]
+  )
+
+
+def _per_prompt(
+  sampling: SamplingParams | Sequence[SamplingParams], num: int
+) -> list[SamplingParams]:
+  if isinstance(sampling, SamplingParams):
+    return [sampling] * num
+  settings = list(sampling)
+  if len(settings) != num or not all(isinstance(s, SamplingParams) for s in settings):
+    raise ValueError(
+      f"sampling must be one SamplingParams or one per prompt ({num}), got {len(settings)} items"
+    )
+  return settings
+
+
+def _settings_arrays(
+  settings: Sequence[SamplingParams], rows: int, cfg: EngineConfig, eos_token_ids: Sequence[int]
+) -> dict[str, np.ndarray]:
+  """Per-row arrays of the sampling settings; rows past `len(settings)` are padding."""
+  out = {
+    "max_new_b": np.ones(rows, np.int32),
+    "stop_bm": np.full((rows, cfg.max_stop_tokens), -1, np.int32),
+    "temperature_b": np.zeros(rows, np.float32),
+    "top_k_b": np.zeros(rows, np.int32),
+    "top_p_b": np.ones(rows, np.float32),
+  }
+  for i, s in enumerate(settings):
+    max_new = cfg.max_new_tokens if s.max_new_tokens is None else s.max_new_tokens
+    if max_new > cfg.max_new_tokens:
+      raise ValueError(
+        f"max_new_tokens={max_new} exceeds the engine's cache capacity "
+        f"(EngineConfig.max_new_tokens={cfg.max_new_tokens})"
+      )
+    stops = tuple(eos_token_ids) if s.stop_token_ids is None else s.stop_token_ids
+    if len(stops) > cfg.max_stop_tokens:
+      raise ValueError(
+        f"{len(stops)} stop token ids exceed EngineConfig.max_stop_tokens={cfg.max_stop_tokens}"
+      )
+    out["max_new_b"][i] = max_new
+    out["stop_bm"][i, : len(stops)] = stops
+    out["temperature_b"][i] = s.temperature
+    out["top_k_b"][i] = s.top_k
+    out["top_p_b"][i] = s.top_p
+  return out

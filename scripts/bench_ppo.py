@@ -1,0 +1,97 @@
+"""PPO iteration time per placement on one fixed config: one JSON object per placement.
+
+  python scripts/bench_ppo.py --iterations=6 --hidden=256 --layers=4 --batch=32 --new_tokens=32
+
+Each line: placement, setup and compile time, steady-state iteration time (median after the
+first iteration), per-stage times, tokens/s/device, and the stage that dominates. On 2 CPU
+cores meshes do not overlap in wall time; on accelerators disjoint meshes do.
+"""
+
+import json
+import tempfile
+import time
+
+from absl import app, flags
+
+from rlhfjax import launch
+
+_PLACEMENTS = flags.DEFINE_list(
+  "placements",
+  ["colocated", "interleaved", "interleaved_split", "disaggregated", "disaggregated_async"],
+  "Variants of configs/ppo_tiny.py to run.",
+)
+_ITERATIONS = flags.DEFINE_integer("iterations", 5, "PPO iterations per placement (>= 2).")
+_DEVICES = flags.DEFINE_integer("devices", 8, "Devices (host devices emulated on CPU).")
+_SIZE = flags.DEFINE_string("size", "tiny", "Registered model size to start from.")
+_HIDDEN = flags.DEFINE_integer("hidden", 128, "hidden_size (0: the size's own).")
+_LAYERS = flags.DEFINE_integer("layers", 4, "num_layers (0: the size's own).")
+_MLP = flags.DEFINE_integer("mlp", 352, "intermediate_size (0: the size's own).")
+_BATCH = flags.DEFINE_integer("batch", 32, "Sequences per rollout batch.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Response tokens per sequence.")
+
+
+def _config(variant: str):
+  import runpy
+
+  from rlhfjax.config import from_config_dict
+
+  cd = runpy.run_path("configs/ppo_tiny.py")["get_config"](variant)
+  cd.total_steps = _ITERATIONS.value
+  cd.placement.num_devices = _DEVICES.value
+  cd.model.size = _SIZE.value
+  overrides = {
+    "hidden_size": _HIDDEN.value,
+    "num_layers": _LAYERS.value,
+    "intermediate_size": _MLP.value,
+  }
+  cd.model.overrides = {k: v for k, v in overrides.items() if v}
+  cd.rollout.batch_size = _BATCH.value
+  cd.rollout.max_new_tokens = _NEW_TOKENS.value
+  cd.reward.model_coef = 0.5
+  return from_config_dict(cd)
+
+
+def main(argv):
+  del argv
+  launch.quiet_logging()
+  launch.emulate_host_devices(_DEVICES.value)
+  import numpy as np
+
+  from rlhfjax.ppo.trainer import PPOTrainer
+
+  for variant in _PLACEMENTS.value:
+    start = time.perf_counter()
+    trainer = PPOTrainer(_config(variant), tempfile.mkdtemp(), show_progress=False)
+    setup = time.perf_counter() - start
+    rows = trainer.run().metrics
+    steady = rows[1:]
+    stages = {
+      k: float(np.median([r[k] for r in steady]))
+      for k in steady[0]
+      if k.startswith("time/") and k != "time/iteration"
+    }
+    iteration = float(np.median([r["time/iteration"] for r in steady]))
+    print(
+      json.dumps(
+        {
+          "placement": variant,
+          "setup_s": round(setup, 3),
+          "compile_s": round(rows[0]["time/iteration"] - iteration, 3),
+          "iteration_s": round(iteration, 4),
+          **{k: round(v, 4) for k, v in stages.items()},
+          "tokens_per_s_per_device": round(
+            float(np.median([r["throughput/tokens_per_s_per_device"] for r in steady])), 2
+          ),
+          "dominant_stage": max(stages, key=stages.get),
+          "reward_first_last": [
+            round(rows[0]["reward/mean"], 4),
+            round(rows[-1]["reward/mean"], 4),
+          ],
+        }
+      ),
+      flush=True,
+    )
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=launch.parse_flags)
