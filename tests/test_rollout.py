@@ -367,3 +367,23 @@ def test_benchmark_reports_every_field_and_agrees_with_the_no_cache_generator():
     assert record[key] > 0, key
   assert record["greedy_tokens_equal"] == 1.0
   assert record["compilations"] == 4  # init, prefill, insert, generate_steps
+
+
+def test_weight_swaps_reuse_only_the_engines_own_buffers(engine_2x2, params):
+  """A swap writes into the previous weights' buffers only when the engine copied them."""
+  leaves = lambda tree: jax.tree.leaves(tree)
+  first = models.init_params(CONFIG, "lm", jax.random.key(5))  # on device 0: copied over
+  second = models.init_params(CONFIG, "lm", jax.random.key(6))
+  engine_2x2.update_params(first)
+  engine_2x2.update_params(second)
+  # Adopted as is: arrays already laid out as the engine wants are not copied...
+  adopted = jax.device_put(second, engine_2x2.param_shardings)
+  engine_2x2.update_params(adopted)
+  assert all(a is b for a, b in zip(leaves(adopted), leaves(engine_2x2.params), strict=True))
+  # ... so the next swap must not write into (or free) them.
+  engine_2x2.update_params(params)
+  for tree in (first, second, adopted):
+    assert not any(leaf.is_deleted() for leaf in leaves(tree))
+  np.testing.assert_array_equal(np.asarray(leaves(adopted)[0]), np.asarray(leaves(second)[0]))
+  for got, want in zip(leaves(engine_2x2.params), leaves(params), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -178,6 +178,7 @@ class Engine:
     self.state_shardings = self._state_shardings(config.num_slots)
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
+    self._owns_params = False
 
     r, cfg = config.max_new_tokens, model_config
     self._init_state = jax.jit(
@@ -315,7 +316,16 @@ class Engine:
     params = jax.tree.map(
       lambda x, s: jax.device_put(x, s) if on_host(x) else x, params, self.param_shardings
     )
-    params, moved = transfer.transfer(params, self.param_shardings)
+    # The previous weights are dead once swapped: write the new ones into their buffers (no
+    # fresh memory on the rollout devices), but only if the engine owns all of them, that is
+    # the last transfer copied every leaf rather than adopting the caller's arrays.
+    old = self._params if self._owns_params else None
+    self._params = None
+    moved_from = jax.tree.leaves(params)
+    params, moved = transfer.transfer(params, self.param_shardings, into=old)
+    self._owns_params = all(
+      a is not b for a, b in zip(moved_from, jax.tree.leaves(params), strict=True)
+    )
     # Arrays the transfer left in place may carry an equivalent but different sharding object
     # (say a single-device one); relabel them so every call hits the same compiled program.
     self._params = jax.tree.map(_relabel, params, self.param_shardings)
