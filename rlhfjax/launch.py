@@ -66,3 +66,14 @@ def requested_devices(config_dict, max_cpu_devices: int) -> int | None:
   if isinstance(num_devices, int) and num_devices > 0:
     return min(num_devices, max_cpu_devices)
   return None
+
+
+def start(argv: list[str], config_dict, max_cpu_devices: int) -> None:
+  """The common start of an entry point: no stray arguments, quiet logs, and as many host
+  devices as the config's placement asks for (on CPU). Call it before importing JAX."""
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  quiet_logging()
+  num_devices = requested_devices(config_dict, max_cpu_devices)
+  if num_devices:
+    emulate_host_devices(num_devices)

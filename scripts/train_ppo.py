@@ -22,12 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    launch.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  launch.quiet_logging()
-  num_devices = launch.requested_devices(_CONFIG.value, _MAX_CPU_DEVICES.value)
-  if num_devices:
-    launch.emulate_host_devices(num_devices)
+  launch.start(argv, _CONFIG.value, _MAX_CPU_DEVICES.value)
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib

@@ -19,7 +19,7 @@ from rlhfjax.ppo import dispatch
 from rlhfjax.ppo.trainer import PPOTrainer
 
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
-_VARIANTS = ("colocated", "interleaved_split", "disaggregated", "explicit")
+_VARIANTS = ("colocated", "interleaved_split", "disaggregated")
 
 
 def _config(variant: str, **changes):
@@ -220,3 +220,15 @@ def test_reward_rises(variant, tmp_path):
   ]
   first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
   assert last > first + 0.05 and last > 2 * first, rewards
+
+
+def test_group_relative_runs_without_a_critic(tmp_path):
+  cfg = _config("interleaved", ppo__advantage="group_relative", ppo__group_size=4)
+  trainer = PPOTrainer(cfg, str(tmp_path), show_progress=False)
+  result = trainer.run()
+  assert trainer.critic_state is None
+  stages = {(r.role, r.stage) for r in trainer.timeline.records}
+  assert ("critic", "score") not in stages and ("critic", "update") not in stages
+  assert "critic_step" not in result.compilations
+  assert set(result.compilations.values()) == {1}
+  assert np.isfinite(result.metrics[-1]["loss/policy"])

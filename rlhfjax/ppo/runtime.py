@@ -7,12 +7,14 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import models
 from rlhfjax.mesh import meshes, rules
 from rlhfjax.models.config import HeadKind, ModelConfig
 from rlhfjax.placement.spec import Role, RoleSpec
+from rlhfjax.training.state import TrainState, init_train_state, train_state_shardings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,3 +62,13 @@ class RoleRuntime:
   def init_params(self, rng: jax.Array) -> Any:
     """Fresh parameters created directly in this role's shards."""
     return models.init_params(self.model, self.head, rng, shardings=self.param_shardings)
+
+  def init_train_state(
+    self, rng: jax.Array, tx: optax.GradientTransformation
+  ) -> tuple[TrainState, TrainState]:
+    """Fresh parameters and optimizer state in this role's shards, and their shardings."""
+    shardings = train_state_shardings(
+      self.param_shardings, models.abstract_params(self.model, self.head), tx, self.replicated
+    )
+    create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
+    return create(self.init_params(rng), tx), shardings

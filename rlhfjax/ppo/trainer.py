@@ -30,7 +30,7 @@ import numpy as np
 import tqdm
 
 from rlhfjax import algorithms as alg
-from rlhfjax import models, tasks
+from rlhfjax import tasks
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.observe.compiles import TraceCounter
@@ -44,7 +44,6 @@ from rlhfjax.ppo.runtime import RoleRuntime
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
 from rlhfjax.training.optimizer import make_optimizer
-from rlhfjax.training.state import init_train_state, train_state_shardings
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
 
@@ -149,31 +148,14 @@ class PPOTrainer:
     self.actor_tx = make_optimizer(self.cfg.actor_optimizer, updates)
     self.critic_tx = make_optimizer(self.cfg.critic_optimizer, updates)
     actor, critic = self.roles[Role.ACTOR], self.roles[Role.CRITIC]
-    self.actor_state_shardings = train_state_shardings(
-      actor.param_shardings,
-      models.abstract_params(actor.model, "lm"),
-      self.actor_tx,
-      actor.replicated,
-    )
-    self.actor_state = jax.jit(
-      init_train_state, static_argnums=1, out_shardings=self.actor_state_shardings, donate_argnums=0
-    )(actor.init_params(actor_rng), self.actor_tx)
+    self.actor_state, self.actor_state_shardings = actor.init_train_state(actor_rng, self.actor_tx)
     # The reference is the initial policy: the same initialisation, in the reference's shards.
     self.reference_params = self.roles[Role.REFERENCE].init_params(actor_rng)
     self.critic_state = None
     if self.use_critic:
-      self.critic_state_shardings = train_state_shardings(
-        critic.param_shardings,
-        models.abstract_params(critic.model, "value"),
-        self.critic_tx,
-        critic.replicated,
+      self.critic_state, self.critic_state_shardings = critic.init_train_state(
+        critic_rng, self.critic_tx
       )
-      self.critic_state = jax.jit(
-        init_train_state,
-        static_argnums=1,
-        out_shardings=self.critic_state_shardings,
-        donate_argnums=0,
-      )(critic.init_params(critic_rng), self.critic_tx)
     self.reward_params = (
       self.roles[Role.REWARD].init_params(reward_rng) if self.use_reward_model else None
     )
