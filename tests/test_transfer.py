@@ -274,3 +274,33 @@ def test_repeated_transfer_does_not_recompile():
     moved = transfer(src, dst_shardings)[0]
     moved = transfer(src, dst_shardings, into=moved)[0]
   assert [f._cache_size() for f in jitted] == sizes
+
+
+@pytest.mark.parametrize("alias", ["same_object", "same_buffers", "into_twice"])
+def test_transfer_into_never_frees_buffers_the_caller_still_holds(alias):
+  """An `into` leaf that still backs a leaf of `tree` (or another `into` leaf) is not donated."""
+  src_sharding = _shardings(_training(range(4), fsdp=4))["lm_head"]["kernel"]
+  dst_sharding = _shardings(_generation((4, 5), tensor=2))["lm_head"]["kernel"]
+  x_host, y_host = (_host_tree(jnp.float32, seed)["lm_head"]["kernel"] for seed in (0, 1))
+  x = jax.device_put(x_host, src_sharding)  # moves: cut and joined, so `into` would be written
+  y = jax.device_put(y_host, dst_sharding)  # already in place: returned as it is
+  shards = [s.data for s in y.addressable_shards]
+  y_again = jax.make_array_from_single_device_arrays(y.shape, dst_sharding, shards)
+  tree, into = (
+    {"x": x, "y": y},
+    {
+      "same_object": {"x": y, "y": y},
+      "same_buffers": {"x": y_again, "y": y},
+      "into_twice": {"x": y, "y": y},
+    }[alias],
+  )
+  if alias == "into_twice":
+    tree = {"x": x, "y": jax.device_put(x_host, src_sharding)}
+  with no_host_transfers():
+    moved, _ = transfer(tree, dst_sharding, into=into)
+    jax.block_until_ready(moved)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+  np.testing.assert_array_equal(jax.device_get(moved["x"]), x_host)
+  want_y = x_host if alias == "into_twice" else y_host
+  np.testing.assert_array_equal(jax.device_get(moved["y"]), want_y)
+  verify_transfer(tree, moved, dst_sharding)

@@ -26,6 +26,9 @@ So `transfer` plans the move shard by shard:
 4. without donated buffers, the box is copied to the other target devices holding it;
 5. the global arrays are assembled with `jax.make_array_from_single_device_arrays`.
 
+Leaves go through these steps in groups (see `_GROUP_BYTES`). Every step is asynchronous:
+`transfer` does not block.
+
 Arrays already laid out as asked are returned as they are. Only fully addressable arrays are
 supported (one controller).
 """
@@ -287,6 +290,59 @@ def _move(
   ]
 
 
+_GROUP_BYTES = 1 << 27
+"""Leaves whose target boxes are replicated and cut from several source shards are moved in
+groups of about this many bytes, each group with its own cut, copy and join calls: the copies
+of one group overlap the work on the one before, and fewer staging buffers (one per piece and
+replica) are alive at once. On 8 CPU devices this made such moves 1.15-1.3x faster; other
+leaves were as fast or slower in groups, so they move in one."""
+
+
+def _groups(
+  indices: list[int], leaves: list[jax.Array], shardings: list[Sharding]
+) -> Iterator[list[int]]:
+  """Splits `indices` into groups: leaves whose target boxes are not replicated (or are each one
+  whole source shard) together, the rest in runs of about `_GROUP_BYTES` bytes."""
+  plans = {i: _plan(leaves[i].shape, leaves[i].sharding, shardings[i]) for i in indices}
+  # Only replicated boxes gain: each replica gets its own copy of every piece.
+  whole = [i for i in indices if all(len(t.devices) == 1 or _lone_whole(t) for t in plans[i])]
+  if whole:
+    yield whole
+  group, size = [], 0
+  for i in (i for i in indices if i not in whole):
+    group.append(i)
+    size += leaves[i].nbytes
+    if size >= _GROUP_BYTES:
+      yield group
+      group, size = [], 0
+  if group:
+    yield group
+
+
+def _buffers(x: jax.Array) -> set[int]:
+  return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+def _disown_aliases(
+  olds: list[jax.Array | None], leaves: list[jax.Array]
+) -> list[jax.Array | None]:
+  """`olds` without the leaves that share a buffer with `leaves` or with an earlier old leaf.
+
+  Those buffers are not the caller's to give: they still back a leaf of `tree` (for example an
+  array a previous transfer left in place) or another `into` leaf. They are neither written
+  into nor freed.
+  """
+  if all(old is None for old in olds):
+    return olds
+  owned = set().union(*map(_buffers, leaves))
+  kept: list[jax.Array | None] = []
+  for old in olds:
+    buffers = set() if old is None else _buffers(old)
+    kept.append(None if old is None or buffers & owned else old)
+    owned |= buffers
+  return kept
+
+
 def transfer(
   tree: Any,
   target_shardings: Any,
@@ -309,7 +365,8 @@ def transfer(
       `tree` (for example the rollout's weights from the last sync). It is donated: results are
       written into its buffers where a shard has to be computed anyway, so the move needs no
       new memory on the target devices, and its other buffers are freed. The caller must not
-      use `into` afterwards.
+      use `into` afterwards. A leaf of `into` that shares a buffer with `tree` (say an array
+      an earlier transfer left in place) or with another `into` leaf is left alone.
 
   Returns:
     The moved tree and the number of bytes moved (sum of `nbytes` of the global arrays that
@@ -339,15 +396,15 @@ def transfer(
       )
     if not x.sharding.is_equivalent_to(s, x.ndim):
       moving.append(i)
-  moved = _move(
-    [leaves[i] for i in moving], [shardings[i] for i in moving], [olds[i] for i in moving]
-  )
+  olds = _disown_aliases(olds, leaves)
   out = list(leaves)
-  for i, y in zip(moving, moved, strict=True):
-    out[i] = y
-  staying = set(range(len(leaves))) - set(moving)
-  for i in staying:
-    if olds[i] is not None and olds[i] is not leaves[i]:
+  for group in _groups(moving, leaves, shardings):
+    moved = _move([leaves[i] for i in group], [shardings[i] for i in group],
+                  [olds[i] for i in group])  # fmt: skip
+    for i, y in zip(group, moved, strict=True):
+      out[i] = y
+  for i in set(range(len(leaves))) - set(moving):
+    if olds[i] is not None:
       olds[i].delete()
   if donate:
     for i in moving:
