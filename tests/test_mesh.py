@@ -17,17 +17,11 @@ V, E, H, K, D, F, L = 328, 56, 4, 2, 12, 152, 3
 
 
 def _training(devices, data=1, fsdp=1, tensor=1):
-  return RoleSpec(
-    devices=tuple(devices),
-    axes=(("data", data), ("fsdp", fsdp), ("tensor", tensor)),
-    layout=Layout.TRAINING,
-  )
+  return RoleSpec.training(devices, data=data, fsdp=fsdp, tensor=tensor)
 
 
 def _generation(devices, data=1, tensor=1):
-  return RoleSpec(
-    devices=tuple(devices), axes=(("data", data), ("tensor", tensor)), layout=Layout.GENERATION
-  )
+  return RoleSpec.generation(devices, data=data, tensor=tensor)
 
 
 def _spec(axes, spec, shape):

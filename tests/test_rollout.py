@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlhfjax import models, rollout
-from rlhfjax.placement.spec import Layout, RoleSpec
+from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import sampling
 
 CONFIG = models.get_model_config("tiny")
@@ -18,9 +18,7 @@ LENGTHS = (1, 3, 8, 9, 13, 16)  # both buckets, and a bucket's exact size
 
 
 def _role(devices, data, tensor):
-  return RoleSpec(
-    devices=tuple(devices), axes=(("data", data), ("tensor", tensor)), layout=Layout.GENERATION
-  )
+  return RoleSpec.generation(devices, data=data, tensor=tensor)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from rlhfjax.mesh import transfer as transfer_lib
 from rlhfjax.mesh.meshes import make_mesh
 from rlhfjax.mesh.rules import named_shardings
 from rlhfjax.mesh.transfer import no_host_transfers, transfer, verify_transfer
-from rlhfjax.placement.spec import Layout, RoleSpec
+from rlhfjax.placement.spec import RoleSpec
 
 # Tiny distinct dimensions, so that a transposed axis cannot pass.
 V, E, H, K, D, F, L = 328, 56, 4, 2, 12, 152, 3
@@ -52,17 +52,11 @@ SHAPES = jax.tree.map(lambda axes: tuple(_DIMS[a] for a in axes), AXES, is_leaf=
 
 
 def _training(devices, data=1, fsdp=1, tensor=1):
-  return RoleSpec(
-    devices=tuple(devices),
-    axes=(("data", data), ("fsdp", fsdp), ("tensor", tensor)),
-    layout=Layout.TRAINING,
-  )
+  return RoleSpec.training(devices, data=data, fsdp=fsdp, tensor=tensor)
 
 
 def _generation(devices, data=1, tensor=1):
-  return RoleSpec(
-    devices=tuple(devices), axes=(("data", data), ("tensor", tensor)), layout=Layout.GENERATION
-  )
+  return RoleSpec.generation(devices, data=data, tensor=tensor)
 
 
 def _shardings(spec):

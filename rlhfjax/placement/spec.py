@@ -45,6 +45,18 @@ class RoleSpec:
   """Named mesh axes and their sizes, e.g. (('data', 1), ('fsdp', 4), ('tensor', 1))."""
   layout: Layout
 
+  @classmethod
+  def training(cls, devices, *, data: int = 1, fsdp: int = 1, tensor: int = 1) -> RoleSpec:
+    """A training-layout spec: axes ('data', 'fsdp', 'tensor') over `devices`."""
+    axes = (("data", data), ("fsdp", fsdp), ("tensor", tensor))
+    return cls(devices=tuple(devices), axes=axes, layout=Layout.TRAINING)
+
+  @classmethod
+  def generation(cls, devices, *, data: int = 1, tensor: int = 1) -> RoleSpec:
+    """A generation-layout spec: axes ('data', 'tensor') over `devices`."""
+    axes = (("data", data), ("tensor", tensor))
+    return cls(devices=tuple(devices), axes=axes, layout=Layout.GENERATION)
+
   @property
   def axis_names(self) -> tuple[str, ...]:
     return tuple(name for name, _ in self.axes)
