@@ -62,7 +62,7 @@ def test_training_rules_divisible(axes, shape, expected):
     (("embed", "vocab"), (E, V), P(None, "tensor")),
     (("layers", "norm"), (L, E), P(None, None)),
     (("batch", "length"), (6, 40), P("data", None)),
-    (rules.KV_CACHE_AXES, (L, 6, K, 40, D), P(None, "data", "tensor", None, None)),
+    (rules.KV_CACHE_AXES, (L, 6, 40, K, D), P(None, "data", None, "tensor", None)),
   ],
 )
 def test_generation_rules_divisible(axes, shape, expected):

@@ -193,10 +193,10 @@ def test_tensor2_data2_mesh_gives_the_same_outputs_as_one_device(engine, engine_
   assert kernel.sharding.spec[2] == "tensor"
   assert {s.device.id for s in kernel.addressable_shards} == {4, 5, 6, 7}
   state = engine_2x2.init_decode_state()
-  cache = state.cache["k"]  # [l, slots, kv_heads, s, n]
+  cache = state.cache["k"]  # [l, slots, s, kv_heads, n]
   assert cache.sharding.mesh == mesh and cache.sharding.spec[1] == "data"
-  assert cache.sharding.spec[2] == "tensor"
-  assert {s.data.shape for s in cache.addressable_shards} == {(3, 2, 1, 24, 12)}
+  assert cache.sharding.spec[3] == "tensor"
+  assert {s.data.shape for s in cache.addressable_shards} == {(3, 2, 24, 1, 12)}
   assert {s.device.id for s in cache.addressable_shards} == {4, 5, 6, 7}
 
   prompts = _prompts(4)

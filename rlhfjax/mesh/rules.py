@@ -33,7 +33,7 @@ LogicalAxes = tuple[str | None, ...]
 MeshAxes = tuple[str, ...]
 """Mesh axes one logical axis is sharded over, major to minor; empty means replicated."""
 
-KV_CACHE_AXES: LogicalAxes = ("layers", "batch", "kv_heads", "kv_length", "head_dim")
+KV_CACHE_AXES: LogicalAxes = ("layers", "batch", "kv_length", "kv_heads", "head_dim")
 """Logical axes of a stacked KV cache (one per key/value tensor)."""
 
 TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(

@@ -8,10 +8,8 @@ Parameters carry logical axis names only ('vocab', 'embed', 'heads', 'kv_heads',
 
 One call signature serves every use:
   * a full forward (training, scoring): `cache=None`, keys are the `t` new tokens;
-  * prefill and decode (rollout): `cache` holds `[l, b, k, s, n]` keys and values; the `t` new
+  * prefill and decode (rollout): `cache` holds `[l, b, s, k, n]` keys and values; the `t` new
     keys/values are written at `cache_index_b` of each row and attention runs over all `s` slots.
-    Heads before slots: each head's keys are contiguous, which the score einsum reads ~7x
-    faster than `[b, s, k, n]` on CPU at batch 64.
 The caller supplies positions and a boolean mask `[b, t, s]`, so left padding, continuous
 batching slots and sliding windows are all just masks.
 """
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 from rlhfjax.models.config import HeadKind, ModelConfig
 
 Params = Any
-Cache = dict[str, jax.Array]  # {'k': [l, b, k, s, n], 'v': [l, b, k, s, n]}
+Cache = dict[str, jax.Array]  # {'k': [l, b, s, k, n], 'v': [l, b, s, k, n]}
 
 _INIT_STD = 0.02
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
@@ -96,11 +94,10 @@ def rotary(x_btxn: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Arra
   return out.astype(x_btxn.dtype)
 
 
-def _write_cache(cache_bksn: jax.Array, new_btkn: jax.Array, index_b: jax.Array) -> jax.Array:
-  """Writes each row's `t` new entries at its own slot offset `index_b[row]`."""
-  new_bktn = jnp.swapaxes(new_btkn, 1, 2).astype(cache_bksn.dtype)
-  write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis=1)
-  return jax.vmap(write)(cache_bksn, new_bktn, index_b)
+def _write_cache(cache_bskn: jax.Array, new_btkn: jax.Array, index_b: jax.Array) -> jax.Array:
+  """Writes each row's `t` new entries at its own offset `index_b[row]`."""
+  write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i, axis=0)
+  return jax.vmap(write)(cache_bskn, new_btkn, index_b)
 
 
 class Attention(nn.Module):
@@ -140,20 +137,19 @@ class Attention(nn.Module):
     k_btkn = rotary(k_btkn, positions_bt, cfg.rope_theta)
 
     if cache is None:
-      keys_bksn, values_bksn = jnp.swapaxes(k_btkn, 1, 2), jnp.swapaxes(v_btkn, 1, 2)
-      new_cache = None
+      keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
     else:
-      keys_bksn = _write_cache(cache["k"], k_btkn, cache_index_b)
-      values_bksn = _write_cache(cache["v"], v_btkn, cache_index_b)
-      new_cache = {"k": keys_bksn, "v": values_bksn}
+      keys_bskn = _write_cache(cache["k"], k_btkn, cache_index_b)
+      values_bskn = _write_cache(cache["v"], v_btkn, cache_index_b)
+      new_cache = {"k": keys_bskn, "v": values_bskn}
 
     b, t = x_btd.shape[:2]
     q_btkgn = q_bthn.reshape(b, t, k, h // k, n)  # query head j uses kv head j // g
-    scores_bkgts = jnp.einsum("btkgn,bksn->bkgts", q_btkgn, keys_bksn.astype(q_btkgn.dtype))
+    scores_bkgts = jnp.einsum("btkgn,bskn->bkgts", q_btkgn, keys_bskn.astype(q_btkgn.dtype))
     scores_bkgts = scores_bkgts.astype(jnp.float32) * (n**-0.5)
     scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASKED)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cfg.jnp_dtype)
-    out_btkgn = jnp.einsum("bkgts,bksn->btkgn", probs_bkgts, values_bksn.astype(cfg.jnp_dtype))
+    out_btkgn = jnp.einsum("bkgts,bskn->btkgn", probs_bkgts, values_bskn.astype(cfg.jnp_dtype))
     out_bthn = out_btkgn.reshape(b, t, h, n)
     out_btd = Linear(
       "bthn,hnd->btd",
@@ -347,8 +343,8 @@ def apply(
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:
-  """Zeroed KV cache `[l, b, k, s, n]` in the compute dtype."""
-  shape = (config.num_layers, batch, config.num_kv_heads, length, config.head_dim)
+  """Zeroed KV cache `[l, b, s, k, n]` in the compute dtype."""
+  shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
   return {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
 
 

@@ -35,7 +35,7 @@ class DecodeState:
   """Everything the decode loop carries, one row per slot. A pytree."""
 
   cache: Cache
-  """Keys and values `{'k', 'v'}: [l, b, k, s, n]` in the compute dtype."""
+  """Keys and values `{'k', 'v'}: [l, b, s, k, n]` in the compute dtype."""
   tokens_b: jax.Array
   """The last sampled token of each row: the next decode input."""
   positions_b: jax.Array
@@ -213,7 +213,7 @@ def insert(prefix: DecodeState, state: DecodeState, slots_c: jax.Array) -> Decod
   'data' updates each shard locally. Only the first `p` cache slots of a row are rewritten; the
   rest is stale and masked out by the row's `index_b`.
   """
-  b, p = state.num_slots, prefix.cache["k"].shape[3]  # [l, b, k, s, n]
+  b, p = state.num_slots, prefix.cache["k"].shape[2]
   match_bc = slots_c[None, :] == jnp.arange(b)[:, None]
   take_b = jnp.any(match_bc, axis=-1)
   row_b = jnp.argmax(match_bc, axis=-1)
@@ -225,7 +225,7 @@ def insert(prefix: DecodeState, state: DecodeState, slots_c: jax.Array) -> Decod
     return jnp.where(take_b.reshape(shape), gathered, dst)
 
   cache = {
-    name: c.at[:, :, :, :p].set(put(c[:, :, :, :p], prefix.cache[name], batch_axis=1))
+    name: c.at[:, :, :p].set(put(c[:, :, :p], prefix.cache[name], batch_axis=1))
     for name, c in state.cache.items()
   }
   rows = {
@@ -238,7 +238,7 @@ def insert(prefix: DecodeState, state: DecodeState, slots_c: jax.Array) -> Decod
 
 def decode_step(config: models.ModelConfig, params, state: DecodeState) -> DecodeState:
   """Feeds every row's last token, samples the next; finished and free rows stay as they are."""
-  s = state.cache["k"].shape[3]  # [l, b, k, s, n]
+  s = state.cache["k"].shape[2]
   r = state.out_tokens_br.shape[1]
   slot_s = jnp.arange(s)
   sees_bs = (slot_s[None, :] >= state.start_b[:, None]) & (

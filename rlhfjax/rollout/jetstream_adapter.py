@@ -161,7 +161,7 @@ class JetStreamEngine(engine_api.Engine):
     ).state
 
   def insert(self, prefix: DecodeState, decode_state: AdapterState, slot: int) -> AdapterState:
-    full = Prefix(state=prefix, num_prompts=1, bucket=prefix.cache["k"].shape[3])
+    full = Prefix(state=prefix, num_prompts=1, bucket=prefix.cache["k"].shape[2])
     slots = self._engine.insert(full, decode_state.slots, [slot])
     slot_index = jax.device_put(np.int32(slot), self._replicated)
     return AdapterState(slots=slots, reported_b=self._reset(decode_state.reported_b, slot_index))
