@@ -301,42 +301,19 @@ class PPOTrainer:
     roles, batch = self.roles, seqs.device_batch()
     tokens, attention = batch["tokens"], batch["attention_mask"]
 
-    def on(role, fn, params):
+    def score(role: Role, fn, params) -> dispatch.Stage:
       rt = roles[role]
-      return lambda: fn(params, *rt.put_batch((tokens, attention)))
+      run = lambda: fn(params, *rt.put_batch((tokens, attention)))
+      return dispatch.Stage(role=role.value, name="score", devices=rt.devices, fn=run)
 
     stages = [
-      dispatch.Stage(
-        role="actor",
-        name="score",
-        devices=roles[Role.ACTOR].devices,
-        fn=on(Role.ACTOR, self._actor_logprobs, self.actor_state.params),
-      ),
-      dispatch.Stage(
-        role="reference",
-        name="score",
-        devices=roles[Role.REFERENCE].devices,
-        fn=on(Role.REFERENCE, self._reference_logprobs, self.reference_params),
-      ),
+      score(Role.ACTOR, self._actor_logprobs, self.actor_state.params),
+      score(Role.REFERENCE, self._reference_logprobs, self.reference_params),
     ]
     if self.use_critic:
-      stages.append(
-        dispatch.Stage(
-          role="critic",
-          name="score",
-          devices=roles[Role.CRITIC].devices,
-          fn=on(Role.CRITIC, self._critic_values, self.critic_state.params),
-        )
-      )
+      stages.append(score(Role.CRITIC, self._critic_values, self.critic_state.params))
     if self.use_reward_model:
-      stages.append(
-        dispatch.Stage(
-          role="reward",
-          name="score",
-          devices=roles[Role.REWARD].devices,
-          fn=on(Role.REWARD, self._reward_scores, self.reward_params),
-        )
-      )
+      stages.append(score(Role.REWARD, self._reward_scores, self.reward_params))
     if self.reward_fn is not None:
       metadata = {"step": iteration, "tokenizer": self.tokenizer}
       stages.append(
