@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -120,18 +121,12 @@ def test_sharded_checkpoint_roundtrip(tmp_path):
   index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
   assert len(set(index["weight_map"].values())) > 1
   _, again = models.load_hf_checkpoint(tmp_path / "out")
-  for a, b in zip(jax_leaves(params), jax_leaves(again), strict=True):
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   tokens, mask = _batch(config.vocab_size, left_pad=False)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   ours = models.forward_logits(config, again, jnp.asarray(tokens), jnp.asarray(mask))
   _assert_close_on_real_tokens(ours, _hf_logits(reloaded, tokens, mask), mask)
-
-
-def jax_leaves(tree):
-  import jax
-
-  return jax.tree.leaves(tree)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -171,7 +166,7 @@ def test_bfloat16_load(tmp_path):
   _hf_model("qwen2").save_pretrained(tmp_path)
   config, params = models.load_hf_checkpoint(tmp_path, dtype=jnp.bfloat16)
   assert config.param_dtype == config.dtype == "bfloat16"
-  assert {leaf.dtype for leaf in jax_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
   _, params32 = models.load_hf_checkpoint(tmp_path)
   tokens, mask = _batch(config.vocab_size, left_pad=True)
   lo = models.forward_logits(config, params, jnp.asarray(tokens), jnp.asarray(mask))

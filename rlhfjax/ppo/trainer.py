@@ -359,19 +359,24 @@ class PPOTrainer:
       )
     return out
 
-  def _minibatches(self, iteration: int, epoch: int, seqs: Sequences, scored, adv):
-    """Host-side permutation and split into `[mini][micro, rows, ...]` batches."""
-    ppo = self.cfg.ppo
-    host = {
+  def _training_batches(self, seqs: Sequences, scored, adv) -> tuple[dict, dict]:
+    """Actor and critic training inputs on the host, fetched from the devices once per
+    iteration (every epoch re-splits the same arrays)."""
+    actor = {
       **seqs.device_batch(),
       "old_logprobs": np.asarray(scored["old_logprobs"]),
       "advantages": np.asarray(adv["advantages"]),
     }
-    if ppo.async_rollout:
-      host["behaviour_logprobs"] = seqs.rollout_logprobs_bt
-    critic_host = {**seqs.device_batch(), "returns": np.asarray(adv["returns"])}
+    if self.cfg.ppo.async_rollout:
+      actor["behaviour_logprobs"] = seqs.rollout_logprobs_bt
+    critic = {**seqs.device_batch(), "returns": np.asarray(adv["returns"])}
     if self.use_critic:
-      critic_host["old_values"] = np.asarray(scored["values"])
+      critic["old_values"] = np.asarray(scored["values"])
+    return actor, critic
+
+  def _minibatches(self, iteration: int, epoch: int, actor_host: dict, critic_host: dict):
+    """Host-side permutation and split into `[mini][micro, rows, ...]` batches."""
+    ppo = self.cfg.ppo
     b = self.cfg.rollout.batch_size
     order = np.random.default_rng([self.cfg.seed, iteration, epoch]).permutation(b)
     size = b // ppo.mini_batches
@@ -379,14 +384,15 @@ class PPOTrainer:
     for k in range(ppo.mini_batches):
       rows = order[k * size : (k + 1) * size]
       yield (
-        jax.tree.map(lambda x, r=rows: shape(x[r]), host),
+        jax.tree.map(lambda x, r=rows: shape(x[r]), actor_host),
         jax.tree.map(lambda x, r=rows: shape(x[r]), critic_host),
       )
 
-  def _update(self, iteration: int, seqs: Sequences, scored, adv) -> dict[str, float]:
+  def _update(self, iteration: int, actor_host: dict, critic_host: dict) -> dict[str, float]:
     roles, metrics = self.roles, []
     for epoch in range(self.cfg.ppo.ppo_epochs):
-      for actor_batch, critic_batch in self._minibatches(iteration, epoch, seqs, scored, adv):
+      batches = self._minibatches(iteration, epoch, actor_host, critic_host)
+      for actor_batch, critic_batch in batches:
         stages = [
           dispatch.Stage(
             role="actor",
@@ -472,12 +478,20 @@ class PPOTrainer:
           )
         scored = self._score(iteration, seqs)
         adv = self._advantages(iteration, seqs, scored)
-        update_metrics = self._update(iteration, seqs, scored, adv)
+        actor_host, critic_host = self._training_batches(seqs, scored, adv)
+        update_metrics = self._update(iteration, actor_host, critic_host)
         if pool is None:
           bytes_synced = self._sync(iteration)
         elapsed = self.timeline.now() - start
         row = self._iteration_metrics(
-          iteration, seqs, scored, adv, update_metrics, elapsed, bytes_synced
+          iteration,
+          seqs,
+          scored["scores"],
+          actor_host["old_logprobs"],
+          adv,
+          update_metrics,
+          elapsed,
+          bytes_synced,
         )
         self.kl_state = alg.KL_CONTROLLERS[cfg.ppo.kl_controller](
           self.kl_state,
@@ -499,16 +513,15 @@ class PPOTrainer:
     return RunResult(metrics=rows, workdir=self.workdir, compilations=self.traces.counts)
 
   def _iteration_metrics(
-    self, iteration, seqs, scored, adv, update_metrics, elapsed, bytes_synced
+    self, iteration, seqs, scores, actor_logp, adv, update_metrics, elapsed, bytes_synced
   ) -> dict[str, float]:
     mask = seqs.response_mask_bt > 0
-    actor_logp = np.asarray(scored["old_logprobs"])
     mismatch = np.abs(actor_logp - seqs.rollout_logprobs_bt)[mask]
     num_devices = len(self.placement.devices)
     row = {
       "step": iteration,
-      "reward/mean": float(np.mean(scored["scores"])),
-      "reward/std": float(np.std(scored["scores"])),
+      "reward/mean": float(np.mean(scores)),
+      "reward/std": float(np.std(scores)),
       "kl/mean": float(adv["kl/mean"]),
       "kl/coef": float(self.kl_state.coef),
       "response/length": float(mask.sum(-1).mean()),

@@ -23,7 +23,6 @@ replicated over it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import models
 from rlhfjax.mesh import meshes, rules, transfer
+from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
 from rlhfjax.rollout import batching, decode
 from rlhfjax.rollout.decode import DecodeState
@@ -168,7 +168,7 @@ class Engine:
     self.model_config = model_config
     self.config = config
     self.mesh = mesh
-    self._traces: collections.Counter[str] = collections.Counter()
+    self._traces = TraceCounter()
     self.param_shardings = rules.named_shardings(
       models.logical_axes(model_config, "lm"),
       models.abstract_params(model_config, "lm"),
@@ -182,7 +182,7 @@ class Engine:
 
     r, cfg = config.max_new_tokens, model_config
     self._init_state = jax.jit(
-      self._counted(
+      self._traces.wrap(
         "init_decode_state",
         functools.partial(
           decode.empty_state, cfg, config.num_slots, config.cache_length, r, config.max_stop_tokens
@@ -191,7 +191,7 @@ class Engine:
       out_shardings=self.state_shardings,
     )
     self._generate_steps = jax.jit(
-      self._counted("generate_steps", functools.partial(decode.generate_steps, cfg)),
+      self._traces.wrap("generate_steps", functools.partial(decode.generate_steps, cfg)),
       in_shardings=(self.param_shardings, self.state_shardings, self._replicated, self._replicated),
       out_shardings=(self.state_shardings, self._replicated),
       donate_argnums=1,
@@ -205,12 +205,12 @@ class Engine:
       prefix_shardings = self.prefix_shardings[m] = self._state_shardings(m)
       self._request_shardings[m] = self._requests_shardings(m)
       self._prefill[m] = jax.jit(
-        self._counted("prefill", functools.partial(decode.prefill, cfg, r)),
+        self._traces.wrap("prefill", functools.partial(decode.prefill, cfg, r)),
         in_shardings=(self.param_shardings, self._request_shardings[m]),
         out_shardings=prefix_shardings,
       )
       self._insert[m] = jax.jit(
-        self._counted("insert", decode.insert),
+        self._traces.wrap("insert", decode.insert),
         in_shardings=(prefix_shardings, self.state_shardings, self._replicated),
         out_shardings=self.state_shardings,
         donate_argnums=1,
@@ -234,20 +234,10 @@ class Engine:
   # -------------------------------------------------------------------------------------------
   # Shardings and bookkeeping.
 
-  def _counted(self, name: str, fn: Callable) -> Callable:
-    """`fn`, counting its traces: each is one compilation of a new input shape."""
-
-    @functools.wraps(fn)
-    def traced(*args):
-      self._traces[name] += 1
-      return fn(*args)
-
-    return traced
-
   @property
   def compilations(self) -> dict[str, int]:
     """Programs traced (and so compiled) so far, by entry point."""
-    return dict(self._traces)
+    return self._traces.counts
 
   def _state_shardings(self, rows: int) -> DecodeState:
     cfg = self.config
