@@ -15,12 +15,13 @@ import functools
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from rlhfjax.models import config as model_config
 from rlhfjax.training.optimizer import OptimizerConfig
 
 _DTYPES = ("float32", "bfloat16")
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -243,12 +244,53 @@ class RewardSection:
       raise ConfigError("no reward: set 'reward.fn' or a non-zero 'reward.model_coef'")
 
 
+_ON_BAD_RECORD = ("error", "skip")
+_ON_LONG_PROMPT = ("truncate", "skip", "error")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
-  """Where prompts come from."""
+  """Datasets and tokenizer: JSONL files prepared by TFDS (array_record), fed by grain.
+
+  Each dataset is a JSONL file; empty means the bundled file of `task`. Prompts feed PPO,
+  demonstrations SFT, preferences the reward model.
+  """
 
   task: str = "vowels"
-  """A bundled task of `rlhfjax.tasks` (prompts and a default reward)."""
+  """A bundled task of `rlhfjax.tasks` (datasets and a default reward)."""
+  prompts: str = ""
+  """JSONL of {"prompt"}; empty: the task's bundled prompts."""
+  demonstrations: str = ""
+  """JSONL of {"prompt", "response"}; empty: the task's bundled demonstrations."""
+  preferences: str = ""
+  """JSONL of {"prompt", "chosen", "rejected"}; empty: the task's bundled preferences."""
+  train_split: str = "train[:90%]"
+  """TFDS split expression of the examples trained on."""
+  eval_split: str = "train[90%:]"
+  """TFDS split expression of the held-out examples (evaluation)."""
+  data_dir: str = ""
+  """Where TFDS writes the prepared array_record files; empty: WORKDIR/data."""
+  tokenizer: str = "byte"
+  """'byte' (built in) or the path of a Hugging Face tokenizer.json (or its directory)."""
+  chat_template: bool = False
+  """Wrap prompts in the minimal chat template (user / assistant markers)."""
+  on_bad_record: str = "error"
+  """A malformed JSONL record: 'error' (one line naming file:line) or 'skip' (counted)."""
+  on_long_prompt: str = "truncate"
+  """A prompt over `rollout.max_prompt_len` tokens: 'truncate' (keep its end), 'skip' or
+  'error'; truncations and skips are counted in the metrics."""
+
+  def __post_init__(self):
+    if self.on_bad_record not in _ON_BAD_RECORD:
+      raise ConfigError(
+        f"'data.on_bad_record' must be one of {', '.join(_ON_BAD_RECORD)}, "
+        f"got {self.on_bad_record!r}"
+      )
+    if self.on_long_prompt not in _ON_LONG_PROMPT:
+      raise ConfigError(
+        f"'data.on_long_prompt' must be one of {', '.join(_ON_LONG_PROMPT)}, "
+        f"got {self.on_long_prompt!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -275,11 +317,13 @@ class ExperimentConfig:
   log_every: int = 1
 
 
-def from_config_dict(config_dict: Any) -> ExperimentConfig:
-  """Converts a `ConfigDict` (or nested mapping) into an `ExperimentConfig`.
+def from_config_dict(config_dict: Any, cls: type[T] = ExperimentConfig) -> T:
+  """Converts a `ConfigDict` (or nested mapping) into a typed config (`ExperimentConfig` by
+  default; the SFT and reward-model trainers pass their own classes).
 
   Args:
     config_dict: an `ml_collections.ConfigDict` or a plain nested mapping.
+    cls: the frozen dataclass to build.
 
   Returns:
     The typed, validated config.
@@ -290,7 +334,7 @@ def from_config_dict(config_dict: Any) -> ExperimentConfig:
   """
   if hasattr(config_dict, "to_dict"):
     config_dict = config_dict.to_dict()
-  return _convert(config_dict, ExperimentConfig, "")
+  return _convert(config_dict, cls, "")
 
 
 def _convert(value: Any, tp: Any, path: str) -> Any:
