@@ -1,0 +1,202 @@
+"""Tokenizers behind one small protocol, and a minimal chat template.
+
+Two kinds: the built-in byte-level tokenizer (no files, the default task's) and a Hugging Face
+`tokenizer.json` read by the `tokenizers` library. The pipelines only need encode/decode and the
+BOS, EOS and PAD ids, so anything with those methods works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import tokenizers
+
+from rlhfjax.data.byte_tokenizer import ASSISTANT_TOKEN, USER_TOKEN, ByteTokenizer
+
+# Names tried, in order, when a tokenizer.json does not say which of its special tokens is which
+# (Llama, Mistral, Gemma, GPT-2 and BERT spellings).
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>", "[CLS]", "<|endoftext|>")
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|endoftext|>")
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the data pipelines and trainers need from a tokenizer."""
+
+  @property
+  def bos_id(self) -> int: ...
+
+  @property
+  def eos_id(self) -> int: ...
+
+  @property
+  def pad_id(self) -> int: ...
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+
+  def decode(self, ids: Iterable[int]) -> str: ...
+
+  def token_to_id(self, token: str) -> int | None:
+    """Id of a special (or any single) token string; None when the vocabulary lacks it."""
+    ...
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json`, read with the `tokenizers` library.
+
+  `encode` never adds the file's own post-processor specials (BERT's [CLS] ... [SEP], Llama's
+  <s>): BOS is added here when asked, so both tokenizers put exactly one BOS first.
+  """
+
+  def __init__(
+    self,
+    tokenizer: tokenizers.Tokenizer,
+    *,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    pad_token: str | None = None,
+    name: str = "tokenizer",
+  ):
+    self._tok = tokenizer
+    self.name = name
+    self.bos_id = self._special_id("BOS", bos_token, _BOS_NAMES)
+    self.eos_id = self._special_id("EOS", eos_token, _EOS_NAMES)
+    # Many decoder-only vocabularies have no pad token; padded positions are masked out anyway,
+    # so EOS is a safe stand-in.
+    pad = self._find(pad_token, _PAD_NAMES)
+    self.pad_id = self.eos_id if pad is None else pad
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, **special_tokens: str | None) -> HFTokenizer:
+    """Reads a tokenizer.json; `bos_token=`, `eos_token=`, `pad_token=` name its specials."""
+    path = os.fspath(path)
+    try:
+      tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the Rust library raises bare Exceptions for parse errors
+      raise ValueError(f"cannot read Hugging Face tokenizer {path!r}: {e}") from None
+    return cls(tok, name=path, **special_tokens)
+
+  def _find(self, token: str | None, candidates: Sequence[str]) -> int | None:
+    names = (token,) if token is not None else candidates
+    for name in names:
+      token_id = self._tok.token_to_id(name)
+      if token_id is not None:
+        return token_id
+    return None
+
+  def _special_id(self, what: str, token: str | None, candidates: Sequence[str]) -> int:
+    token_id = self._find(token, candidates)
+    if token_id is None:
+      tried = repr(token) if token is not None else ", ".join(candidates)
+      raise ValueError(
+        f"{self.name}: no {what} token in the vocabulary (tried {tried}); name it with "
+        f"{what.lower()}_token=... or in tokenizer_config.json"
+      )
+    return token_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def token_to_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
+
+  def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return [self.bos_id, *ids] if add_bos else ids
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of the ids; special tokens are dropped."""
+    return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _config_specials(directory: str) -> dict[str, str]:
+  """bos/eos/pad token names from a tokenizer_config.json beside the tokenizer, if any."""
+  path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    config = json.load(f)
+  out = {}
+  for key in ("bos_token", "eos_token", "pad_token"):
+    value = config.get(key)
+    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
+      value = value.get("content")
+    if isinstance(value, str):
+      out[key] = value
+  return out
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """'byte', a tokenizer.json path, or a directory holding tokenizer.json (and maybe its config).
+
+  Raises:
+    ValueError: `spec` is none of these.
+  """
+  if spec == "byte":
+    return ByteTokenizer()
+  path = os.path.expanduser(spec)
+  if os.path.isdir(path):
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+      raise ValueError(f"tokenizer directory {spec!r} holds no tokenizer.json")
+    return HFTokenizer.from_file(file, **_config_specials(path))
+  if os.path.isfile(path):
+    return HFTokenizer.from_file(path, **_config_specials(os.path.dirname(path) or "."))
+  raise ValueError(
+    f"unknown tokenizer {spec!r}: expected 'byte', a tokenizer.json file or a directory holding one"
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChatTemplate:
+  """A one-turn chat format: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, then the response.
+
+  A marker is one special token when the tokenizer has it (the byte tokenizer does) and plain
+  text otherwise. The prompt is encoded in three parts so the pipelines can left-truncate a long
+  prompt's text while keeping BOS and both markers.
+  """
+
+  user: str = USER_TOKEN
+  assistant: str = ASSISTANT_TOKEN
+
+  def render(self, prompt: str) -> str:
+    """The template as text (what a tokenizer without the marker tokens sees)."""
+    return f"{self.user}\n{prompt}\n{self.assistant}\n"
+
+  def _marker(self, tokenizer: Tokenizer, marker: str) -> list[int]:
+    token_id = tokenizer.token_to_id(marker)
+    return [token_id] if token_id is not None else tokenizer.encode(marker, add_bos=False)
+
+  def encode_parts(
+    self, tokenizer: Tokenizer, prompt: str, *, add_bos: bool = True
+  ) -> tuple[list[int], list[int], list[int]]:
+    """(head, body, tail): BOS and the user marker; the prompt text; the assistant marker."""
+    head = [tokenizer.bos_id] if add_bos else []
+    head += self._marker(tokenizer, self.user) + tokenizer.encode("\n", add_bos=False)
+    body = tokenizer.encode(prompt, add_bos=False)
+    tail = tokenizer.encode("\n", add_bos=False) + self._marker(tokenizer, self.assistant)
+    tail += tokenizer.encode("\n", add_bos=False)
+    return head, body, tail
+
+  def encode(self, tokenizer: Tokenizer, prompt: str, *, add_bos: bool = True) -> list[int]:
+    """Token ids of the rendered prompt, ready for the model to continue."""
+    head, body, tail = self.encode_parts(tokenizer, prompt, add_bos=add_bos)
+    return head + body + tail
+
+
+def encode_prompt_parts(
+  tokenizer: Tokenizer, prompt: str, chat_template: ChatTemplate | None = None
+) -> tuple[list[int], list[int], list[int]]:
+  """(head, body, tail) of a prompt, with or without a chat template; head starts with BOS."""
+  if chat_template is not None:
+    return chat_template.encode_parts(tokenizer, prompt)
+  return [tokenizer.bos_id], tokenizer.encode(prompt, add_bos=False), []
