@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from rlhfjax import models
 from rlhfjax.ppo import steps
@@ -114,3 +115,32 @@ def test_critic_step_fits_returns():
     state, metrics = step(state, jax.tree.map(lambda x: x[None], batch))
     first = float(metrics["loss/value"]) if first is None else first
   assert float(metrics["loss/value"]) < 0.5 * first
+
+
+@pytest.mark.parametrize("poison", ["advantages", "old_logprobs_inf"])
+def test_a_non_finite_update_is_skipped_and_reported(poison):
+  params = models.init_params(CONFIG, "lm", jax.random.key(0))
+  batch = _actor_batch(params)
+  if poison == "advantages":  # NaN gradients
+    batch["advantages"] = batch["advantages"].at[0, 0].set(jnp.nan)
+  else:  # an infinite ratio: the loss is not finite
+    batch["old_logprobs"] = batch["old_logprobs"].at[1, 0].set(-jnp.inf)
+  tx = make_optimizer(OptimizerConfig(learning_rate=3e-3), 10)
+  loss = functools.partial(
+    steps.actor_loss, config=CONFIG, prompt_len=P, clip_eps=0.2, entropy_coef=0.0
+  )
+  step = jax.jit(functools.partial(steps.accumulate_and_apply, loss, tx))
+  state = init_train_state(params, tx)
+  after, metrics = step(state, jax.tree.map(lambda x: x[None], batch))
+  assert float(metrics["skipped"]) == 1.0
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(after.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The next finite batch updates normally.
+  good = _actor_batch(params)
+  after, metrics = step(after, jax.tree.map(lambda x: x[None], good))
+  assert float(metrics["skipped"]) == 0.0
+  moved = [
+    not np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(after.params), strict=True)
+  ]
+  assert any(moved)

@@ -27,6 +27,12 @@ from rlhfjax.algorithms.losses import (
   token_logprobs,
 )
 from rlhfjax.algorithms.masked import masked_mean, masked_var, masked_whiten
+from rlhfjax.algorithms.objectives import (
+  bradley_terry_loss,
+  masked_token_nll,
+  preference_accuracy,
+  token_accuracy,
+)
 
 __all__ = [
   "ADVANTAGE_ESTIMATORS",
@@ -34,6 +40,7 @@ __all__ = [
   "KL_ESTIMATORS",
   "KLControllerState",
   "adaptive_kl_update",
+  "bradley_terry_loss",
   "clipped_policy_loss",
   "clipped_value_loss",
   "entropy_bonus",
@@ -47,9 +54,12 @@ __all__ = [
   "kl_k3",
   "last_token_onehot",
   "masked_mean",
+  "masked_token_nll",
   "masked_var",
   "masked_whiten",
+  "preference_accuracy",
   "shape_rewards",
+  "token_accuracy",
   "token_logprobs",
   "whiten_advantages",
 ]

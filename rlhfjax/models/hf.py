@@ -310,6 +310,19 @@ def params_from_hf_tensors(
   return params
 
 
+def read_hf_config(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, HeadKind]:
+  """The model and head a Hugging Face checkpoint directory holds, from its `config.json`."""
+  config_path = os.path.join(os.fspath(path), "config.json")
+  try:
+    with open(config_path) as f:
+      hf = json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{config_path}: not found") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
+  return config_from_hf(hf, dtype=dtype, path=config_path)
+
+
 def load_hf_checkpoint(
   path: str | os.PathLike, dtype=jnp.float32, *, shardings: Any | None = None
 ) -> tuple[ModelConfig, dict]:
@@ -326,15 +339,7 @@ def load_hf_checkpoint(
     (`params['value_head']`); `head_kind(params)` tells which.
   """
   path = os.fspath(path)
-  config_path = os.path.join(path, "config.json")
-  try:
-    with open(config_path) as f:
-      hf = json.load(f)
-  except FileNotFoundError:
-    raise CheckpointError(f"{config_path}: not found") from None
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
-  config, head = config_from_hf(hf, dtype=dtype, path=config_path)
+  config, head = read_hf_config(path, dtype)
   params = params_from_hf_tensors(config, head, _read_tensors(path), dtype, path=path)
   if shardings is None:
     params = jax.tree.map(jnp.asarray, params)

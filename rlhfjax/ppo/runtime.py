@@ -63,12 +63,16 @@ class RoleRuntime:
     """Fresh parameters created directly in this role's shards."""
     return models.init_params(self.model, self.head, rng, shardings=self.param_shardings)
 
+  def train_state_shardings(self, tx: optax.GradientTransformation) -> TrainState:
+    """Shardings of this role's `TrainState` under optimizer `tx`."""
+    return train_state_shardings(
+      self.param_shardings, models.abstract_params(self.model, self.head), tx, self.replicated
+    )
+
   def init_train_state(
     self, rng: jax.Array, tx: optax.GradientTransformation
   ) -> tuple[TrainState, TrainState]:
     """Fresh parameters and optimizer state in this role's shards, and their shardings."""
-    shardings = train_state_shardings(
-      self.param_shardings, models.abstract_params(self.model, self.head), tx, self.replicated
-    )
+    shardings = self.train_state_shardings(tx)
     create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
     return create(self.init_params(rng), tx), shardings

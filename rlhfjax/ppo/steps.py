@@ -143,14 +143,20 @@ def accumulate_and_apply(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update from a mini-batch split into micro-batches.
 
+  An update whose loss or gradients are not finite is skipped by the optimizer (parameters and
+  moments unchanged) and reported as `skipped` = 1.
+
   `batch` leaves have a leading micro-batch axis `[m, ...]`; gradients are averaged over the
   `m` micro-batches by a `lax.scan`, so only one micro-batch of activations is live at a time.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def micro_step(grads_acc, micro_batch):
-    (_, metrics), grads = grad_fn(state.params, micro_batch)
-    grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
+    (loss, metrics), grads = grad_fn(state.params, micro_batch)
+    # A non-finite loss poisons the gradients, so the optimizer's finite check (see
+    # `make_optimizer`) skips the update even when the gradients happen to be finite.
+    poison = jnp.where(jnp.isfinite(loss), 0.0, jnp.nan)
+    grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype) + poison, grads_acc, grads)
     return grads_acc, metrics
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
@@ -161,8 +167,8 @@ def accumulate_and_apply(
   params = optax.apply_updates(state.params, updates)
   metrics = jax.tree.map(jnp.mean, metrics_m)
   metrics["grad_norm"] = optax.tree.norm(grads)
-  metrics["grad_finite"] = jnp.all(
-    jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-  )
+  finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  metrics["grad_finite"] = finite
+  metrics["skipped"] = (~finite).astype(jnp.float32)
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics

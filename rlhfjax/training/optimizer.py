@@ -47,7 +47,17 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_updates: int) -> optax.Sc
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
+# `optax.apply_if_finite` applies a non-finite update anyway after this many in a row; the
+# trainers stop long before (`max_nonfinite_updates`), so it never does.
+_NEVER = 2**30
+
+
 def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> optax.GradientTransformation:
+  """Clipping and AdamW, skipping any update whose gradients are not all finite.
+
+  A skipped update leaves the parameters and the moments as they were (`optax.apply_if_finite`);
+  the train step reports it so the trainer can count skips and stop after too many in a row.
+  """
   chain = []
   if cfg.max_grad_norm > 0:
     chain.append(optax.clip_by_global_norm(cfg.max_grad_norm))
@@ -60,4 +70,4 @@ def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> optax.GradientTr
       weight_decay=cfg.weight_decay,
     )
   )
-  return optax.chain(*chain)
+  return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=_NEVER)

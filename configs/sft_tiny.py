@@ -1,0 +1,48 @@
+"""SFT of the tiny model on the bundled 'vowels' demonstrations, 8 devices (fsdp=4 x tensor=2).
+
+  python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft
+  python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft \
+      --config.total_steps=200 --config.placement.tensor=1
+
+Rerunning with the same workdir resumes from its latest checkpoint. PPO starts its actor and
+reference from WORKDIR/checkpoints (item 'policy').
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.batch_size = 32
+  config.micro_batches = 2
+  config.max_len = 64
+  config.total_steps = 60
+  config.eval_every = 20
+  config.log_every = 5
+
+  config.model = ml_collections.ConfigDict()
+  config.model.size = "tiny"
+
+  config.placement = ml_collections.ConfigDict()
+  config.placement.num_devices = 8
+  config.placement.tensor = 2
+  config.placement.memory_per_device_gb = 16.0
+
+  config.data = ml_collections.ConfigDict()
+  config.data.task = "vowels"
+  config.data.demonstrations = ""
+  config.data.train_split = "train[:90%]"
+  config.data.eval_split = "train[90%:]"
+  config.data.tokenizer = "byte"
+  config.data.data_dir = ""  # empty: WORKDIR/data
+
+  config.optimizer = ml_collections.ConfigDict(
+    {"learning_rate": 3e-3, "warmup_steps": 5, "decay": "cosine", "max_grad_norm": 1.0}
+  )
+
+  config.checkpoint = ml_collections.ConfigDict(
+    {"every_steps": 20, "keep": 2, "async_save": True, "resume": True}
+  )
+  config.init = ml_collections.ConfigDict({"hf_checkpoint": "", "checkpoint": ""})
+  return config

@@ -1,0 +1,118 @@
+"""Reward-model training: pairwise Bradley-Terry loss on preference pairs.
+
+Letters: b pairs, s sequence length. A batch holds, per pair, the prompt followed by the chosen
+and by the rejected response (each with EOS), right-padded to `max_len`: `chosen_tokens`,
+`chosen_mask`, `rejected_tokens`, `rejected_mask` int32 [b, s], and `valid` float32 [b] (0 on
+the padding rows of the last eval batch). A sequence's score is the value head's output at its
+last real token, as PPO reads the reward model (`models.sequence_reward`).
+
+The trained model is saved as the checkpoint item `RewardModelTrainer.item`; PPO loads its
+parameters for the reward role. Its trunk may start from an SFT checkpoint (or an HF causal-LM
+checkpoint): the LM head is dropped and the value head starts fresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhfjax import algorithms as alg
+from rlhfjax import models
+from rlhfjax.config import RewardModelConfig
+from rlhfjax.data import pipeline
+from rlhfjax.data.tokenizer import ChatTemplate
+from rlhfjax.models import ModelConfig
+from rlhfjax.placement.spec import Role
+from rlhfjax.training.supervised import Batch, SupervisedTrainer, TrainResult
+
+__all__ = ["RewardModelTrainer", "TrainResult", "pair_scores", "preference_loss"]
+
+
+def pair_scores(
+  params: Any, batch: dict[str, jax.Array], *, config: ModelConfig
+) -> tuple[jax.Array, jax.Array]:
+  """Scores `[b]` of the chosen and the rejected sequences, from one forward pass over both
+  (concatenated along the batch), so the two halves see the same parameters and shapes."""
+  tokens_2bs = jnp.concatenate([batch["chosen_tokens"], batch["rejected_tokens"]], axis=0)
+  mask_2bs = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]], axis=0)
+  values_2bs = models.forward_values(config, params, tokens_2bs, mask_2bs)
+  scores_2b = models.sequence_reward(values_2bs, mask_2bs)
+  b = batch["chosen_tokens"].shape[0]
+  return scores_2b[:b], scores_2b[b:]
+
+
+def preference_loss(
+  params: Any, batch: dict[str, jax.Array], *, config: ModelConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Bradley-Terry loss of one micro-batch of pairs, with accuracy and the mean score margin."""
+  chosen_b, rejected_b = pair_scores(params, batch, config=config)
+  valid_b = batch["valid"]
+  loss = alg.bradley_terry_loss(chosen_b, rejected_b, valid_b)
+  return loss, {
+    "loss": loss,
+    "accuracy": alg.preference_accuracy(chosen_b, rejected_b, valid_b),
+    "margin": alg.masked_mean(chosen_b - rejected_b, valid_b),
+  }
+
+
+def preference_eval_sums(
+  params: Any, batch: dict[str, jax.Array], *, config: ModelConfig
+) -> dict[str, jax.Array]:
+  """Summed loss, correct pairs and margins over the valid pairs of one eval batch."""
+  _, metrics = preference_loss(params, batch, config=config)
+  count = jnp.sum(batch["valid"].astype(jnp.float32))
+  return {key: value * count for key, value in metrics.items()} | {"count": count}
+
+
+class RewardModelTrainer(SupervisedTrainer):
+  """Trains the reward role's model (value head) on `cfg.data.preferences`."""
+
+  role = Role.REWARD
+  head = "value"
+  name = "rm"
+  item = "reward"
+  data_kind = "preference"
+  init_items = ("reward", "policy", "actor")
+  batch_keys = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask", "valid")
+  plot_key = "eval/accuracy"
+  plot_name = "eval_accuracy.png"
+
+  def __init__(self, cfg: RewardModelConfig, workdir: str, *, show_progress: bool = True):
+    super().__init__(cfg, workdir, show_progress=show_progress)
+
+  def data_file(self) -> str:
+    return self.cfg.data.preferences
+
+  def make_batches(self, source: Any, *, batch_size: int, repeat: bool) -> Iterator[Batch]:
+    cfg = self.cfg
+    return pipeline.preference_batches(
+      source,
+      self.tokenizer,
+      batch_size=batch_size,
+      max_len=cfg.max_len,
+      seed=cfg.seed,
+      repeat=repeat,
+      on_long_prompt=cfg.data.on_long_prompt,
+      chat_template=ChatTemplate() if cfg.data.chat_template else None,
+    )
+
+  def loss_fn(self, params, batch):
+    return preference_loss(params, batch, config=self.model)
+
+  def eval_sums(self, params, batch):
+    return preference_eval_sums(params, batch, config=self.model)
+
+  def tokens_per_batch(self, batch: Batch) -> int:
+    return int(np.sum(batch["chosen_mask"]) + np.sum(batch["rejected_mask"]))
+
+  def example_batch(self, rows: int) -> Batch:
+    shape = (rows, self.cfg.max_len)
+    batch = {
+      name: np.zeros(shape, np.int32)
+      for name in ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask")
+    }
+    return batch | {"valid": np.zeros((rows,), np.float32)}

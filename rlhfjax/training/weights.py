@@ -1,0 +1,160 @@
+"""A role's first weights: random, from another rlhfjax run's checkpoint, or from Hugging Face.
+
+The source is a string, as configs hold it: empty for a random initialisation, a directory with
+a `config.json` for a Hugging Face checkpoint, anything else for an rlhfjax checkpoint (a run's
+`WORKDIR/checkpoints`, whose latest complete step is read, or one step directory). Weights are
+read straight into the role's shards.
+
+A checkpoint may hold another head than the role needs: an SFT policy (language-model head)
+starts a critic or a reward model. Its trunk is carried over and the value head starts at zero,
+so the first values are 0 and the trunk's features are what the head learns from. The other
+way (a policy from a value-head model) has no language-model head to take and is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rlhfjax import checkpoint as ckpt
+from rlhfjax import models
+from rlhfjax.mesh import rules
+from rlhfjax.models.config import HeadKind, ModelConfig
+
+# Which head a saved item carries, by the item names the trainers use.
+ITEM_HEADS: dict[str, HeadKind] = {
+  "policy": "lm",  # SFT
+  "actor": "lm",  # PPO
+  "reward": "value",  # reward-model training
+  "critic": "value",  # PPO
+}
+
+# Fields that decide parameter shapes: a checkpoint must agree with the config on all of them.
+_SHAPE_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "qkv_bias",
+  "o_bias",
+  "tie_embeddings",
+)
+
+
+class WeightsError(ValueError):
+  """Weights cannot start a role: wrong model, wrong head or no such item."""
+
+
+def is_hf_checkpoint(source: str) -> bool:
+  return os.path.isfile(os.path.join(source, "config.json"))
+
+
+def check_same_model(found: ModelConfig, expected: ModelConfig, what: str) -> None:
+  """The weights must be the model the config names: the config is what later stages build."""
+  diff = [
+    f"{name}={getattr(found, name)} (config: {getattr(expected, name)})"
+    for name in _SHAPE_FIELDS
+    if getattr(found, name) != getattr(expected, name)
+  ]
+  if diff:
+    raise WeightsError(f"{what} is not the model of the 'model' section: {', '.join(diff)}")
+
+
+def param_shardings(model: ModelConfig, head: HeadKind, mesh, layout) -> Any:
+  """Parameter shardings of a `head` model on `mesh` with the rules of `layout`."""
+  return rules.named_shardings(
+    models.logical_axes(model, head), models.abstract_params(model, head), mesh, layout
+  )
+
+
+def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
+  """`jax.ShapeDtypeStruct` leaves carrying the target shardings: what a restore fills."""
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def load_params(
+  source: str,
+  *,
+  model: ModelConfig,
+  head: HeadKind,
+  mesh,
+  layout,
+  shardings: Any,
+  rng: jax.Array,
+  items: Sequence[str],
+  what: str,
+) -> Any:
+  """The first parameters of a role, in `shardings` (the role's parameter shardings).
+
+  Args:
+    source: '' (random from `rng`), a Hugging Face checkpoint directory or an rlhfjax
+      checkpoint (a run's checkpoints directory or one step directory).
+    model, head, mesh, layout, shardings: the role's model and where its parameters live.
+    rng: key of the random initialisation.
+    items: saved items to look for in an rlhfjax checkpoint, in order of preference.
+    what: the config field naming `source`, for error messages.
+  """
+  if not source:
+    return models.init_params(model, head, rng, shardings=shardings)
+  if is_hf_checkpoint(source):
+    return _from_hf(source, model, head, mesh, layout, shardings, what)
+  return _from_checkpoint(source, model, head, mesh, layout, shardings, items, what)
+
+
+def _from_hf(source, model, head, mesh, layout, shardings, what) -> Any:
+  from rlhfjax.models import hf
+
+  found, found_head = hf.read_hf_config(source, dtype=model.jnp_param_dtype)
+  check_same_model(found, model, f"{what} {source!r}")
+  _check_heads(found_head, head, f"{what} {source!r}")
+  _, params = models.load_hf_checkpoint(
+    source,
+    model.jnp_param_dtype,
+    shardings=param_shardings(model, found_head, mesh, layout),
+  )
+  return _with_head(params, found_head, head, shardings)
+
+
+def _from_checkpoint(source, model, head, mesh, layout, shardings, items, what) -> Any:
+  step_dir = ckpt.find_step_dir(source)
+  saved = ckpt.saved_items(step_dir)
+  item = next((name for name in items if name in saved), None)
+  if item is None:
+    raise WeightsError(
+      f"{what}: {step_dir} holds none of the items {', '.join(items)} (found: "
+      f"{', '.join(sorted(saved)) or 'none'})"
+    )
+  found_head = ITEM_HEADS[item]
+  _check_heads(found_head, head, f"{what} {str(step_dir)!r} (item {item!r})")
+  abstract = abstract_with_shardings(
+    models.abstract_params(model, found_head), param_shardings(model, found_head, mesh, layout)
+  )
+  params = ckpt.restore_params(step_dir, abstract, item=item)
+  return _with_head(params, found_head, head, shardings)
+
+
+def _check_heads(found: HeadKind, wanted: HeadKind, what: str) -> None:
+  if found == "value" and wanted == "lm":
+    raise WeightsError(f"{what} has a value head; a policy needs a language-model head")
+
+
+def _with_head(params: dict, found: HeadKind, wanted: HeadKind, shardings: Any) -> dict:
+  """`params` of a `found`-head model as a `wanted`-head model: the trunk kept, a value head
+  added at zero when a language model starts a value model."""
+  if found == wanted:
+    return params
+  trunk = {k: v for k, v in params.items() if k != "lm_head"}
+  value_sharding = shardings["value_head"]
+  hidden = trunk["final_norm"]["scale"].shape[0]
+  dtype = trunk["final_norm"]["scale"].dtype
+  zeros = jax.jit(lambda: jnp.zeros((hidden,), dtype), out_shardings=value_sharding)()
+  return {**trunk, "value_head": zeros}
