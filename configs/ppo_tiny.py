@@ -95,6 +95,14 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.ppo.kl_horizon = 10_000
   config.ppo.async_rollout = variant == "disaggregated_async"
 
+  config.checkpoint = ml_collections.ConfigDict(
+    {"every_steps": 20, "keep": 2, "async_save": True, "resume": True}
+  )
+  # Where the models start: an SFT run for the actor (and reference, and the critic's trunk),
+  # a reward-model run for the reward role, or Hugging Face checkpoints; empty: random.
+  config.init = ml_collections.ConfigDict({"actor": "", "critic": "", "reward": ""})
+  config.eval = ml_collections.ConfigDict({"num_prompts": 64, "temperature": 0.0})
+
   config.actor_optimizer = ml_collections.ConfigDict(
     {"learning_rate": 1e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}
   )

@@ -17,6 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from rlhfjax.checkpoint import CheckpointSection
 from rlhfjax.models import config as model_config
 from rlhfjax.training.optimizer import OptimizerConfig
 
@@ -202,6 +203,9 @@ class PPOSection:
   async_rollout: bool = False
   """Generate the next batch while this one trains (one step off-policy, importance-corrected).
   Needs a rollout on its own devices (disaggregated)."""
+  max_skipped_updates: int = 3
+  """Stop the run, with a message, after this many updates in a row were skipped for a
+  non-finite loss or gradients (each skip is counted in the metrics as `update/skipped`)."""
 
   def __post_init__(self):
     from rlhfjax import algorithms
@@ -221,7 +225,13 @@ class PPOSection:
         f"'ppo.kl_controller' must be one of "
         f"{', '.join(algorithms.KL_CONTROLLERS)}, got {self.kl_controller!r}"
       )
-    for name in ("ppo_epochs", "mini_batches", "micro_batches", "group_size"):
+    for name in (
+      "ppo_epochs",
+      "mini_batches",
+      "micro_batches",
+      "group_size",
+      "max_skipped_updates",
+    ):
       if getattr(self, name) < 1:
         raise ConfigError(f"'ppo.{name}' must be >= 1, got {getattr(self, name)}")
 
@@ -294,6 +304,41 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleInitSection:
+  """Where PPO's models start; empty: a random initialisation (seeded by `seed`).
+
+  Each field is an rlhfjax run's checkpoints directory (its latest complete step) or one step
+  directory in it, or a local Hugging Face checkpoint directory (one with a config.json). The
+  weights must have the shapes of the `model` section.
+  """
+
+  actor: str = ""
+  """The policy: an SFT run (item 'policy') or a Hugging Face causal LM. The reference is the
+  same weights."""
+  critic: str = ""
+  """The critic: a reward-model run (item 'reward'), an SFT run (its trunk; the value head
+  starts at zero) or a Hugging Face sequence-classification checkpoint; empty: the actor's
+  trunk if `actor` is set, else random."""
+  reward: str = ""
+  """The reward model: a reward-model run (item 'reward') or a Hugging Face
+  sequence-classification checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSection:
+  """Evaluation of the policy on held-out prompts, before PPO and after it."""
+
+  num_prompts: int = 64
+  """Prompts of the data's eval split used (rounded up to whole rollout batches)."""
+  temperature: float = 0.0
+  """Sampling temperature of the evaluation; 0: greedy."""
+
+  def __post_init__(self):
+    if self.num_prompts < 0 or self.temperature < 0:
+      raise ConfigError("'eval.num_prompts' and 'eval.temperature' must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
   """The whole experiment; each field is one section of the config file."""
 
@@ -315,6 +360,103 @@ class ExperimentConfig:
     default_factory=lambda: OptimizerConfig(learning_rate=5e-5)
   )
   log_every: int = 1
+  checkpoint: CheckpointSection = dataclasses.field(default_factory=lambda: CheckpointSection())
+  """How often to checkpoint to WORKDIR/checkpoints and whether a rerun resumes."""
+  init: RoleInitSection = dataclasses.field(default_factory=RoleInitSection)
+  eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainPlacementSection:
+  """Where the one trained model of SFT or reward-model training runs: the first
+  `num_devices` devices as one training mesh, FSDP over `num_devices / tensor` and tensor
+  parallel over `tensor` (the layout PPO gives its actor and critic)."""
+
+  num_devices: int | None = None
+  """Devices the job uses (the first ones of `jax.devices()`); None: all of them."""
+  tensor: int = 1
+  """Tensor-parallel size; must divide `num_devices` and the model's (KV) heads."""
+  memory_per_device_gb: float | None = None
+  """Memory budget of one device in GiB (params, AdamW moments, grads); None: no check."""
+
+  def __post_init__(self):
+    if self.num_devices is not None and self.num_devices < 1:
+      raise ConfigError(f"'placement.num_devices' must be >= 1, got {self.num_devices}")
+    if self.tensor < 1:
+      raise ConfigError(f"'placement.tensor' must be >= 1, got {self.tensor}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitSection:
+  """Where the trained model's first weights come from; both empty: a random initialisation.
+
+  The checkpoint's model must have the shapes of the `model` section: the config, not the
+  checkpoint, says what PPO will later build, so a mismatch is an error rather than a surprise.
+  """
+
+  hf_checkpoint: str = ""
+  """A local Hugging Face checkpoint directory (config.json and safetensors)."""
+  checkpoint: str = ""
+  """An rlhfjax checkpoint directory, e.g. an SFT run's `WORKDIR/checkpoints` (its latest
+  step). The reward model takes its trunk from an SFT checkpoint; the value head starts fresh."""
+
+  def __post_init__(self):
+    if self.hf_checkpoint and self.checkpoint:
+      raise ConfigError("set at most one of 'init.hf_checkpoint' and 'init.checkpoint'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisedConfig:
+  """Fields shared by the SFT and reward-model trainers: one model, one mesh, one dataset."""
+
+  model: ModelSection
+  """The SFT policy runs `model.size`, the reward model `model.reward_size or model.size`."""
+  placement: TrainPlacementSection = dataclasses.field(default_factory=TrainPlacementSection)
+  data: DataSection = dataclasses.field(default_factory=DataSection)
+  optimizer: OptimizerConfig = dataclasses.field(
+    default_factory=lambda: OptimizerConfig(learning_rate=1e-4, warmup_steps=10)
+  )
+  checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+  """How often to checkpoint to WORKDIR/checkpoints and whether a rerun resumes."""
+  init: InitSection = dataclasses.field(default_factory=InitSection)
+  seed: int = 0
+  """Seeds the initialisation and the data order."""
+  batch_size: int = 32
+  """Examples (SFT) or preference pairs (reward model) per optimizer update."""
+  micro_batches: int = 1
+  """Gradient-accumulation steps per update; must divide `batch_size`."""
+  max_len: int = 256
+  """Tokens per sequence (prompt and response); longer examples are truncated and counted."""
+  total_steps: int = 100
+  """Optimizer updates of the whole run (a resumed run continues to this step)."""
+  eval_every: int = 50
+  """Evaluate on the whole held-out split every this many steps (and before the first and
+  after the last); 0: only before the first and after the last."""
+  log_every: int = 10
+  """Write training metrics every this many steps."""
+
+  def __post_init__(self):
+    for name in ("batch_size", "micro_batches", "max_len", "total_steps", "log_every"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"'{name}' must be >= 1, got {getattr(self, name)}")
+    if self.eval_every < 0:
+      raise ConfigError(f"'eval_every' must be >= 0, got {self.eval_every}")
+    if self.batch_size % self.micro_batches:
+      raise ConfigError(
+        f"'micro_batches'={self.micro_batches} must divide 'batch_size'={self.batch_size}"
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig(SupervisedConfig):
+  """Supervised fine-tuning on demonstrations (`data.demonstrations`): next-token loss on the
+  response tokens only, so the policy learns to answer, not to write prompts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardModelConfig(SupervisedConfig):
+  """Reward-model training on preference pairs (`data.preferences`): Bradley-Terry loss on the
+  value head's score of the last real token of the chosen and the rejected sequence."""
 
 
 def from_config_dict(config_dict: Any, cls: type[T] = ExperimentConfig) -> T:

@@ -69,6 +69,9 @@ def vowel_reward(
 
 
 TASKS: dict[str, Callable[[], list[str]]] = {"vowels": vowel_prompts}
+TASK_REWARDS: dict[str, RewardFn] = {"vowels": vowel_reward}
+"""The rule that defines each task's goal: what evaluations report, whatever PPO optimises
+(a reward model trained on preferences only approximates it)."""
 
 
 def task_prompts(name: str, tokenizer: ByteTokenizer) -> list[list[int]]:

@@ -5,7 +5,10 @@
       --config.placement.strategy=disaggregated --config.total_steps=30 --config.seed=3
 
 Writes `metrics.jsonl`, TensorBoard events, `timeline.json` / `timeline.png` (one lane per
-device group) and `reward.png` into the workdir. Bad input: one `error:` line, exit status 2.
+device group), `reward.png`, `eval.json` / `eval.md` (held-out prompts before and after PPO) and
+`checkpoints/<step>/` into the workdir. Rerunning the same command resumes from the latest
+complete checkpoint; SIGTERM writes one and exits with status 0. Bad input: one `error:` line,
+exit status 2.
 """
 
 from absl import app, flags
@@ -31,14 +34,25 @@ def main(argv: list[str]) -> None:
   try:
     config = config_lib.from_config_dict(_CONFIG.value)
     ppo = trainer.PPOTrainer(config, _WORKDIR.value)
-  except ValueError as error:  # ConfigError and PlacementError included
+    if ppo.start_step:
+      print(f"resuming from the checkpoint of step {ppo.start_step}")
+    result = ppo.run()
+  except (ValueError, trainer.TooManySkippedUpdates) as error:
+    # Config, placement, data and checkpoint errors are ValueErrors with one-line messages.
     launch.fail(error)
-  result = ppo.run()
-  first, last = result.metrics[0], result.metrics[-1]
-  print(
-    f"reward/mean {first['reward/mean']:.3f} -> {last['reward/mean']:.3f} over "
-    f"{len(result.metrics)} iterations; outputs in {result.workdir}"
-  )
+  if result.preempted:
+    last = result.metrics[-1]["step"] + 1 if result.metrics else result.start_step
+    print(f"SIGTERM: checkpoint of step {last} written; rerun the same command to resume")
+    return
+  if result.metrics:
+    first, last = result.metrics[0], result.metrics[-1]
+    print(
+      f"reward/mean {first['reward/mean']:.3f} -> {last['reward/mean']:.3f} over iterations "
+      f"{first['step']}..{last['step']}; outputs in {result.workdir}"
+    )
+  for phase, ev in result.evaluation.items():
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float))
+    print(f"eval {phase} PPO: {shown}")
 
 
 if __name__ == "__main__":

@@ -16,19 +16,39 @@ def _plain(value):
 class MetricsWriter:
   """Appends metrics to `workdir/metrics.jsonl` and TensorBoard events under `workdir/tb`.
 
-  Only one process of a multi-host job should write: pass `enabled=False` elsewhere.
+  A run that starts at `start_step` (resumed from a checkpoint, or restarted from scratch)
+  first drops the rows of steps >= `start_step` that an earlier, interrupted run wrote: those
+  steps are about to be run again, and the file must read as one run. TensorBoard is told the
+  same (`purge_step`). Only one process of a multi-host job should write: pass `enabled=False`
+  elsewhere.
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  def __init__(
+    self, workdir: str, *, enabled: bool = True, tensorboard: bool = True, start_step: int = 0
+  ):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
     self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
+      self._drop_rows_from(start_step)
       if tensorboard:
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step)
+
+  def _drop_rows_from(self, step: int) -> None:
+    if not os.path.exists(self.path):
+      return
+    kept = [row for row in self.read(self.path) if row["step"] < step]
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in kept)
+    os.replace(tmp, self.path)  # atomic: a crash leaves the old file or the new one
+
+  def rows(self) -> list[dict]:
+    """Every row written so far, earlier runs' kept rows included."""
+    return self.read(self.path) if os.path.exists(self.path) else []
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if not self.enabled:
@@ -49,8 +69,16 @@ class MetricsWriter:
 
   @staticmethod
   def read(path: str) -> list[dict]:
+    """The rows of a metrics file; a last line cut short by a crash is left out."""
+    rows = []
     with open(path) as f:
-      return [json.loads(line) for line in f if line.strip()]
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:
+          if line.endswith("\n"):
+            raise
+    return rows
 
 
 def plot_metric(rows: Sequence[Mapping], key: str, path: str, title: str = "") -> None:

@@ -14,6 +14,12 @@ recorded on the timeline. One iteration:
 With `ppo.async_rollout`, the next batch is generated (by the weights of the last sync) while
 this one is scored and trained on: one step off-policy, corrected by the importance ratio to
 the rollout policy's log-probs.
+
+Checkpoints (`rlhfjax.checkpoint`) hold the actor and critic train states, the rollout weights
+of an async run, the KL coefficient, the prompt iterator's state and the prompts of a batch
+generated ahead; every random choice is a function of (`seed`, iteration), so a resumed run
+repeats the uninterrupted one exactly. A rerun of the same command resumes from the latest
+complete checkpoint, onto whatever placement the config now names.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -30,9 +39,9 @@ import numpy as np
 import tqdm
 
 from rlhfjax import algorithms as alg
-from rlhfjax import tasks
-from rlhfjax.config import ExperimentConfig
-from rlhfjax.data.byte_tokenizer import ByteTokenizer
+from rlhfjax import checkpoint as ckpt
+from rlhfjax import data, models, tasks
+from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import Timeline, plot_gantt
@@ -43,40 +52,30 @@ from rlhfjax.ppo.experience import AdvantageSettings, Sequences
 from rlhfjax.ppo.runtime import RoleRuntime
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
+from rlhfjax.training import weights
 from rlhfjax.training.optimizer import make_optimizer
+from rlhfjax.training.state import TrainState, init_train_state
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
-
-
-class PromptStream:
-  """Deterministic, reshuffled-every-epoch stream of prompts; its state is two ints."""
-
-  def __init__(self, prompts: list[list[int]], seed: int):
-    if not prompts:
-      raise ValueError("the prompt set is empty")
-    self.prompts, self.seed = prompts, seed
-    self.epoch, self.position = 0, 0
-
-  def _order(self) -> np.ndarray:
-    return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.prompts))
-
-  def next(self, n: int) -> list[list[int]]:
-    out = []
-    while len(out) < n:
-      order = self._order()
-      take = min(n - len(out), len(order) - self.position)
-      out += [self.prompts[i] for i in order[self.position : self.position + take]]
-      self.position += take
-      if self.position == len(order):
-        self.epoch, self.position = self.epoch + 1, 0
-    return out
 
 
 @dataclasses.dataclass
 class RunResult:
   metrics: list[dict[str, float]]
+  """The rows of the iterations this run executed (a resumed run: from its first step on)."""
   workdir: str
   compilations: dict[str, int]
+  start_step: int = 0
+  """The iteration this run started at: > 0 when it resumed from a checkpoint."""
+  preempted: bool = False
+  """SIGTERM stopped the run early, after writing a checkpoint."""
+  evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
+  """'before' and 'after' PPO evaluations (see `PPOTrainer.evaluate`), when they ran."""
+
+
+class TooManySkippedUpdates(RuntimeError):
+  """Updates were skipped for non-finite losses or gradients `ppo.max_skipped_updates` times
+  in a row: the run stops rather than burn compute on a diverged model."""
 
 
 class PPOTrainer:
@@ -105,17 +104,62 @@ class PPOTrainer:
       )
     self.use_critic = ppo.advantage == "gae"
     self.use_reward_model = cfg.reward.model_coef != 0.0
+    if cfg.reward.model_coef == 0.0 and cfg.init.reward:
+      raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
     self.reward_fn = tasks.load_reward_fn(cfg.reward.fn) if cfg.reward.fn else None
-    self.tokenizer = ByteTokenizer()
-    self.stream = PromptStream(tasks.task_prompts(cfg.data.task, self.tokenizer), cfg.seed)
+    self.task_reward_fn = tasks.TASK_REWARDS.get(cfg.data.task)
+    self.tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+    if self.tokenizer.vocab_size > cfg.model.for_role("actor").vocab_size:
+      raise ConfigError(
+        f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
+        f"only {cfg.model.for_role('actor').vocab_size}"
+      )
+    self.prompts, self.eval_prompts = self._load_prompts()
     self.timeline = Timeline()
     self.traces = TraceCounter()
     self.kl_state = alg.KLControllerState(coef=ppo.kl_coef)
+    self.skipped_in_row = 0
+    self.pending_prompts: list[list[int]] | None = None
+    """Prompts of the batch generated ahead (async rollout), saved with a checkpoint."""
+    self.checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
 
     self.roles = self._build_roles()
-    self._build_params()
+    self.start_step, restored = self._build_params()
     self._compile()
     self.engine = self._build_engine()
+    if restored.get("rollout") is not None:
+      # An async run's next batch was generated by the weights of the sync before this
+      # checkpoint: regenerate it with those, not with the actor's newer ones.
+      self.engine.update_params(restored["rollout"])
+
+  def _load_prompts(self) -> tuple[data.PromptIterator, list[list[int]]]:
+    """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones."""
+    cfg = self.cfg
+    d = cfg.data
+    dataset = data.prepare(
+      "prompt",
+      d.prompts or data.bundled_path(d.task, "prompt"),
+      d.data_dir or os.path.join(self.workdir, "data"),
+      on_bad_record=d.on_bad_record,
+    )
+    template = data.ChatTemplate(self.tokenizer) if d.chat_template else None
+    stream = functools.partial(
+      data.prompt_iterator,
+      tokenizer=self.tokenizer,
+      max_prompt_len=cfg.rollout.max_prompt_len,
+      seed=cfg.seed,
+      on_long_prompt=d.on_long_prompt,
+      chat_template=template,
+    )
+    train = stream(dataset.source(d.train_split))
+    eval_prompts = []
+    if cfg.eval.num_prompts:
+      held_out = stream(dataset.source(d.eval_split), repeat=False)
+      for prompt in held_out:
+        eval_prompts.append(prompt)
+        if len(eval_prompts) == cfg.eval.num_prompts:
+          break
+    return train, eval_prompts
 
   # -------------------------------------------------------------------------------------------
   # Set-up.
@@ -141,24 +185,127 @@ class PPOTrainer:
       roles[role] = runtime
     return roles
 
-  def _build_params(self) -> None:
-    rng = jax.random.key(self.cfg.seed)
+  def _initial_params(self, role: Role, source: str, rng: jax.Array, what: str) -> Any:
+    """`role`'s first weights in its shards: random, or from a checkpoint (see `weights`)."""
+    rt = self.roles[role]
+    items = ("policy", "actor") if rt.head == "lm" else ("reward", "critic", "policy", "actor")
+    return weights.load_params(
+      source,
+      model=rt.model,
+      head=rt.head,
+      mesh=rt.mesh,
+      layout=rt.spec.layout,
+      shardings=rt.param_shardings,
+      rng=rng,
+      items=items,
+      what=what,
+    )
+
+  def _train_state(self, role: Role, tx, params) -> tuple[TrainState, TrainState]:
+    rt = self.roles[role]
+    shardings = rt.train_state_shardings(tx)
+    create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
+    return create(params, tx), shardings
+
+  def _build_params(self) -> tuple[int, dict[str, Any]]:
+    """Every role's weights and the trained roles' optimizer states, fresh or restored.
+
+    Returns the iteration to start at (0, or the step of the checkpoint resumed from) and the
+    restored items.
+    """
+    cfg = self.cfg
+    rng = jax.random.key(cfg.seed)
     actor_rng, critic_rng, reward_rng = jax.random.split(rng, 3)
-    updates = self.cfg.total_steps * self.cfg.ppo.ppo_epochs * self.cfg.ppo.mini_batches
-    self.actor_tx = make_optimizer(self.cfg.actor_optimizer, updates)
-    self.critic_tx = make_optimizer(self.cfg.critic_optimizer, updates)
-    actor, critic = self.roles[Role.ACTOR], self.roles[Role.CRITIC]
-    self.actor_state, self.actor_state_shardings = actor.init_train_state(actor_rng, self.actor_tx)
-    # The reference is the initial policy: the same initialisation, in the reference's shards.
-    self.reference_params = self.roles[Role.REFERENCE].init_params(actor_rng)
+    updates = cfg.total_steps * cfg.ppo.ppo_epochs * cfg.ppo.mini_batches
+    self.actor_tx = make_optimizer(cfg.actor_optimizer, updates)
+    self.critic_tx = make_optimizer(cfg.critic_optimizer, updates)
+    init = cfg.init
+    # The reference is the initial policy: the same weights, in the reference's shards.
+    self.reference_params = self._initial_params(
+      Role.REFERENCE, init.actor, actor_rng, "init.actor"
+    )
+    self.reward_params = (
+      self._initial_params(Role.REWARD, init.reward, reward_rng, "init.reward")
+      if self.use_reward_model
+      else None
+    )
+    resume_step = self.checkpointer.latest_step() if cfg.checkpoint.resume else None
+    if resume_step is not None:
+      return resume_step, self._restore(resume_step)
+    self.actor_state, self.actor_state_shardings = self._train_state(
+      Role.ACTOR,
+      self.actor_tx,
+      self._initial_params(Role.ACTOR, init.actor, actor_rng, "init.actor"),
+    )
     self.critic_state = None
     if self.use_critic:
-      self.critic_state, self.critic_state_shardings = critic.init_train_state(
-        critic_rng, self.critic_tx
+      # Without its own source, the critic starts from the policy's trunk (value head at 0).
+      critic_source, what = (
+        (init.critic, "init.critic") if init.critic else (init.actor, "init.actor")
       )
-    self.reward_params = (
-      self.roles[Role.REWARD].init_params(reward_rng) if self.use_reward_model else None
+      self.critic_state, self.critic_state_shardings = self._train_state(
+        Role.CRITIC,
+        self.critic_tx,
+        self._initial_params(Role.CRITIC, critic_source, critic_rng, what),
+      )
+    return 0, {}
+
+  def _abstract_state(self, role: Role, tx) -> tuple[TrainState, TrainState]:
+    rt = self.roles[role]
+    shardings = rt.train_state_shardings(tx)
+    shapes = jax.eval_shape(
+      lambda p: init_train_state(p, tx), models.abstract_params(rt.model, rt.head)
     )
+    return weights.abstract_with_shardings(shapes, shardings), shardings
+
+  def _restore(self, step: int) -> dict[str, Any]:
+    """Reads checkpoint `step` straight into this placement's shards (which may differ from
+    the placement that saved it) and the loop's state from its meta."""
+    abstract: dict[str, Any] = {}
+    abstract["actor"], self.actor_state_shardings = self._abstract_state(Role.ACTOR, self.actor_tx)
+    if self.use_critic:
+      abstract["critic"], self.critic_state_shardings = self._abstract_state(
+        Role.CRITIC, self.critic_tx
+      )
+    if self.cfg.ppo.async_rollout:
+      rollout = self.roles[Role.ROLLOUT]
+      abstract["rollout"] = weights.abstract_with_shardings(
+        models.abstract_params(rollout.model, rollout.head), rollout.param_shardings
+      )
+    items, meta = self.checkpointer.restore(step, abstract)
+    if meta.get("seed") != self.cfg.seed:
+      raise ckpt.CheckpointError(
+        f"{self.checkpointer.directory / str(step)} was written with seed {meta.get('seed')}, "
+        f"the config says {self.cfg.seed}: resume with the same seed or another workdir"
+      )
+    self.actor_state = items["actor"]
+    self.critic_state = items.get("critic")
+    self.kl_state = alg.KLControllerState(coef=float(meta["kl_coef"]))
+    self.prompts.set_state(meta["data"])
+    self.pending_prompts = meta.get("pending_prompts")
+    self.skipped_in_row = int(meta.get("skipped_in_row", 0))
+    return items
+
+  def _checkpoint_meta(self, step: int) -> dict[str, Any]:
+    return {
+      "step": step,
+      # Every random choice derives from (seed, iteration): this is the whole RNG state.
+      "seed": self.cfg.seed,
+      "kl_coef": float(self.kl_state.coef),
+      "data": self.prompts.get_state(),
+      "pending_prompts": self.pending_prompts,
+      "skipped_in_row": self.skipped_in_row,
+      "placement": self.placement.strategy,
+    }
+
+  def _save(self, step: int, *, force: bool = False) -> bool:
+    """Checkpoint after `step` iterations (on the schedule, or always with `force`)."""
+    items = {"actor": self.actor_state}
+    if self.use_critic:
+      items["critic"] = self.critic_state
+    if self.cfg.ppo.async_rollout:
+      items["rollout"] = self.engine.params
+    return self.checkpointer.save(step, items, self._checkpoint_meta(step), force=force)
 
   def _compile(self) -> None:
     """Jits every hot function once with explicit shardings for its role's mesh."""
@@ -294,7 +441,7 @@ class PPOTrainer:
 
   def _next_prompts(self) -> list[list[int]]:
     group = self.cfg.ppo.group_size
-    unique = self.stream.next(self.cfg.rollout.batch_size // group)
+    unique = self.prompts.take(self.cfg.rollout.batch_size // group)
     return [p for p in unique for _ in range(group)]
 
   def _score(self, iteration: int, seqs: Sequences) -> dict[str, Any]:
@@ -414,8 +561,15 @@ class PPOTrainer:
         merged = {}
         for result in results:
           merged.update(jax.device_get(result))
+        skipped = max(float(merged["actor/skipped"]), float(merged.get("critic/skipped", 0.0)))
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
         metrics.append(merged)
-    return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    out["update/skipped"] = float(
+      sum(max(m["actor/skipped"], m.get("critic/skipped", 0.0)) for m in metrics)
+    )
+    out["update/skipped_in_row"] = float(self.skipped_in_row)
+    return out
 
   def _actor_update(self, batch):
     self.actor_state, metrics = self._actor_step(
@@ -450,67 +604,120 @@ class PPOTrainer:
     return times
 
   def run(self) -> RunResult:
+    """Runs the iterations from `start_step` to `total_steps`, with an evaluation before the
+    first (of a fresh run) and after the last. SIGTERM stops it after the current iteration
+    with a checkpoint."""
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
-    writer = MetricsWriter(self.workdir, enabled=jax.process_index() == 0)
+    primary = jax.process_index() == 0
+    writer = MetricsWriter(self.workdir, enabled=primary, start_step=self.start_step)
+    evaluation = self._read_evaluation()
+    if self.start_step == 0 and self.eval_prompts:
+      evaluation = {"before": self.evaluate()}
+      self._write_evaluation(evaluation)
     rows: list[dict[str, float]] = []
+    preempted = threading.Event()
+    restore_handler = _on_sigterm(preempted.set)
     pool = concurrent.futures.ThreadPoolExecutor(1) if cfg.ppo.async_rollout else None
     pending = None
     bar = tqdm.tqdm(
-      range(cfg.total_steps), desc="ppo", disable=not self.show_progress, dynamic_ncols=True
+      range(self.start_step, cfg.total_steps),
+      desc="ppo",
+      initial=self.start_step,
+      total=cfg.total_steps,
+      disable=not (self.show_progress and primary),
+      dynamic_ncols=True,
     )
     try:
       for iteration in bar:
-        start = self.timeline.now()
-        if pending is None:
-          seqs = self._generate(iteration, self._next_prompts())
-        else:
-          seqs = pending.result()
-        bytes_synced = 0
-        if pool is not None:
-          # The weights of the last update go to the rollout mesh before the next batch starts.
-          if iteration > 0:
-            bytes_synced = self._sync(iteration)
-          pending = (
-            pool.submit(self._generate, iteration + 1, self._next_prompts())
-            if iteration + 1 < cfg.total_steps
-            else None
-          )
-        scored = self._score(iteration, seqs)
-        adv = self._advantages(iteration, seqs, scored)
-        actor_host, critic_host = self._training_batches(seqs, scored, adv)
-        update_metrics = self._update(iteration, actor_host, critic_host)
-        if pool is None:
-          bytes_synced = self._sync(iteration)
-        elapsed = self.timeline.now() - start
-        row = self._iteration_metrics(
-          iteration,
-          seqs,
-          scored["scores"],
-          actor_host["old_logprobs"],
-          adv,
-          update_metrics,
-          elapsed,
-          bytes_synced,
-        )
-        self.kl_state = alg.KL_CONTROLLERS[cfg.ppo.kl_controller](
-          self.kl_state,
-          row["kl/mean"],
-          cfg.rollout.batch_size,
-          target=cfg.ppo.kl_target,
-          horizon=cfg.ppo.kl_horizon,
-        )
+        row, pending = self._iteration(iteration, pool, pending)
         rows.append(row)
         if iteration % cfg.log_every == 0 or iteration == cfg.total_steps - 1:
           writer.write(iteration, {k: v for k, v in row.items() if k != "step"})
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", kl=f"{row['kl/mean']:.3f}")
+        self._check_skipped(iteration)
+        done = iteration + 1
+        if preempted.is_set():
+          self._save(done, force=True)
+          break
+        self._save(done, force=done == cfg.total_steps)
     finally:
+      restore_handler()
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
       writer.close()
-    if jax.process_index() == 0:
-      self._write_outputs(rows)
-    return RunResult(metrics=rows, workdir=self.workdir, compilations=self.traces.counts)
+      self.checkpointer.wait()
+    stopped_early = preempted.is_set() and (not rows or rows[-1]["step"] + 1 < cfg.total_steps)
+    if not stopped_early and self.eval_prompts and "after" not in evaluation:
+      evaluation["after"] = self.evaluate()
+      self._write_evaluation(evaluation)
+    if primary:
+      self._write_outputs(writer.rows())
+    self.checkpointer.close()
+    return RunResult(
+      metrics=rows,
+      workdir=self.workdir,
+      compilations=self.traces.counts,
+      start_step=self.start_step,
+      preempted=stopped_early,
+      evaluation=evaluation,
+    )
+
+  def _iteration(self, iteration: int, pool, pending) -> tuple[dict[str, float], Any]:
+    """One PPO iteration; returns its metrics row and the future of the next batch (async)."""
+    cfg = self.cfg
+    start = self.timeline.now()
+    if pending is None:
+      prompts = self.pending_prompts or self._next_prompts()
+      self.pending_prompts = None
+      seqs = self._generate(iteration, prompts)
+    else:
+      seqs = pending.result()
+    bytes_synced = 0
+    if pool is not None:
+      # The weights of the last update go to the rollout mesh before the next batch starts.
+      if iteration > 0:
+        bytes_synced = self._sync(iteration)
+      pending = None
+      if iteration + 1 < cfg.total_steps:
+        self.pending_prompts = self._next_prompts()
+        pending = pool.submit(self._generate, iteration + 1, self.pending_prompts)
+    scored = self._score(iteration, seqs)
+    adv = self._advantages(iteration, seqs, scored)
+    actor_host, critic_host = self._training_batches(seqs, scored, adv)
+    update_metrics = self._update(iteration, actor_host, critic_host)
+    if pool is None:
+      bytes_synced = self._sync(iteration)
+    elapsed = self.timeline.now() - start
+    row = self._iteration_metrics(
+      iteration,
+      seqs,
+      scored["scores"],
+      actor_host["old_logprobs"],
+      adv,
+      update_metrics,
+      elapsed,
+      bytes_synced,
+    )
+    self.kl_state = alg.KL_CONTROLLERS[cfg.ppo.kl_controller](
+      self.kl_state,
+      row["kl/mean"],
+      cfg.rollout.batch_size,
+      target=cfg.ppo.kl_target,
+      horizon=cfg.ppo.kl_horizon,
+    )
+    return row, pending
+
+  def _check_skipped(self, iteration: int) -> None:
+    """Too many updates in a row skipped for non-finite values stop the run."""
+    limit = self.cfg.ppo.max_skipped_updates
+    if self.skipped_in_row >= limit:
+      raise TooManySkippedUpdates(
+        f"stopped at iteration {iteration}: the last {self.skipped_in_row} updates had a "
+        "non-finite "
+        f"loss or gradients and were skipped (ppo.max_skipped_updates={limit}); the weights "
+        f"are those of the last finite update. Check the rewards and the learning rates."
+      )
 
   def _iteration_metrics(
     self, iteration, seqs, scores, actor_logp, adv, update_metrics, elapsed, bytes_synced
@@ -534,13 +741,17 @@ class PPOTrainer:
       "loss/value": update_metrics.get("loss/value", 0.0),
     }
     row.update(self._stage_times(iteration))
+    row.update({f"data/{k}": float(v) for k, v in self.prompts.stats.items()})
     for key, value in update_metrics.items():
       row.setdefault(key, value)
     return row
 
   def _write_outputs(self, rows: list[dict[str, float]]) -> None:
+    """Timeline (this run's iterations) and the reward curve (every row of metrics.jsonl, so
+    a resumed run plots the whole run)."""
     self.timeline.write_json(os.path.join(self.workdir, "timeline.json"))
-    last = [r for r in self.timeline.records if r.iteration >= max(len(rows) - 3, 0)]
+    newest = max((r.iteration for r in self.timeline.records), default=0)
+    last = [r for r in self.timeline.records if r.iteration > newest - 3]
     plot_gantt(
       last,
       os.path.join(self.workdir, "timeline.png"),
@@ -552,3 +763,117 @@ class PPOTrainer:
       os.path.join(self.workdir, "reward.png"),
       title="mean reward per iteration",
     )
+
+  # -------------------------------------------------------------------------------------------
+  # Evaluation.
+
+  def evaluate(self) -> dict[str, Any]:
+    """The current policy on the held-out prompts: mean rewards and a few samples.
+
+    Responses come from the rollout engine (at `eval.temperature`; 0 is greedy) with a fixed
+    seed, so the evaluations before and after PPO see the same prompts and randomness. Reports
+    the configured reward and each of its parts, and the task's own rule (`task_reward`): what
+    the task wants, which a learned reward model only approximates.
+    """
+    cfg = self.cfg
+    b, r = cfg.rollout.batch_size, cfg.rollout
+    sampling = dataclasses.replace(self._sampling(), temperature=cfg.eval.temperature)
+    parts: dict[str, list[np.ndarray]] = {}
+    samples: list[dict[str, Any]] = []
+    for start in range(0, len(self.eval_prompts), b):
+      chunk = self.eval_prompts[start : start + b]
+      n = len(chunk)
+      chunk = chunk + [chunk[-1]] * (b - n)  # the scorers are compiled for whole batches
+      out = self.engine.generate(chunk, sampling=sampling, seed=cfg.seed + 7919)
+      seqs = experience.assemble(
+        chunk,
+        out.tokens,
+        out.lengths,
+        out.logprobs,
+        prompt_len=r.max_prompt_len,
+        response_len=r.max_new_tokens,
+        pad_id=self.tokenizer.pad_id,
+      )
+      scores = self._eval_scores(seqs)
+      for key, value in scores.items():
+        parts.setdefault(key, []).append(value[:n])
+      parts.setdefault("response_length", []).append(seqs.response_mask_bt.sum(-1)[:n])
+      for i in range(min(n, 8 - len(samples))):
+        samples.append(
+          {
+            "prompt": self.tokenizer.decode(seqs.prompts[i]),
+            "response": self.tokenizer.decode(seqs.responses[i]),
+            **{key: float(value[i]) for key, value in scores.items()},
+          }
+        )
+    result: dict[str, Any] = {
+      key: float(np.mean(np.concatenate(values))) for key, values in parts.items()
+    }
+    result["num_prompts"] = len(self.eval_prompts)
+    result["samples"] = samples
+    return result
+
+  def _eval_scores(self, seqs: Sequences) -> dict[str, np.ndarray]:
+    cfg, meta = self.cfg, {"step": -1, "tokenizer": self.tokenizer}
+    scores: dict[str, np.ndarray] = {}
+    total = np.zeros(len(seqs.prompts), np.float32)
+    if self.use_reward_model:
+      rt = self.roles[Role.REWARD]
+      batch = rt.put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
+      scores["reward_model"] = np.asarray(self._reward_scores(self.reward_params, *batch))
+      total += cfg.reward.model_coef * scores["reward_model"]
+    if self.reward_fn is not None:
+      scores["reward_fn"] = np.asarray(self.reward_fn(seqs.prompts, seqs.responses, meta))
+      total += cfg.reward.fn_coef * scores["reward_fn"]
+    scores["reward"] = total
+    if self.task_reward_fn is not None:
+      scores["task_reward"] = np.asarray(
+        self.task_reward_fn(seqs.prompts, seqs.responses, meta), np.float32
+      )
+    return scores
+
+  def _read_evaluation(self) -> dict[str, Any]:
+    path = os.path.join(self.workdir, "eval.json")
+    if self.start_step == 0 or not os.path.exists(path):
+      return {}
+    with open(path) as f:
+      return json.load(f)
+
+  def _write_evaluation(self, evaluation: dict[str, Any]) -> None:
+    """eval.json, and eval.md: a table of before / after and the samples, for people."""
+    if jax.process_index() != 0:
+      return
+    path = os.path.join(self.workdir, "eval.json")
+    with open(path + ".tmp", "w") as f:
+      json.dump(evaluation, f, indent=1)
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(self.workdir, "eval.md"), "w") as f:
+      f.write(format_evaluation(evaluation))
+
+
+def format_evaluation(evaluation: dict[str, Any]) -> str:
+  """A Markdown summary of the evaluations before and after PPO."""
+  phases = [p for p in ("before", "after") if p in evaluation]
+  keys = [
+    k
+    for k in ("task_reward", "reward", "reward_model", "reward_fn", "response_length")
+    if any(k in evaluation[p] for p in phases)
+  ]
+  lines = ["| metric | " + " | ".join(phases) + " |", "| --- |" + " --- |" * len(phases)]
+  for key in keys:
+    cells = [f"{evaluation[p][key]:.4f}" if key in evaluation[p] else "" for p in phases]
+    lines.append(f"| {key} | " + " | ".join(cells) + " |")
+  for phase in phases:
+    lines += ["", f"Samples {phase} PPO:", ""]
+    for s in evaluation[phase]["samples"]:
+      lines.append(f"- {s['prompt']!r} -> {s['response']!r} (reward {s['reward']:.3f})")
+  return "\n".join(lines) + "\n"
+
+
+def _on_sigterm(callback) -> Any:
+  """Calls `callback` on SIGTERM (preemption) instead of dying; returns the undo function.
+  Signals reach only the main thread, so elsewhere (a trainer run in a thread) it does nothing."""
+  if threading.current_thread() is not threading.main_thread():
+    return lambda: None
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: callback())
+  return lambda: signal.signal(signal.SIGTERM, previous)

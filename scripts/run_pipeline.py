@@ -1,0 +1,104 @@
+"""The whole path from a base model to an aligned one: SFT -> reward model -> PPO.
+
+  python scripts/run_pipeline.py --config=configs/pipeline_tiny.py --workdir=workdirs/pipeline
+
+Stages write into WORKDIR/sft, WORKDIR/rm and WORKDIR/ppo (each what its own script writes:
+metrics, plots, checkpoints); the reward model starts from the SFT trunk, PPO from the SFT
+policy and the reward model. WORKDIR/summary.md reports every stage, and the PPO outputs a
+user looks at first are copied beside it: reward.png (the reward curve), eval.md (the policy
+on held-out prompts before and after PPO) and timeline.png (which devices ran what, when).
+
+Rerunning the same command resumes: finished stages are not trained again, an interrupted one
+continues from its latest checkpoint. Bad input: one `error:` line, exit status 2.
+"""
+
+import os
+import shutil
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from rlhfjax import launch
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where every stage writes.")
+_MAX_CPU_DEVICES = flags.DEFINE_integer(
+  "max_cpu_devices", 64, "Most host devices to emulate when running on CPU."
+)
+flags.mark_flags_as_required(["config", "workdir"])
+
+_COPIED = ("reward.png", "eval.md", "timeline.png")
+
+
+def main(argv: list[str]) -> None:
+  config = _CONFIG.value
+  try:
+    stages = [config.sft, config.rm, config.ppo]
+  except AttributeError as error:
+    launch.fail(f"the pipeline config needs sections sft, rm and ppo: {error}")
+  if len(argv) > 1:
+    launch.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  launch.quiet_logging()
+  wanted = [launch.requested_devices(s, _MAX_CPU_DEVICES.value) or 0 for s in stages]
+  if max(wanted):
+    launch.emulate_host_devices(max(wanted))
+
+  # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
+  from rlhfjax import config as config_lib
+  from rlhfjax.observe.metrics import MetricsWriter
+  from rlhfjax.ppo import trainer as ppo_trainer
+  from rlhfjax.training import reward_model, sft
+
+  workdir = _WORKDIR.value
+  dirs = {name: os.path.join(workdir, name) for name in ("sft", "rm", "ppo")}
+  config.rm.init.checkpoint = os.path.join(dirs["sft"], "checkpoints")
+  config.ppo.init.actor = os.path.join(dirs["sft"], "checkpoints")
+  config.ppo.init.reward = os.path.join(dirs["rm"], "checkpoints")
+  try:
+    sft_cfg = config_lib.from_config_dict(config.sft, config_lib.SFTConfig)
+    rm_cfg = config_lib.from_config_dict(config.rm, config_lib.RewardModelConfig)
+    ppo_cfg = config_lib.from_config_dict(config.ppo)
+    print("stage 1/3: supervised fine-tuning", flush=True)
+    sft.SFTTrainer(sft_cfg, dirs["sft"]).run()
+    print("stage 2/3: reward model", flush=True)
+    reward_model.RewardModelTrainer(rm_cfg, dirs["rm"]).run()
+    print("stage 3/3: PPO", flush=True)
+    result = ppo_trainer.PPOTrainer(ppo_cfg, dirs["ppo"]).run()
+  except (ValueError, ppo_trainer.TooManySkippedUpdates) as error:
+    launch.fail(error)
+  if result.preempted:
+    print("SIGTERM: PPO checkpoint written; rerun the same command to resume")
+    return
+
+  rows = {name: MetricsWriter.read(os.path.join(dirs[name], "metrics.jsonl")) for name in dirs}
+  summary = _summary(rows, result.evaluation, ppo_trainer.format_evaluation)
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write(summary)
+  for name in _COPIED:
+    shutil.copyfile(os.path.join(dirs["ppo"], name), os.path.join(workdir, name))
+  print(summary)
+  print(f"outputs in {workdir}: summary.md, {', '.join(_COPIED)}; each stage in its subdirectory")
+
+
+def _first_last(rows: list[dict], key: str) -> str:
+  values = [row[key] for row in rows if key in row]
+  return f"{values[0]:.4f} -> {values[-1]:.4f}" if values else "-"
+
+
+def _summary(rows: dict[str, list[dict]], evaluation: dict, format_evaluation) -> str:
+  lines = [
+    "# Pipeline summary",
+    "",
+    f"- SFT held-out loss: {_first_last(rows['sft'], 'eval/loss')}",
+    f"- Reward model held-out accuracy: {_first_last(rows['rm'], 'eval/accuracy')}",
+    f"- PPO mean reward (reward model): {_first_last(rows['ppo'], 'reward/mean')}",
+    "",
+    "## PPO policy on held-out prompts",
+    "",
+    format_evaluation(evaluation),
+  ]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=launch.parse_flags)

@@ -1,0 +1,210 @@
+"""Checkpoint and resume of PPO runs: kill -9, SIGTERM, another placement, bad checkpoints,
+non-finite updates. The subprocess tests run scripts/train_ppo.py as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfjax import checkpoint as ckpt
+from rlhfjax import config as config_lib
+from rlhfjax.placement.spec import Role
+from rlhfjax.ppo import trainer as trainer_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "train_ppo.py")
+STEPS = 6
+FLAGS = (
+  f"--config.total_steps={STEPS}",
+  "--config.rollout.batch_size=8",
+  "--config.rollout.max_new_tokens=8",
+  "--config.ppo.ppo_epochs=1",
+  "--config.checkpoint.every_steps=2",
+  "--config.eval.num_prompts=0",
+)
+# Wall-clock and machine-dependent keys; everything else must repeat exactly.
+VOLATILE = ("time/", "throughput/")
+
+
+def _command(workdir: str, *extra: str) -> list[str]:
+  config = os.path.join(ROOT, "configs", "ppo_tiny.py")
+  return [sys.executable, SCRIPT, f"--config={config}", f"--workdir={workdir}", *FLAGS, *extra]
+
+
+def _run(workdir: str, *extra: str) -> subprocess.CompletedProcess:
+  return subprocess.run(
+    _command(workdir, *extra), capture_output=True, text=True, timeout=600, cwd=ROOT
+  )
+
+
+def _rows(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _deterministic(row: dict) -> dict:
+  return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def _wait_for_row(proc: subprocess.Popen, workdir: str, step: int, timeout: float = 400) -> None:
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    assert proc.poll() is None, proc.communicate()
+    if os.path.exists(path):
+      with open(path) as f:
+        if any(json.loads(line)["step"] >= step for line in f if line.endswith("\n")):
+          return
+    time.sleep(0.05)
+  proc.kill()
+  raise AssertionError(f"no metrics row for step {step} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+  workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+  done = _run(workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = _rows(workdir)
+  assert [r["step"] for r in rows] == list(range(STEPS))
+  assert ckpt.complete_steps(os.path.join(workdir, "checkpoints")) == [4, 6]  # keep=2
+  return rows
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_repeats_the_uninterrupted_run(uninterrupted, tmp_path):
+  workdir = str(tmp_path)
+  proc = subprocess.Popen(
+    _command(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+  )
+  # Iteration 3's row is written just before its checkpoint is due (step 4): the kill lands
+  # in iteration 3's save or early in iteration 4, after the step-2 checkpoint is complete.
+  _wait_for_row(proc, workdir, 3)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  complete = ckpt.complete_steps(os.path.join(workdir, "checkpoints"))
+  assert complete and complete[-1] < STEPS
+
+  done = _run(workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"resuming from the checkpoint of step {complete[-1]}" in done.stdout
+  resumed = _rows(workdir)
+  assert [r["step"] for r in resumed] == list(range(STEPS))
+  for got, want in zip(resumed, uninterrupted, strict=True):
+    assert _deterministic(got) == _deterministic(want), got["step"]
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
+  workdir = str(tmp_path)
+  proc = subprocess.Popen(
+    _command(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+  )
+  _wait_for_row(proc, workdir, 0)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  assert "SIGTERM: checkpoint of step" in out
+  stopped_at = int(out.split("checkpoint of step ")[1].split()[0])
+  assert stopped_at < STEPS
+  assert stopped_at in ckpt.complete_steps(os.path.join(workdir, "checkpoints"))
+  assert [r["step"] for r in _rows(workdir)] == list(range(stopped_at))
+
+  done = _run(workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"resuming from the checkpoint of step {stopped_at}" in done.stdout
+  for got, want in zip(_rows(workdir), uninterrupted, strict=True):
+    assert _deterministic(got) == _deterministic(want), got["step"]
+
+
+@pytest.mark.slow
+def test_a_corrupt_checkpoint_is_a_one_line_error_naming_the_file(uninterrupted, tmp_path):
+  workdir = str(tmp_path)
+  done = _run(workdir, "--config.total_steps=2")
+  assert done.returncode == 0, done.stderr[-3000:]
+  meta = os.path.join(workdir, "checkpoints", "2", "meta", "metadata")
+  with open(meta, "w") as f:
+    f.write('{"step": 2, "se')
+  failed = _run(workdir, "--config.total_steps=4")
+  assert failed.returncode == 2
+  error = failed.stderr.strip().splitlines()[-1]
+  assert error.startswith("error: ") and meta in error
+
+
+def _config(strategy: str, steps: int, reward=None, **ppo) -> config_lib.ExperimentConfig:
+  import runpy
+
+  cd = runpy.run_path(os.path.join(ROOT, "configs", "ppo_tiny.py"))["get_config"](strategy)
+  cd.total_steps = steps
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.ppo.ppo_epochs = 1
+  cd.checkpoint = {"every_steps": 2, "async_save": True}
+  cd.eval = {"num_prompts": 0}
+  cd.ppo.update(ppo)
+  if reward:
+    cd.reward.update(reward)
+  return config_lib.from_config_dict(cd)
+
+
+@pytest.mark.slow
+def test_saved_under_colocated_resumes_under_disaggregated(tmp_path):
+  workdir = str(tmp_path)
+  first = trainer_lib.PPOTrainer(_config("colocated", 2), workdir, show_progress=False)
+  first.run()
+  saved = jax.device_get(first.actor_state.params)
+  saved_critic = jax.device_get(first.critic_state.params)
+
+  second = trainer_lib.PPOTrainer(_config("disaggregated", 3), workdir, show_progress=False)
+  assert second.start_step == 2
+  actor_devices = {jax.devices()[i] for i in second.placement[Role.ACTOR].devices}
+  assert actor_devices != set(jax.devices())  # the actor really moved to a sub-mesh
+  for state, want, role in (
+    (second.actor_state, saved, Role.ACTOR),
+    (second.critic_state, saved_critic, Role.CRITIC),
+  ):
+    devices = {jax.devices()[i] for i in second.placement[role].devices}
+    for leaf, expected, sharding in zip(
+      jax.tree.leaves(state.params),
+      jax.tree.leaves(want),
+      jax.tree.leaves(second.roles[role].param_shardings),
+      strict=True,
+    ):
+      assert leaf.sharding == sharding
+      assert {s.device for s in leaf.addressable_shards} == devices
+      for shard in leaf.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
+  # The rollout engine starts from the restored weights, and the run continues.
+  result = second.run()
+  assert [r["step"] for r in result.metrics] == [2]
+  assert [r["step"] for r in _rows(workdir)] == [0, 1, 2]
+
+
+def nan_reward(prompts, responses, metadata):
+  del responses, metadata
+  return np.full(len(prompts), np.nan, np.float32)
+
+
+@pytest.mark.slow
+def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path):
+  cfg = _config("colocated", 4, reward={"fn": "test_resume:nan_reward"}, max_skipped_updates=3)
+  trainer = trainer_lib.PPOTrainer(cfg, str(tmp_path), show_progress=False)
+  before = jax.device_get(trainer.actor_state.params)
+  with pytest.raises(trainer_lib.TooManySkippedUpdates, match="non-finite"):
+    trainer.run()
+  rows = _rows(str(tmp_path))
+  # Two updates per iteration (mini_batches=2): the limit of 3 is reached in iteration 1.
+  assert [r["step"] for r in rows] == [0, 1]
+  assert rows[0]["update/skipped"] == 2 and rows[1]["update/skipped_in_row"] == 4
+  after = jax.device_get(trainer.actor_state.params)
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+    np.testing.assert_array_equal(a, b)
