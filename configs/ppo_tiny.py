@@ -95,6 +95,17 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.ppo.kl_horizon = 10_000
   config.ppo.async_rollout = variant == "disaggregated_async"
 
+  # One process unless enabled; see scripts/train_ppo.py for a two-process run on one machine.
+  config.distributed = ml_collections.ConfigDict(
+    {
+      "enabled": False,
+      "coordinator_address": "",
+      "num_processes": 0,
+      "process_id": -1,
+      "local_device_count": 0,
+    }
+  )
+
   config.actor_optimizer = ml_collections.ConfigDict(
     {"learning_rate": 1e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}
   )

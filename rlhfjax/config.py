@@ -17,6 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from rlhfjax.distributed import DistributedSection
 from rlhfjax.models import config as model_config
 from rlhfjax.training.optimizer import OptimizerConfig
 
@@ -315,6 +316,7 @@ class ExperimentConfig:
     default_factory=lambda: OptimizerConfig(learning_rate=5e-5)
   )
   log_every: int = 1
+  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
 
 def from_config_dict(config_dict: Any, cls: type[T] = ExperimentConfig) -> T:

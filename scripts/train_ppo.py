@@ -4,8 +4,15 @@
   python scripts/train_ppo.py --config=configs/ppo_tiny.py --workdir=workdirs/dis \
       --config.placement.strategy=disaggregated --config.total_steps=30 --config.seed=3
 
+Multi-process (here two processes of 4 CPU devices on one machine; run once per K = 0, 1):
+
+  python scripts/train_ppo.py --config=configs/ppo_tiny.py --workdir=workdirs/mh \
+      --config.distributed.enabled=True --config.distributed.coordinator_address=localhost:1234 \
+      --config.distributed.num_processes=2 --config.distributed.process_id=K
+
 Writes `metrics.jsonl`, TensorBoard events, `timeline.json` / `timeline.png` (one lane per
-device group) and `reward.png` into the workdir. Bad input: one `error:` line, exit status 2.
+device group) and `reward.png` into the workdir; in a multi-process run, process 0 writes them.
+Bad input: one `error:` line, exit status 2.
 """
 
 from absl import app, flags
@@ -26,6 +33,7 @@ def main(argv: list[str]) -> None:
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib
+  from rlhfjax import distributed
   from rlhfjax.ppo import trainer
 
   try:
@@ -34,6 +42,8 @@ def main(argv: list[str]) -> None:
   except ValueError as error:  # ConfigError and PlacementError included
     launch.fail(error)
   result = ppo.run()
+  if not distributed.is_primary():
+    return
   first, last = result.metrics[0], result.metrics[-1]
   print(
     f"reward/mean {first['reward/mean']:.3f} -> {last['reward/mean']:.3f} over "
