@@ -30,7 +30,7 @@ import numpy as np
 import tqdm
 
 from rlhfjax import algorithms as alg
-from rlhfjax import tasks
+from rlhfjax import distributed, tasks
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.observe.compiles import TraceCounter
@@ -85,6 +85,7 @@ class PPOTrainer:
   def __init__(self, cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True):
     self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
     self.placement: PlacementSpec = plan_placement(cfg, len(jax.devices()))
+    distributed.check_placement(self.placement)
     ppo, rollout = cfg.ppo, cfg.rollout
     if rollout.batch_size % ppo.group_size:
       raise ValueError(
@@ -328,7 +329,7 @@ class PPOTrainer:
     out = dict(zip([s.role for s in stages], results, strict=True))
     scores = np.zeros(len(seqs.prompts), np.float32)
     if self.use_reward_model:
-      scores += self.cfg.reward.model_coef * np.asarray(out["reward"])
+      scores += self.cfg.reward.model_coef * distributed.to_host(out["reward"])
     if self.reward_fn is not None:
       fn_scores = out["reward_fn"]
       if fn_scores.shape != scores.shape:
@@ -364,14 +365,14 @@ class PPOTrainer:
     iteration (every epoch re-splits the same arrays)."""
     actor = {
       **seqs.device_batch(),
-      "old_logprobs": np.asarray(scored["old_logprobs"]),
-      "advantages": np.asarray(adv["advantages"]),
+      "old_logprobs": distributed.to_host(scored["old_logprobs"]),
+      "advantages": distributed.to_host(adv["advantages"]),
     }
     if self.cfg.ppo.async_rollout:
       actor["behaviour_logprobs"] = seqs.rollout_logprobs_bt
-    critic = {**seqs.device_batch(), "returns": np.asarray(adv["returns"])}
+    critic = {**seqs.device_batch(), "returns": distributed.to_host(adv["returns"])}
     if self.use_critic:
-      critic["old_values"] = np.asarray(scored["values"])
+      critic["old_values"] = distributed.to_host(scored["values"])
     return actor, critic
 
   def _minibatches(self, iteration: int, epoch: int, actor_host: dict, critic_host: dict):
@@ -452,12 +453,15 @@ class PPOTrainer:
   def run(self) -> RunResult:
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
-    writer = MetricsWriter(self.workdir, enabled=jax.process_index() == 0)
+    writer = MetricsWriter(self.workdir, enabled=distributed.is_primary())
     rows: list[dict[str, float]] = []
     pool = concurrent.futures.ThreadPoolExecutor(1) if cfg.ppo.async_rollout else None
     pending = None
     bar = tqdm.tqdm(
-      range(cfg.total_steps), desc="ppo", disable=not self.show_progress, dynamic_ncols=True
+      range(cfg.total_steps),
+      desc="ppo",
+      disable=not (self.show_progress and distributed.is_primary()),
+      dynamic_ncols=True,
     )
     try:
       for iteration in bar:
@@ -508,7 +512,7 @@ class PPOTrainer:
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
       writer.close()
-    if jax.process_index() == 0:
+    if distributed.is_primary():
       self._write_outputs(rows)
     return RunResult(metrics=rows, workdir=self.workdir, compilations=self.traces.counts)
 
@@ -522,7 +526,7 @@ class PPOTrainer:
       "step": iteration,
       "reward/mean": float(np.mean(scores)),
       "reward/std": float(np.std(scores)),
-      "kl/mean": float(adv["kl/mean"]),
+      "kl/mean": float(distributed.to_host(adv["kl/mean"])),
       "kl/coef": float(self.kl_state.coef),
       "response/length": float(mask.sum(-1).mean()),
       "logprob_mismatch/max": float(mismatch.max()) if mismatch.size else 0.0,
