@@ -102,6 +102,16 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   # a reward-model run for the reward role, or Hugging Face checkpoints; empty: random.
   config.init = ml_collections.ConfigDict({"actor": "", "critic": "", "reward": ""})
   config.eval = ml_collections.ConfigDict({"num_prompts": 64, "temperature": 0.0})
+  # One process unless enabled; see scripts/train_ppo.py for a two-process run on one machine.
+  config.distributed = ml_collections.ConfigDict(
+    {
+      "enabled": False,
+      "coordinator_address": "",
+      "num_processes": 0,
+      "process_id": -1,
+      "local_device_count": 0,
+    }
+  )
 
   config.actor_optimizer = ml_collections.ConfigDict(
     {"learning_rate": 1e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from rlhfjax.checkpoint import CheckpointSection
+from rlhfjax.distributed import DistributedSection
 from rlhfjax.models import config as model_config
 from rlhfjax.training.optimizer import OptimizerConfig
 
@@ -364,6 +365,7 @@ class ExperimentConfig:
   """How often to checkpoint to WORKDIR/checkpoints and whether a rerun resumes."""
   init: RoleInitSection = dataclasses.field(default_factory=RoleInitSection)
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

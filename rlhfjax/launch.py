@@ -70,10 +70,28 @@ def requested_devices(config_dict, max_cpu_devices: int) -> int | None:
 
 def start(argv: list[str], config_dict, max_cpu_devices: int) -> None:
   """The common start of an entry point: no stray arguments, quiet logs, and as many host
-  devices as the config's placement asks for (on CPU). Call it before importing JAX."""
+  devices as the config's placement asks for (on CPU). Call it before importing JAX.
+
+  With `distributed.enabled`, joins the job's processes instead (`rlhfjax.distributed`), each
+  emulating its share of the devices."""
   if len(argv) > 1:
     fail(f"unexpected arguments: {' '.join(argv[1:])}")
   quiet_logging()
   num_devices = requested_devices(config_dict, max_cpu_devices)
-  if num_devices:
+  if _distributed_enabled(config_dict):
+    # Imports JAX, which is fine: only its backends must start after this.
+    from rlhfjax import distributed
+
+    try:
+      distributed.initialize(distributed.section_from_config_dict(config_dict), num_devices)
+    except ValueError as error:
+      fail(error)
+  elif num_devices:
     emulate_host_devices(num_devices)
+
+
+def _distributed_enabled(config_dict) -> bool:
+  try:
+    return config_dict.distributed.enabled is True
+  except (AttributeError, KeyError):  # no such section: single process
+    return False

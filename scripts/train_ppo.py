@@ -4,9 +4,16 @@
   python scripts/train_ppo.py --config=configs/ppo_tiny.py --workdir=workdirs/dis \
       --config.placement.strategy=disaggregated --config.total_steps=30 --config.seed=3
 
+Multi-process (here two processes of 4 CPU devices on one machine; run once per K = 0, 1):
+
+  python scripts/train_ppo.py --config=configs/ppo_tiny.py --workdir=workdirs/mh \
+      --config.distributed.enabled=True --config.distributed.coordinator_address=localhost:1234 \
+      --config.distributed.num_processes=2 --config.distributed.process_id=K
+
 Writes `metrics.jsonl`, TensorBoard events, `timeline.json` / `timeline.png` (one lane per
 device group), `reward.png`, `eval.json` / `eval.md` (held-out prompts before and after PPO) and
-`checkpoints/<step>/` into the workdir. Rerunning the same command resumes from the latest
+`checkpoints/<step>/` into the workdir (in a multi-process run, process 0 writes the files and
+every process takes part in the checkpoints). Rerunning the same command resumes from the latest
 complete checkpoint; SIGTERM writes one and exits with status 0. Bad input: one `error:` line,
 exit status 2.
 """
@@ -29,6 +36,7 @@ def main(argv: list[str]) -> None:
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib
+  from rlhfjax import distributed
   from rlhfjax.ppo import trainer
 
   try:
@@ -40,6 +48,8 @@ def main(argv: list[str]) -> None:
   except (ValueError, trainer.TooManySkippedUpdates) as error:
     # Config, placement, data and checkpoint errors are ValueErrors with one-line messages.
     launch.fail(error)
+  if not distributed.is_primary():
+    return
   if result.preempted:
     last = result.metrics[-1]["step"] + 1 if result.metrics else result.start_step
     print(f"SIGTERM: checkpoint of step {last} written; rerun the same command to resume")

@@ -29,8 +29,12 @@ So `transfer` plans the move shard by shard:
 Leaves go through these steps in groups (see `_GROUP_BYTES`). Every step is asynchronous:
 `transfer` does not block.
 
-Arrays already laid out as asked are returned as they are. Only fully addressable arrays are
-supported (one controller).
+Arrays already laid out as asked are returned as they are.
+
+Multi-process runs: a global array that spans other processes' devices (not fully addressable)
+moves through a jitted identity with `out_shardings` instead, compiled once per set of target
+shardings: XLA's collectives carry the shards across processes, device to device (with the
+rematerialization cost above). Its source and target must cover the same devices.
 """
 
 from __future__ import annotations
@@ -356,7 +360,7 @@ def transfer(
   as asked are returned unchanged and not counted.
 
   Args:
-    tree: Pytree of fully addressable `jax.Array`s.
+    tree: Pytree of `jax.Array`s (global ones too, see the module docstring).
     target_shardings: Pytree of `jax.sharding.Sharding` with the structure of `tree` (or a
       prefix of it).
     donate: Delete the source arrays once the move is enqueued, freeing their memory early.
@@ -374,7 +378,7 @@ def transfer(
 
   Raises:
     TypeError: If a leaf is not a `jax.Array`.
-    ValueError: If a leaf is not fully addressable, or `into` does not match.
+    ValueError: If a global leaf would change devices, or `into` does not match.
   """
   leaves, treedef = jax.tree.flatten(tree)
   shardings = treedef.flatten_up_to(
@@ -385,8 +389,6 @@ def transfer(
   for i, (x, s, old) in enumerate(zip(leaves, shardings, olds, strict=True)):
     if not isinstance(x, jax.Array):
       raise TypeError(f"transfer moves jax.Arrays already on devices, got {type(x).__name__}")
-    if not (x.is_fully_addressable and s.is_fully_addressable):
-      raise ValueError("transfer supports fully addressable arrays and shardings only")
     if old is not None and (
       old.shape != x.shape or old.dtype != x.dtype or not old.sharding.is_equivalent_to(s, x.ndim)
     ):
@@ -396,8 +398,14 @@ def transfer(
       )
     if not x.sharding.is_equivalent_to(s, x.ndim):
       moving.append(i)
+  global_moves = [i for i in moving if not _addressable(leaves[i], shardings[i])]
+  moving = [i for i in moving if i not in global_moves]
   olds = _disown_aliases(olds, leaves)
   out = list(leaves)
+  if global_moves:
+    moved = _reshard(tuple(shardings[i] for i in global_moves))(*(leaves[i] for i in global_moves))
+    for i, y in zip(global_moves, moved, strict=True):
+      out[i] = y  # fresh buffers: the `into` leaves are freed below
   for group in _groups(moving, leaves, shardings):
     moved = _move([leaves[i] for i in group], [shardings[i] for i in group],
                   [olds[i] for i in group])  # fmt: skip
@@ -406,10 +414,32 @@ def transfer(
   for i in set(range(len(leaves))) - set(moving):
     if olds[i] is not None:
       olds[i].delete()
+  moving += global_moves
   if donate:
     for i in moving:
       leaves[i].delete()
   return treedef.unflatten(out), sum(leaves[i].nbytes for i in moving)
+
+
+def _addressable(x: jax.Array, target: Sharding) -> bool:
+  """Whether this process holds every shard of the move, so `_move` can plan it; else the move
+  is global (multi-process) and both ends must cover the same devices."""
+  if x.is_fully_addressable and target.is_fully_addressable:
+    return True
+  if x.sharding.device_set != target.device_set:
+    src = sorted(d.id for d in x.sharding.device_set)
+    dst = sorted(d.id for d in target.device_set)
+    raise ValueError(
+      f"transfer across processes needs the same devices at both ends; {x.shape} {x.dtype} "
+      f"moves from devices {src} to {dst}"
+    )
+  return False
+
+
+@functools.lru_cache(maxsize=64)
+def _reshard(shardings: tuple[Sharding, ...]):
+  """A jitted identity laying its arguments out as `shardings` (multi-process moves)."""
+  return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
 @contextlib.contextmanager

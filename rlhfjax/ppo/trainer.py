@@ -40,7 +40,7 @@ import tqdm
 
 from rlhfjax import algorithms as alg
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import data, models, tasks
+from rlhfjax import data, distributed, models, tasks
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
@@ -84,6 +84,7 @@ class PPOTrainer:
   def __init__(self, cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True):
     self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
     self.placement: PlacementSpec = plan_placement(cfg, len(jax.devices()))
+    distributed.check_placement(self.placement)
     ppo, rollout = cfg.ppo, cfg.rollout
     if rollout.batch_size % ppo.group_size:
       raise ValueError(
@@ -475,7 +476,7 @@ class PPOTrainer:
     out = dict(zip([s.role for s in stages], results, strict=True))
     scores = np.zeros(len(seqs.prompts), np.float32)
     if self.use_reward_model:
-      scores += self.cfg.reward.model_coef * np.asarray(out["reward"])
+      scores += self.cfg.reward.model_coef * distributed.to_host(out["reward"])
     if self.reward_fn is not None:
       fn_scores = out["reward_fn"]
       if fn_scores.shape != scores.shape:
@@ -511,14 +512,14 @@ class PPOTrainer:
     iteration (every epoch re-splits the same arrays)."""
     actor = {
       **seqs.device_batch(),
-      "old_logprobs": np.asarray(scored["old_logprobs"]),
-      "advantages": np.asarray(adv["advantages"]),
+      "old_logprobs": distributed.to_host(scored["old_logprobs"]),
+      "advantages": distributed.to_host(adv["advantages"]),
     }
     if self.cfg.ppo.async_rollout:
       actor["behaviour_logprobs"] = seqs.rollout_logprobs_bt
-    critic = {**seqs.device_batch(), "returns": np.asarray(adv["returns"])}
+    critic = {**seqs.device_batch(), "returns": distributed.to_host(adv["returns"])}
     if self.use_critic:
-      critic["old_values"] = np.asarray(scored["values"])
+      critic["old_values"] = distributed.to_host(scored["values"])
     return actor, critic
 
   def _minibatches(self, iteration: int, epoch: int, actor_host: dict, critic_host: dict):
@@ -609,7 +610,7 @@ class PPOTrainer:
     with a checkpoint."""
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
-    primary = jax.process_index() == 0
+    primary = distributed.is_primary()
     writer = MetricsWriter(self.workdir, enabled=primary, start_step=self.start_step)
     evaluation = self._read_evaluation()
     if self.start_step == 0 and self.eval_prompts:
@@ -729,7 +730,7 @@ class PPOTrainer:
       "step": iteration,
       "reward/mean": float(np.mean(scores)),
       "reward/std": float(np.std(scores)),
-      "kl/mean": float(adv["kl/mean"]),
+      "kl/mean": float(distributed.to_host(adv["kl/mean"])),
       "kl/coef": float(self.kl_state.coef),
       "response/length": float(mask.sum(-1).mean()),
       "logprob_mismatch/max": float(mismatch.max()) if mismatch.size else 0.0,
@@ -820,7 +821,7 @@ class PPOTrainer:
     if self.use_reward_model:
       rt = self.roles[Role.REWARD]
       batch = rt.put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
-      scores["reward_model"] = np.asarray(self._reward_scores(self.reward_params, *batch))
+      scores["reward_model"] = distributed.to_host(self._reward_scores(self.reward_params, *batch))
       total += cfg.reward.model_coef * scores["reward_model"]
     if self.reward_fn is not None:
       scores["reward_fn"] = np.asarray(self.reward_fn(seqs.prompts, seqs.responses, meta))
@@ -841,7 +842,7 @@ class PPOTrainer:
 
   def _write_evaluation(self, evaluation: dict[str, Any]) -> None:
     """eval.json, and eval.md: a table of before / after and the samples, for people."""
-    if jax.process_index() != 0:
+    if not distributed.is_primary():
       return
     path = os.path.join(self.workdir, "eval.json")
     with open(path + ".tmp", "w") as f:

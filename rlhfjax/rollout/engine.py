@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlhfjax import models
+from rlhfjax import distributed, models
 from rlhfjax.mesh import meshes, rules, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
@@ -439,7 +439,7 @@ class Engine:
 
   def read(self, state: DecodeState) -> SlotView:
     """Copies the slots' progress and responses to the host (waits for the device)."""
-    got = jax.device_get(
+    got = distributed.to_host(
       (
         state.done_b,
         state.stopped_b,
