@@ -9,11 +9,12 @@ its output together.
 - prompts.jsonl: the 768 prompts of `rlhfjax.tasks.vowel_prompts()`.
 - demonstrations.jsonl: ~1500 prompts with a short ordinary continuation (5-16 bytes, e.g.
   " in the rain."), so an SFT'd byte-level model writes English-ish endings.
-- preferences.jsonl: ~1500 prompts with two continuations of similar length where the chosen
-  one has a clearly larger fraction of vowel bytes (the task's reward): half contrast
-  vowel-rich with vowel-poor wording (" an eerie idea." vs " by dry myths."), half pick two
-  ordinary endings whose fractions differ by at least 0.15, so a reward model learns the
-  gradations the policy will actually produce.
+- preferences.jsonl: ~1500 prompts with two continuations where the chosen one has a clearly
+  larger fraction of vowel bytes (the task's reward): a third contrast vowel-rich with
+  vowel-poor wording of similar length (" an eerie idea." vs " by dry myths."), a third pick
+  two ordinary endings whose fractions differ by at least 0.15, so a reward model learns the
+  gradations the policy will actually produce, and a third reject an answer that stops at
+  once (" ." vs " via unique audio."), so the reward model does not prize stopping.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ _RICH_NOUNS = ("idea", "aura", "area", "oboe", "queue", "aeon", "ode", "opera", 
 _POOR_PREPS = ("by", "thy", "past", "with", "till")
 _POOR_ADJS = ("dry", "shy", "sly", "spry", "crisp", "strict", "dim", "dull")
 _POOR_NOUNS = ("myths", "hymns", "lynx", "crypts", "glyphs", "nymphs", "rhythm", "gyms", "sky")
+
+
+# Answers that stop at once: no vowel, so the task's reward is 0 (an empty one is not a record).
+_CUT_SHORT = (".", "!", ",", " .", "...")
 
 
 def vowel_fraction(text: str) -> float:
@@ -100,9 +105,13 @@ def make_preferences(rng: random.Random, prompts: list[str]) -> list[dict[str, s
   contrast = similar_length_pairs(rich, poor, min_gap=0.3, max_len_gap=2)
   ordinary = ordinary_endings()
   graded = similar_length_pairs(ordinary, ordinary, min_gap=0.15, max_len_gap=2)
+  # A reward model never shown a (nearly) empty answer scores one as it likes, and PPO finds
+  # that out fast: stopping at once is the easiest policy. These pairs say it is worth 0.
+  cut_short = [(c, r) for c in rich + ordinary for r in _CUT_SHORT if vowel_fraction(c) > 0.3]
+  kinds = (graded, contrast, cut_short)
   records = []
   for i in range(_NUM_PREFERENCES):
-    chosen, rejected = rng.choice(contrast if i % 2 else graded)
+    chosen, rejected = rng.choice(kinds[i % 3])
     records.append({"prompt": rng.choice(prompts), "chosen": chosen, "rejected": rejected})
   return records
 

@@ -16,6 +16,7 @@ cached prepare reports them too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import tensorflow_datasets as tfds
+from absl import logging as absl_logging
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,28 @@ class JsonlDataset(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self):  # splits come from _split_generators
     raise NotImplementedError
 
+  # TFDS prints these two lines in bold on stdout for every prepare; a log line is enough.
+  def _log_download_bytes(self) -> None:
+    logger.info("preparing %s in %s", self.builder_config.name, self.data_dir)
+
+  def _log_download_done(self) -> None:
+    logger.info("prepared %s in %s", self.builder_config.name, self.data_dir)
+
+
+@contextlib.contextmanager
+def _quiet_tfds():
+  """No TFDS progress bars, nor its warning that our per-file configs are 'custom' (they are
+  meant to be): preparing a few thousand local records is not news."""
+  absl_logger = absl_logging.get_absl_logger()
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  tfds.display_progress_bar(False)
+  try:
+    yield
+  finally:
+    tfds.display_progress_bar(True)
+    absl_logger.setLevel(level)
+
 
 def _empty_message(kind: str, path: str, log: BadRecordLog) -> str:
   message = f"{path}: no valid {kind} record"
@@ -303,8 +327,9 @@ def prepare(
     on_bad_record=on_bad_record,
   )
   data_dir = os.fspath(data_dir) if data_dir is not None else default_data_dir()
-  builder = JsonlDataset(config=config, data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
+  with _quiet_tfds():
+    builder = JsonlDataset(config=config, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
   metadata = builder.info.metadata or {}
   counts = {k: int(v) for k, v in metadata.get("bad_records", {}).items() if v}
   first = dict(metadata.get("first_bad_record", {}))

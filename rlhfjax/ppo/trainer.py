@@ -143,7 +143,7 @@ class PPOTrainer:
       d.data_dir or os.path.join(self.workdir, "data"),
       on_bad_record=d.on_bad_record,
     )
-    template = data.ChatTemplate(self.tokenizer) if d.chat_template else None
+    template = data.ChatTemplate() if d.chat_template else None
     stream = functools.partial(
       data.prompt_iterator,
       tokenizer=self.tokenizer,
