@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 from jax.experimental import multihost_utils
@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # the placement package imports the config, which imports thi
   from rlhfjax.placement.spec import PlacementSpec
 
 _ADDRESS = re.compile(r"^\S+:\d+$")
+
+T = TypeVar("T")
 
 
 class DistributedError(ValueError):
@@ -170,6 +172,20 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
 def is_primary() -> bool:
   """Whether this process writes the run's files and prints progress: process 0."""
   return jax.process_index() == 0
+
+
+def primary_first(fn: Callable[[], T]) -> T:
+  """`fn()` on process 0, then on the others once it is done: for work whose result other
+  processes then find on the shared disk (a dataset prepared into the workdir) and which must
+  not run twice at once there."""
+  if jax.process_count() == 1:
+    return fn()
+  if is_primary():
+    out = fn()
+  multihost_utils.sync_global_devices("rlhfjax: process 0 done first")
+  if not is_primary():
+    out = fn()
+  return out
 
 
 def to_host(tree: Any) -> Any:

@@ -27,6 +27,7 @@ _RUN = (
   "--config.rollout.batch_size=8",
   "--config.rollout.max_new_tokens=8",
   "--config.reward.model_coef=0.5",  # the reward model's scores are gathered too
+  "--config.eval.num_prompts=8",  # one batch: the evaluation gathers across processes too
 )
 _TIMEOUT_S = 900  # the three runs need about 4 CPU-minutes; shared CI machines can be slow
 _COMPARED = (
@@ -180,8 +181,9 @@ def runs(tmp_path_factory):
   port = _free_port()
   commands = {
     "single": [*_RUN, f"--workdir={root / 'single'}"],
-    # Separate workdirs, as on hosts with their own disks: process 1 must write nothing.
-    **{f"process{k}": [*_RUN, f"--workdir={root / f'process{k}'}", *_distributed(k, port)]
+    # One workdir, as multi-host checkpoints need (a shared filesystem): every process takes
+    # part in the checkpoints, process 0 alone writes the files and prints.
+    **{f"process{k}": [*_RUN, f"--workdir={root / 'multi'}", *_distributed(k, port)]
        for k in (0, 1)},
   }  # fmt: skip
   results = _run_all(commands, root / "logs")
@@ -202,7 +204,7 @@ def test_every_process_exits_cleanly(runs):
 def test_two_processes_give_the_single_process_numbers(runs):
   root, results = runs
   single = [json.loads(x) for x in (root / "single" / "metrics.jsonl").read_text().splitlines()]
-  multi = [json.loads(x) for x in (root / "process0" / "metrics.jsonl").read_text().splitlines()]
+  multi = [json.loads(x) for x in (root / "multi" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in single] == [r["step"] for r in multi] == [0, 1, 2]
   for a, b in zip(single, multi, strict=True):
     for key in _COMPARED:
@@ -217,11 +219,14 @@ def test_two_processes_give_the_single_process_numbers(runs):
 def test_only_process_zero_writes_and_prints(runs):
   root, results = runs
   for name in _OUTPUTS:
-    assert (root / "process0" / name).exists(), name
-  process1 = root / "process1"  # the trainer creates it; nothing goes in
-  assert (list(process1.iterdir()) if process1.exists() else []) == []
-  assert "over 3 iterations" in results["process0"][1]
-  assert "over 3 iterations" not in results["process1"][1]
+    assert (root / "multi" / name).exists(), name
+  # Written once: a second writer would have doubled the rows.
+  rows = (root / "multi" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(x)["step"] for x in rows] == [0, 1, 2]
+  # The final checkpoint is complete: both processes took part.
+  assert (root / "multi" / "checkpoints" / "3" / "commit_success.txt").exists()
+  assert "over iterations 0..2" in results["process0"][1]
+  assert "over iterations 0..2" not in results["process1"][1]
   assert "ppo: 100%" not in results["process1"][1]
 
 

@@ -28,6 +28,7 @@ def _config(variant: str, **changes):
   cd.rollout.batch_size = 8
   cd.rollout.max_new_tokens = 8
   cd.reward.model_coef = 0.5  # exercise the reward model too
+  cd.eval.num_prompts = 0  # the held-out evaluation is tested with the pipeline
   for dotted, value in changes.items():
     section, _, field = dotted.rpartition("__")
     target = cd[section] if section else cd

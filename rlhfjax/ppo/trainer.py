@@ -137,11 +137,13 @@ class PPOTrainer:
     """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones."""
     cfg = self.cfg
     d = cfg.data
-    dataset = data.prepare(
-      "prompt",
-      d.prompts or data.bundled_path(d.task, "prompt"),
-      d.data_dir or os.path.join(self.workdir, "data"),
-      on_bad_record=d.on_bad_record,
+    dataset = distributed.primary_first(
+      lambda: data.prepare(
+        "prompt",
+        d.prompts or data.bundled_path(d.task, "prompt"),
+        d.data_dir or os.path.join(self.workdir, "data"),
+        on_bad_record=d.on_bad_record,
+      )
     )
     template = data.ChatTemplate() if d.chat_template else None
     stream = functools.partial(
