@@ -12,8 +12,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rlhfjax.data.byte_tokenizer import ByteTokenizer
-
 RewardFn = Callable[[Sequence[np.ndarray], Sequence[np.ndarray], dict], np.ndarray]
 
 _SUBJECTS = (
@@ -68,16 +66,9 @@ def vowel_reward(
   return np.array([np.isin(r, _VOWELS).mean() if len(r) else 0.0 for r in responses], np.float32)
 
 
-TASKS: dict[str, Callable[[], list[str]]] = {"vowels": vowel_prompts}
 TASK_REWARDS: dict[str, RewardFn] = {"vowels": vowel_reward}
 """The rule that defines each task's goal: what evaluations report, whatever PPO optimises
 (a reward model trained on preferences only approximates it)."""
-
-
-def task_prompts(name: str, tokenizer: ByteTokenizer) -> list[list[int]]:
-  if name not in TASKS:
-    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
-  return [tokenizer.encode(p) for p in TASKS[name]()]
 
 
 def load_reward_fn(path: str) -> RewardFn:
