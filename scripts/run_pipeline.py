@@ -36,12 +36,9 @@ def main(argv: list[str]) -> None:
     stages = [config.sft, config.rm, config.ppo]
   except AttributeError as error:
     launch.fail(f"the pipeline config needs sections sft, rm and ppo: {error}")
-  if len(argv) > 1:
-    launch.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  launch.quiet_logging()
-  wanted = [launch.requested_devices(s, _MAX_CPU_DEVICES.value) or 0 for s in stages]
-  if max(wanted):
-    launch.emulate_host_devices(max(wanted))
+  # One JAX start for all three stages: as many host devices as the largest one asks for.
+  widest = max(stages, key=lambda s: launch.requested_devices(s, _MAX_CPU_DEVICES.value) or 0)
+  launch.start(argv, widest, _MAX_CPU_DEVICES.value)
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib

@@ -309,6 +309,41 @@ def prompt_iterator(
   )
 
 
+def _batches(
+  source: Sequence,
+  tokenizer: Tokenizer,
+  *,
+  response_fields: tuple[str, ...],
+  collate: Callable,
+  pipeline: str,
+  batch_size: int,
+  max_len: int,
+  seed: int,
+  repeat: bool,
+  on_long_prompt: str,
+  chat_template: ChatTemplate | None,
+) -> BatchIterator:
+  """Fixed-shape batches of prompt + responses: what SFT and preference batches share."""
+  return BatchIterator(
+    source,
+    functools.partial(
+      encode_example,
+      tokenizer=tokenizer,
+      response_fields=response_fields,
+      max_len=max_len,
+      on_long_prompt=on_long_prompt,
+      chat_template=chat_template,
+    ),
+    batch_size=batch_size,
+    collate=functools.partial(collate, pad_id=tokenizer.pad_id),
+    pipeline=pipeline,
+    max_len=max_len,
+    seed=seed,
+    repeat=repeat,
+    on_long_prompt=on_long_prompt,
+  )
+
+
 def sft_batches(
   source: Sequence,
   tokenizer: Tokenizer,
@@ -327,23 +362,18 @@ def sft_batches(
   i.e. the logits of column t - 1 are scored against it; `valid` float32 [b], 0 on the padding
   rows of an evaluation pass's last batch.
   """
-  return BatchIterator(
+  return _batches(
     source,
-    functools.partial(
-      encode_example,
-      tokenizer=tokenizer,
-      response_fields=("response",),
-      max_len=max_len,
-      on_long_prompt=on_long_prompt,
-      chat_template=chat_template,
-    ),
-    batch_size=batch_size,
-    collate=functools.partial(collate_sft, pad_id=tokenizer.pad_id),
+    tokenizer,
+    response_fields=("response",),
+    collate=collate_sft,
     pipeline="sft",
+    batch_size=batch_size,
     max_len=max_len,
     seed=seed,
     repeat=repeat,
     on_long_prompt=on_long_prompt,
+    chat_template=chat_template,
   )
 
 
@@ -365,21 +395,16 @@ def preference_batches(
   `rejected_loss_mask` float32 [b, L] (1 on response tokens and EOS, for DPO-style losses) and
   `valid` float32 [b]. Both sequences of a row share the same (possibly truncated) prompt.
   """
-  return BatchIterator(
+  return _batches(
     source,
-    functools.partial(
-      encode_example,
-      tokenizer=tokenizer,
-      response_fields=("chosen", "rejected"),
-      max_len=max_len,
-      on_long_prompt=on_long_prompt,
-      chat_template=chat_template,
-    ),
-    batch_size=batch_size,
-    collate=functools.partial(collate_preference, pad_id=tokenizer.pad_id),
+    tokenizer,
+    response_fields=("chosen", "rejected"),
+    collate=collate_preference,
     pipeline="preference",
+    batch_size=batch_size,
     max_len=max_len,
     seed=seed,
     repeat=repeat,
     on_long_prompt=on_long_prompt,
+    chat_template=chat_template,
   )

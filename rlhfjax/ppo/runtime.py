@@ -14,6 +14,7 @@ from rlhfjax import models
 from rlhfjax.mesh import meshes, rules
 from rlhfjax.models.config import HeadKind, ModelConfig
 from rlhfjax.placement.spec import Role, RoleSpec
+from rlhfjax.training import weights
 from rlhfjax.training.state import TrainState, init_train_state, train_state_shardings
 
 
@@ -69,10 +70,18 @@ class RoleRuntime:
       self.param_shardings, models.abstract_params(self.model, self.head), tx, self.replicated
     )
 
-  def init_train_state(
-    self, rng: jax.Array, tx: optax.GradientTransformation
+  def train_state(
+    self, params: Any, tx: optax.GradientTransformation
   ) -> tuple[TrainState, TrainState]:
-    """Fresh parameters and optimizer state in this role's shards, and their shardings."""
+    """A `TrainState` of `params` (already in this role's shards; donated) with a fresh
+    optimizer state created in its shards, and the state's shardings."""
     shardings = self.train_state_shardings(tx)
     create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
-    return create(self.init_params(rng), tx), shardings
+    return create(params, tx), shardings
+
+  def abstract_train_state(self, tx: optax.GradientTransformation) -> TrainState:
+    """Shapes, dtypes and shardings of this role's `TrainState`: what a checkpoint restores."""
+    shapes = jax.eval_shape(
+      lambda p: init_train_state(p, tx), models.abstract_params(self.model, self.head)
+    )
+    return weights.abstract_with_shardings(shapes, self.train_state_shardings(tx))

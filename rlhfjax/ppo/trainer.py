@@ -54,7 +54,6 @@ from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
 from rlhfjax.training import weights
 from rlhfjax.training.optimizer import make_optimizer
-from rlhfjax.training.state import TrainState, init_train_state
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
 
@@ -204,12 +203,6 @@ class PPOTrainer:
       what=what,
     )
 
-  def _train_state(self, role: Role, tx, params) -> tuple[TrainState, TrainState]:
-    rt = self.roles[role]
-    shardings = rt.train_state_shardings(tx)
-    create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
-    return create(params, tx), shardings
-
   def _build_params(self) -> tuple[int, dict[str, Any]]:
     """Every role's weights and the trained roles' optimizer states, fresh or restored.
 
@@ -235,10 +228,8 @@ class PPOTrainer:
     resume_step = self.checkpointer.latest_step() if cfg.checkpoint.resume else None
     if resume_step is not None:
       return resume_step, self._restore(resume_step)
-    self.actor_state, self.actor_state_shardings = self._train_state(
-      Role.ACTOR,
-      self.actor_tx,
-      self._initial_params(Role.ACTOR, init.actor, actor_rng, "init.actor"),
+    self.actor_state, self.actor_state_shardings = self.roles[Role.ACTOR].train_state(
+      self._initial_params(Role.ACTOR, init.actor, actor_rng, "init.actor"), self.actor_tx
     )
     self.critic_state = None
     if self.use_critic:
@@ -246,30 +237,21 @@ class PPOTrainer:
       critic_source, what = (
         (init.critic, "init.critic") if init.critic else (init.actor, "init.actor")
       )
-      self.critic_state, self.critic_state_shardings = self._train_state(
-        Role.CRITIC,
-        self.critic_tx,
-        self._initial_params(Role.CRITIC, critic_source, critic_rng, what),
+      self.critic_state, self.critic_state_shardings = self.roles[Role.CRITIC].train_state(
+        self._initial_params(Role.CRITIC, critic_source, critic_rng, what), self.critic_tx
       )
     return 0, {}
-
-  def _abstract_state(self, role: Role, tx) -> tuple[TrainState, TrainState]:
-    rt = self.roles[role]
-    shardings = rt.train_state_shardings(tx)
-    shapes = jax.eval_shape(
-      lambda p: init_train_state(p, tx), models.abstract_params(rt.model, rt.head)
-    )
-    return weights.abstract_with_shardings(shapes, shardings), shardings
 
   def _restore(self, step: int) -> dict[str, Any]:
     """Reads checkpoint `step` straight into this placement's shards (which may differ from
     the placement that saved it) and the loop's state from its meta."""
     abstract: dict[str, Any] = {}
-    abstract["actor"], self.actor_state_shardings = self._abstract_state(Role.ACTOR, self.actor_tx)
+    actor, critic = self.roles[Role.ACTOR], self.roles[Role.CRITIC]
+    abstract["actor"] = actor.abstract_train_state(self.actor_tx)
+    self.actor_state_shardings = actor.train_state_shardings(self.actor_tx)
     if self.use_critic:
-      abstract["critic"], self.critic_state_shardings = self._abstract_state(
-        Role.CRITIC, self.critic_tx
-      )
+      abstract["critic"] = critic.abstract_train_state(self.critic_tx)
+      self.critic_state_shardings = critic.train_state_shardings(self.critic_tx)
     if self.cfg.ppo.async_rollout:
       rollout = self.roles[Role.ROLLOUT]
       abstract["rollout"] = weights.abstract_with_shardings(
@@ -428,9 +410,13 @@ class PPOTrainer:
   def _generate(self, iteration: int, prompts: list[list[int]]) -> Sequences:
     rollout = self.roles[Role.ROLLOUT]
     with self.timeline.stage(iteration, "rollout", "generate", rollout.devices):
-      out = self.engine.generate(
-        prompts, sampling=self._sampling(), seed=(self.cfg.seed * 1_000_003 + iteration) % 2**31
+      return self._rollout(
+        prompts, self._sampling(), seed=(self.cfg.seed * 1_000_003 + iteration) % 2**31
       )
+
+  def _rollout(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Sequences:
+    """Responses from the engine, laid out as sequences for the scorers."""
+    out = self.engine.generate(prompts, sampling=sampling, seed=seed)
     r = self.cfg.rollout
     return experience.assemble(
       prompts,
@@ -476,23 +462,29 @@ class PPOTrainer:
       )
     results = dispatch.run_stages(stages, self.timeline, iteration)
     out = dict(zip([s.role for s in stages], results, strict=True))
-    scores = np.zeros(len(seqs.prompts), np.float32)
-    if self.use_reward_model:
-      scores += self.cfg.reward.model_coef * distributed.to_host(out["reward"])
-    if self.reward_fn is not None:
-      fn_scores = out["reward_fn"]
+    model_scores = distributed.to_host(out["reward"]) if self.use_reward_model else None
+    return {
+      "old_logprobs": out["actor"],
+      "ref_logprobs": out["reference"],
+      "values": out.get("critic"),
+      "scores": self._combined_score(len(seqs.prompts), model_scores, out.get("reward_fn")),
+    }
+
+  def _combined_score(
+    self, n: int, model_scores: np.ndarray | None, fn_scores: np.ndarray | None
+  ) -> np.ndarray:
+    """`reward.model_coef` x reward model + `reward.fn_coef` x rule, per sequence."""
+    scores = np.zeros(n, np.float32)
+    if model_scores is not None:
+      scores += self.cfg.reward.model_coef * model_scores
+    if fn_scores is not None:
       if fn_scores.shape != scores.shape:
         raise ValueError(
           f"reward function {self.cfg.reward.fn!r} returned shape "
           f"{fn_scores.shape}, expected {scores.shape}"
         )
       scores += self.cfg.reward.fn_coef * fn_scores
-    return {
-      "old_logprobs": out["actor"],
-      "ref_logprobs": out["reference"],
-      "values": out.get("critic"),
-      "scores": scores,
-    }
+    return scores
 
   def _advantages(self, iteration: int, seqs: Sequences, scored: dict[str, Any]):
     actor = self.roles[Role.ACTOR]
@@ -779,7 +771,7 @@ class PPOTrainer:
     the task wants, which a learned reward model only approximates.
     """
     cfg = self.cfg
-    b, r = cfg.rollout.batch_size, cfg.rollout
+    b = cfg.rollout.batch_size
     sampling = dataclasses.replace(self._sampling(), temperature=cfg.eval.temperature)
     parts: dict[str, list[np.ndarray]] = {}
     samples: list[dict[str, Any]] = []
@@ -787,16 +779,7 @@ class PPOTrainer:
       chunk = self.eval_prompts[start : start + b]
       n = len(chunk)
       chunk = chunk + [chunk[-1]] * (b - n)  # the scorers are compiled for whole batches
-      out = self.engine.generate(chunk, sampling=sampling, seed=cfg.seed + 7919)
-      seqs = experience.assemble(
-        chunk,
-        out.tokens,
-        out.lengths,
-        out.logprobs,
-        prompt_len=r.max_prompt_len,
-        response_len=r.max_new_tokens,
-        pad_id=self.tokenizer.pad_id,
-      )
+      seqs = self._rollout(chunk, sampling, seed=cfg.seed + 7919)
       scores = self._eval_scores(seqs)
       for key, value in scores.items():
         parts.setdefault(key, []).append(value[:n])
@@ -817,18 +800,19 @@ class PPOTrainer:
     return result
 
   def _eval_scores(self, seqs: Sequences) -> dict[str, np.ndarray]:
-    cfg, meta = self.cfg, {"step": -1, "tokenizer": self.tokenizer}
+    meta = {"step": -1, "tokenizer": self.tokenizer}
     scores: dict[str, np.ndarray] = {}
-    total = np.zeros(len(seqs.prompts), np.float32)
     if self.use_reward_model:
       rt = self.roles[Role.REWARD]
       batch = rt.put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
       scores["reward_model"] = distributed.to_host(self._reward_scores(self.reward_params, *batch))
-      total += cfg.reward.model_coef * scores["reward_model"]
     if self.reward_fn is not None:
-      scores["reward_fn"] = np.asarray(self.reward_fn(seqs.prompts, seqs.responses, meta))
-      total += cfg.reward.fn_coef * scores["reward_fn"]
-    scores["reward"] = total
+      scores["reward_fn"] = np.asarray(
+        self.reward_fn(seqs.prompts, seqs.responses, meta), np.float32
+      )
+    scores["reward"] = self._combined_score(
+      len(seqs.prompts), scores.get("reward_model"), scores.get("reward_fn")
+    )
     if self.task_reward_fn is not None:
       scores["task_reward"] = np.asarray(
         self.task_reward_fn(seqs.prompts, seqs.responses, meta), np.float32

@@ -37,7 +37,7 @@ from rlhfjax.ppo import steps
 from rlhfjax.ppo.runtime import RoleRuntime
 from rlhfjax.training import weights
 from rlhfjax.training.optimizer import learning_rate_schedule, make_optimizer
-from rlhfjax.training.state import TrainState, init_train_state
+from rlhfjax.training.state import TrainState
 
 Batch = dict[str, np.ndarray]
 
@@ -249,10 +249,7 @@ class SupervisedTrainer(abc.ABC):
   # Set-up.
 
   def _initial_state(self) -> tuple[TrainState, TrainState]:
-    params = self.init_params(jax.random.key(self.cfg.seed))
-    shardings = self.runtime.train_state_shardings(self.tx)
-    create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
-    return create(params, self.tx), shardings
+    return self.runtime.train_state(self.init_params(jax.random.key(self.cfg.seed)), self.tx)
 
   def _maybe_resume(self) -> int:
     """Restores the latest complete checkpoint of the workdir, if any, and returns its step."""
