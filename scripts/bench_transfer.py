@@ -6,6 +6,11 @@ into new memory. `gbps` counts the global bytes of the tree over the transfer's 
 `numpy_gbps` counts the same bytes over the time NumPy takes to `np.copyto` every target shard
 once into warm buffers (the bytes any move must write: replicas count), timed in the same loop.
 
+Where the time goes: `passes` is the bytes the move writes (slicing pieces, copying them, joining
+them, copying replicas; `rlhfjax.mesh.transfer.traffic`) per byte it delivers, and `faulted` the
+bytes of fresh memory the kernel had to map in per move (minor page faults). On the CPU both cost
+memory bandwidth, which is what NumPy's copy is limited by, so `ratio` stays below 1 / `passes`.
+
   python scripts/bench_transfer.py [--layers=6 --vocab=32768 --dtype=float32 --repeats=7]
 """
 
@@ -16,6 +21,7 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import json  # noqa: E402
+import resource  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -24,7 +30,12 @@ from absl import app, flags  # noqa: E402
 
 from rlhfjax.mesh.meshes import make_mesh  # noqa: E402
 from rlhfjax.mesh.rules import named_shardings  # noqa: E402
-from rlhfjax.mesh.transfer import no_host_transfers, transfer, verify_transfer  # noqa: E402
+from rlhfjax.mesh.transfer import (  # noqa: E402
+  no_host_transfers,
+  traffic,
+  transfer,
+  verify_transfer,
+)
 from rlhfjax.placement.spec import Layout, RoleSpec  # noqa: E402
 
 _VOCAB = flags.DEFINE_integer("vocab", 32768, "Vocabulary size.")
@@ -71,14 +82,16 @@ def _bench(src, dst_shardings, into: bool, repeats: int) -> dict:
   verify_transfer(src, moved, dst_shardings)
   shard_sizes = [s.data.nbytes for leaf in jax.tree.leaves(moved) for s in leaf.addressable_shards]
   pairs = [(np.ones(n, np.uint8), np.empty(n, np.uint8)) for n in shard_sizes]
-  seconds, numpy_seconds = [], []
+  seconds, numpy_seconds, faults = [], [], 0
   for _ in range(repeats):
     # Without `into`, drop the last result first so the move may reuse its memory.
     last, moved = (moved if into else None), None
     with no_host_transfers():
+      faults -= resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       start = time.perf_counter()
       moved = jax.block_until_ready(transfer(src, dst_shardings, into=last)[0])
       seconds.append(time.perf_counter() - start)
+      faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     del last
     start = time.perf_counter()
     for s, d in pairs:
@@ -86,9 +99,12 @@ def _bench(src, dst_shardings, into: bool, repeats: int) -> dict:
     numpy_seconds.append(time.perf_counter() - start)
   seconds, numpy_seconds = float(np.median(seconds)), float(np.median(numpy_seconds))
   gbps, numpy_gbps = nbytes / seconds / 1e9, nbytes / numpy_seconds / 1e9
+  passes = traffic(src, dst_shardings, into=into).passes
+  faulted = faults * resource.getpagesize() // repeats
   return {"bytes": nbytes, "bytes_written": sum(shard_sizes), "seconds": round(seconds, 5),
           "gbps": round(gbps, 3), "numpy_gbps": round(numpy_gbps, 3),
-          "ratio": round(gbps / numpy_gbps, 3)}  # fmt: skip
+          "ratio": round(gbps / numpy_gbps, 3), "passes": round(passes, 2),
+          "faulted": faulted}  # fmt: skip
 
 
 def main(argv):
@@ -108,7 +124,7 @@ def main(argv):
     dst_shardings = named_shardings(_AXES, shapes, dst_mesh, dst_role.layout)
     fresh = _bench(src, dst_shardings, False, _REPEATS.value)
     steady = _bench(src, dst_shardings, True, _REPEATS.value)
-    fresh = {k: fresh[k] for k in ("seconds", "gbps", "numpy_gbps", "ratio")}
+    fresh = {k: fresh[k] for k in ("seconds", "gbps", "numpy_gbps", "ratio", "passes", "faulted")}
     print(json.dumps({"case": case, "into": True, **steady, "fresh": fresh}), flush=True)
 
 

@@ -171,14 +171,15 @@ def test_transfer_into_donated_buffers(case):
   verify_transfer(new, second, dst_shardings)
   _assert_equal_to_host(second, new_host)
   assert all(x.is_deleted() for x in jax.tree.leaves(first))
-  # Blocks that had to be cut or joined were written in place, into the donated buffers.
-  reused = jax.tree.map(
-    lambda x, p: [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == p,
-    second,
-    pointers,
-    is_leaf=lambda x: isinstance(x, list),
-  )
-  assert reused["embed"]["embedding"] and reused["lm_head"]["kernel"]
+  # Blocks that had to be cut or joined were joined in place, into the donated buffer on the
+  # device that builds them (the first holding each block); replicas are copies of it.
+  for name, leaf in (("embed", "embedding"), ("lm_head", "kernel")):
+    x, old = second[name][leaf], pointers[name][leaf]
+    builders = {}
+    for k, shard in enumerate(x.addressable_shards):
+      builders.setdefault(transfer_lib._box(shard.index, x.shape), (k, shard))
+    for k, shard in builders.values():
+      assert shard.data.unsafe_buffer_pointer() == old[k], (name, shard.device)
 
 
 def test_transfer_donate_deletes_the_source():
@@ -298,3 +299,38 @@ def test_transfer_into_never_frees_buffers_the_caller_still_holds(alias):
   want_y = x_host if alias == "into_twice" else y_host
   np.testing.assert_array_equal(jax.device_get(moved["y"]), want_y)
   verify_transfer(tree, moved, dst_sharding)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_traffic_counts_each_step(into):
+  """8x16 float32 by columns on 4 devices -> by rows on a 2x2 (data x tensor) mesh elsewhere."""
+  devices = jax.devices()
+  src_sharding = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(np.array(devices[:4]), ("fsdp",)), jax.sharding.PartitionSpec(None, "fsdp")
+  )
+  dst_sharding = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(np.array(devices[4:]).reshape(2, 2), ("data", "tensor")),
+    jax.sharding.PartitionSpec("tensor", None),
+  )
+  x = jax.device_put(np.arange(128, dtype=np.float32).reshape(8, 16), src_sharding)
+  t = transfer_lib.traffic({"x": x}, dst_sharding, into=into)
+  # Two 4x16 boxes (256 bytes), each of four 4x4 pieces cut from the column shards and copied to
+  # the box's first device, joined there and copied once more to its replica.
+  assert (t.cut, t.copied, t.joined, t.delivered) == (512, 512 + 512, 512, 1024)
+  assert t.passes == 2.0
+  moved, nbytes = transfer({"x": x}, dst_sharding)
+  assert t.delivered == sum(s.data.nbytes for s in moved["x"].addressable_shards)
+  assert nbytes == 512
+
+
+def test_traffic_of_whole_shards_is_one_pass():
+  src_spec, dst_spec = _training(range(4), fsdp=4), _training(range(4, 8), fsdp=4)
+  src = jax.device_put(_host_tree(jnp.float32), _shardings(src_spec))
+  t = transfer_lib.traffic(src, _shardings(dst_spec))
+  moved, _ = transfer(src, _shardings(dst_spec))
+  shard_bytes = sum(s.data.nbytes for x in jax.tree.leaves(moved) for s in x.addressable_shards)
+  assert (t.cut, t.joined) == (0, 0)
+  assert t.copied == t.delivered == shard_bytes  # the norms' replicas too
+  assert t.passes == 1.0
+  # Nothing to move: nothing written.
+  assert transfer_lib.traffic(src, _shardings(src_spec)).written == 0

@@ -19,11 +19,12 @@ So `transfer` plans the move shard by shard:
 1. each distinct target shard (a box of the global array) is cut into pieces, one per source
    shard it overlaps; a piece that is only part of a source shard is sliced on the source
    device (one jitted call per source device for the whole tree);
-2. pieces are copied device to device to the device that builds the box: the first target
-   device holding it, or, when writing `into` donated buffers, every target device holding it;
+2. pieces are copied device to device to the device that builds the box, the first target
+   device holding it;
 3. pieces are concatenated there (one jitted call per device for the whole tree), into the
    donated old shard when there is one;
-4. without donated buffers, the box is copied to the other target devices holding it;
+4. the box is copied to the other target devices holding it, after their donated old shards
+   (if any) are freed;
 5. the global arrays are assembled with `jax.make_array_from_single_device_arrays`.
 
 Leaves go through these steps in groups (see `_GROUP_BYTES`). Every step is asynchronous:
@@ -77,6 +78,8 @@ class _Piece:
   src_device: jax.Device
   cut: Box | None
   """Slice of the source shard to take, relative to it; None for the whole shard."""
+  size: int
+  """Elements in the piece."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,8 +87,7 @@ class _Target:
   """One distinct target box: where it is built and where its replicas go."""
 
   devices: tuple[jax.Device, ...]
-  """Target devices holding this box. It is built on the first and copied to the rest, or
-  built on each of them when writing into donated buffers."""
+  """Target devices holding this box. It is built on the first and copied to the rest."""
   pieces: tuple[_Piece, ...]
   """Row-major over `grid`."""
   grid: tuple[int, ...]
@@ -112,7 +114,8 @@ def _plan(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> tuple[_Target
       # spread the reads of a replicated source over its replicas.
       src_device = devices[0] if devices[0] in src_devices else src_devices[n % len(src_devices)]
       cut = None if part == src_box else _relative(part, src_box)
-      pieces.append((part, _Piece(src_device=src_device, cut=cut)))
+      size = math.prod(hi - lo for lo, hi in part)
+      pieces.append((part, _Piece(src_device=src_device, cut=cut, size=size)))
       for dim, extent in enumerate(part):
         cuts_per_dim[dim].add(extent)
     pieces.sort(key=lambda p: p[0])  # row-major over the grid of sub-boxes
@@ -204,24 +207,24 @@ def _cut(plans: list[tuple[_Target, ...]], leaves: list[jax.Array]) -> Slots:
 
 
 def _gather(
-  plans: list[tuple[_Target, ...]], pieces: Slots, everywhere: list[bool]
+  plans: list[tuple[_Target, ...]], pieces: Slots, written: list[bool]
 ) -> dict[tuple[int, int, jax.Device], list[jax.Array]]:
-  """Step 2: the pieces of every box, copied to each device that builds it.
+  """Step 2: the pieces of every box, copied to the device that builds it (its first one).
 
-  A box is built on its first target device, or on all of them where `everywhere[leaf]`. A box
-  that is one whole source shard is copied even onto its own device, so that a result never
-  aliases its source; except where `everywhere`, as the write that follows copies it anyway.
+  A box that is one whole source shard is copied even onto its own device, so that a result
+  never aliases its source; except where `written[leaf]` (the box is written into a donated
+  buffer, which copies it anyway).
   """
   local, copies, devices, slots = {}, [], [], []
   for i, plan in enumerate(plans):
     for j, target in enumerate(plan):
-      for device in target.devices if everywhere[i] else target.devices[:1]:
-        local[i, j, device] = list(pieces[i][j])
-        for k, piece in enumerate(pieces[i][j]):
-          if piece.devices() != {device} or (_lone_whole(target) and not everywhere[i]):
-            copies.append(piece)
-            devices.append(device)
-            slots.append((i, j, device, k))
+      device = target.devices[0]
+      local[i, j, device] = list(pieces[i][j])
+      for k, piece in enumerate(pieces[i][j]):
+        if piece.devices() != {device} or (_lone_whole(target) and not written[i]):
+          copies.append(piece)
+          devices.append(device)
+          slots.append((i, j, device, k))
   for (i, j, device, k), out in zip(slots, _copy_all(copies, devices), strict=True):
     local[i, j, device][k] = out
   return local
@@ -230,12 +233,10 @@ def _gather(
 def _build(
   plans: list[tuple[_Target, ...]],
   local: dict[tuple[int, int, jax.Device], list[jax.Array]],
-  olds: list[jax.Array | None],
+  old_shards: list[dict[jax.Device, jax.Array]],
   reuse: list[bool],
 ) -> list[dict[jax.Device, jax.Array]]:
   """Step 3: every box joined from its pieces, into the donated old shard where `reuse`."""
-  old_shards = [{} if old is None else {s.device: s.data for s in old.addressable_shards}
-                for old in olds]  # fmt: skip
   built: list[dict[jax.Device, jax.Array]] = [{} for _ in plans]
   joins, writes, join_slots, write_slots = [], [], [], []
   for (i, j, device), pieces in local.items():
@@ -274,14 +275,23 @@ def _move(
 ) -> list[jax.Array]:
   """Moves arrays to new shardings; see the module docstring.
 
-  Where `olds[i]` is given and leaf i needs slicing or joining anyway, every target shard is
-  computed straight into the donated old shard on its device (no new memory); otherwise a
-  target box is built once, on its first device, and copied to its replicas.
+  Every target box is built once, on its first device, and copied to its replicas. Where
+  `olds[i]` is given and leaf i needs slicing or joining anyway, the box is joined straight into
+  the donated old shard on that device, and the old shards on its replicas are freed before the
+  copies are made: no more memory than `olds[i]` on the target devices, beyond pieces in flight.
+  (Joining on every replica instead would write into every old shard, but each replica would
+  then receive all the pieces and join them: more passes over memory for the same copied bytes.)
   """
   plans = [_plan(x.shape, x.sharding, s) for x, s in zip(leaves, shardings, strict=True)]
   reuse = [old is not None and not all(map(_lone_whole, plan))
            for old, plan in zip(olds, plans, strict=True)]  # fmt: skip
-  built = _build(plans, _gather(plans, _cut(plans, leaves), reuse), olds, reuse)
+  old_shards = [{s.device: s.data for s in old.addressable_shards} if r else {}
+                for old, r in zip(olds, reuse, strict=True)]  # fmt: skip
+  built = _build(plans, _gather(plans, _cut(plans, leaves), reuse), old_shards, reuse)
+  for i, shards in enumerate(old_shards):
+    for device, shard in shards.items():
+      if device not in built[i]:
+        shard.delete()  # a replica's old shard: freed before the copy that replaces it
   _replicate(plans, built)
   for old, reused in zip(olds, reuse, strict=True):
     if old is not None and not reused:
@@ -366,10 +376,11 @@ def transfer(
     donate: Delete the source arrays once the move is enqueued, freeing their memory early.
       The caller must not use `tree` afterwards. Leaves returned unchanged are not deleted.
     into: Optional tree already laid out as `target_shardings`, with the shapes and dtypes of
-      `tree` (for example the rollout's weights from the last sync). It is donated: results are
-      written into its buffers where a shard has to be computed anyway, so the move needs no
-      new memory on the target devices, and its other buffers are freed. The caller must not
-      use `into` afterwards. A leaf of `into` that shares a buffer with `tree` (say an array
+      `tree` (for example the rollout's weights from the last sync). It is donated: a shard
+      that has to be joined anyway is joined into its buffer on the device that builds it, and
+      its other buffers are freed before their replacements are copied in, so the move needs
+      no more memory on the target devices than `into` held. The caller must not use `into`
+      afterwards. A leaf of `into` that shares a buffer with `tree` (say an array
       an earlier transfer left in place) or with another `into` leaf is left alone.
 
   Returns:
@@ -419,6 +430,61 @@ def transfer(
     for i in moving:
       leaves[i].delete()
   return treedef.unflatten(out), sum(leaves[i].nbytes for i in moving)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Traffic:
+  """The bytes one `transfer` writes into device memory, step by step.
+
+  On a host whose "devices" share one memory (the CPU backend), each step is a pass over
+  memory, so `passes` bounds how close a move can come to one plain copy of what it delivers.
+  """
+
+  cut: int
+  """Pieces sliced out of source shards."""
+  copied: int
+  """Device-to-device copies: pieces to the device building a box, boxes to their replicas."""
+  joined: int
+  """Boxes concatenated from pieces (or written into donated buffers)."""
+  delivered: int
+  """Every target shard once: what any schedule has to write."""
+
+  @property
+  def written(self) -> int:
+    return self.cut + self.copied + self.joined
+
+  @property
+  def passes(self) -> float:
+    """Bytes written per byte delivered (1.0 for a move that only copies whole shards)."""
+    return self.written / self.delivered if self.delivered else 0.0
+
+
+def traffic(tree: Any, target_shardings: Any, *, into: bool = False) -> Traffic:
+  """What `transfer(tree, target_shardings, into=...)` writes, by step, without moving anything.
+
+  Counts the moves this process plans shard by shard (multi-process moves go through XLA's
+  collectives and are not counted). `into` says whether a tree of donated buffers is given.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  shardings = treedef.flatten_up_to(
+    jax.tree.broadcast(target_shardings, tree, is_leaf=lambda s: isinstance(s, Sharding))
+  )
+  cut = copied = joined = delivered = 0
+  for x, s in zip(leaves, shardings, strict=True):
+    if x.sharding.is_equivalent_to(s, x.ndim) or not _addressable(x, s):
+      continue
+    plan, size = _plan(x.shape, x.sharding, s), x.dtype.itemsize
+    written = into and not all(map(_lone_whole, plan))
+    for target in plan:
+      box = sum(p.size for p in target.pieces) * size
+      for piece in target.pieces:
+        cut += piece.size * size if piece.cut is not None else 0
+        if piece.src_device != target.devices[0] or (_lone_whole(target) and not written):
+          copied += piece.size * size
+      joined += box if len(target.pieces) > 1 or written else 0
+      copied += box * (len(target.devices) - 1)
+      delivered += box * len(target.devices)
+  return Traffic(cut=cut, copied=copied, joined=joined, delivered=delivered)
 
 
 def _addressable(x: jax.Array, target: Sharding) -> bool:
