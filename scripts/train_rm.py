@@ -27,21 +27,10 @@ def main(argv: list[str]) -> None:
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib
-  from rlhfjax.training import reward_model
+  from rlhfjax.training import reward_model, supervised
 
-  try:
-    config = config_lib.from_config_dict(_CONFIG.value, config_lib.RewardModelConfig)
-    trainer = reward_model.RewardModelTrainer(config, _WORKDIR.value)
-  except ValueError as error:  # ConfigError, PlacementError, DataError, CheckpointError
-    launch.fail(error)
-  result = trainer.run()
-  evals = result.eval_rows()
-  accuracy = (
-    " -> ".join(f"{row['eval/accuracy']:.3f}" for row in (evals[0], evals[-1])) if evals else "-"
-  )
-  print(
-    f"eval/accuracy {accuracy}; steps {result.start_step} -> {result.final_step}; "
-    f"outputs in {result.workdir}"
+  supervised.run_script(
+    reward_model.RewardModelTrainer, config_lib.RewardModelConfig, _CONFIG.value, _WORKDIR.value
   )
 
 

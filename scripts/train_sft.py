@@ -27,20 +27,9 @@ def main(argv: list[str]) -> None:
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib
-  from rlhfjax.training import sft
+  from rlhfjax.training import sft, supervised
 
-  try:
-    config = config_lib.from_config_dict(_CONFIG.value, config_lib.SFTConfig)
-    trainer = sft.SFTTrainer(config, _WORKDIR.value)
-  except ValueError as error:  # ConfigError, PlacementError, DataError, CheckpointError
-    launch.fail(error)
-  result = trainer.run()
-  evals = result.eval_rows()
-  loss = " -> ".join(f"{row['eval/loss']:.3f}" for row in (evals[0], evals[-1])) if evals else "-"
-  print(
-    f"eval/loss {loss}; steps {result.start_step} -> {result.final_step}; "
-    f"outputs in {result.workdir}"
-  )
+  supervised.run_script(sft.SFTTrainer, config_lib.SFTConfig, _CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

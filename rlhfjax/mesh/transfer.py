@@ -185,6 +185,21 @@ def _lone_whole(target: _Target) -> bool:
   return len(target.pieces) == 1 and target.pieces[0].cut is None
 
 
+def _writes_into(plan: tuple[_Target, ...], donated: bool) -> bool:
+  """Whether boxes are joined into donated buffers: given some, and some box needs a join."""
+  return donated and not all(map(_lone_whole, plan))
+
+
+def _copied(piece: _Piece, target: _Target, written: bool) -> bool:
+  """Whether a piece is copied to the device building its box.
+
+  A box that is one whole source shard is copied even onto its own device, so that a result
+  never aliases its source; except where `written` (the box is written into a donated buffer,
+  which copies it anyway).
+  """
+  return piece.src_device != target.devices[0] or (_lone_whole(target) and not written)
+
+
 Slots = list[list[list[jax.Array]]]
 """Per leaf, per target box, per piece: the array holding that piece."""
 
@@ -209,19 +224,14 @@ def _cut(plans: list[tuple[_Target, ...]], leaves: list[jax.Array]) -> Slots:
 def _gather(
   plans: list[tuple[_Target, ...]], pieces: Slots, written: list[bool]
 ) -> dict[tuple[int, int, jax.Device], list[jax.Array]]:
-  """Step 2: the pieces of every box, copied to the device that builds it (its first one).
-
-  A box that is one whole source shard is copied even onto its own device, so that a result
-  never aliases its source; except where `written[leaf]` (the box is written into a donated
-  buffer, which copies it anyway).
-  """
+  """Step 2: the pieces of every box, copied to the device that builds it (its first one)."""
   local, copies, devices, slots = {}, [], [], []
   for i, plan in enumerate(plans):
     for j, target in enumerate(plan):
       device = target.devices[0]
       local[i, j, device] = list(pieces[i][j])
       for k, piece in enumerate(pieces[i][j]):
-        if piece.devices() != {device} or (_lone_whole(target) and not written[i]):
+        if _copied(target.pieces[k], target, written[i]):
           copies.append(piece)
           devices.append(device)
           slots.append((i, j, device, k))
@@ -283,8 +293,7 @@ def _move(
   then receive all the pieces and join them: more passes over memory for the same copied bytes.)
   """
   plans = [_plan(x.shape, x.sharding, s) for x, s in zip(leaves, shardings, strict=True)]
-  reuse = [old is not None and not all(map(_lone_whole, plan))
-           for old, plan in zip(olds, plans, strict=True)]  # fmt: skip
+  reuse = [_writes_into(plan, old is not None) for old, plan in zip(olds, plans, strict=True)]
   old_shards = [{s.device: s.data for s in old.addressable_shards} if r else {}
                 for old, r in zip(olds, reuse, strict=True)]  # fmt: skip
   built = _build(plans, _gather(plans, _cut(plans, leaves), reuse), old_shards, reuse)
@@ -474,13 +483,12 @@ def traffic(tree: Any, target_shardings: Any, *, into: bool = False) -> Traffic:
     if x.sharding.is_equivalent_to(s, x.ndim) or not _addressable(x, s):
       continue
     plan, size = _plan(x.shape, x.sharding, s), x.dtype.itemsize
-    written = into and not all(map(_lone_whole, plan))
+    written = _writes_into(plan, into)
     for target in plan:
       box = sum(p.size for p in target.pieces) * size
       for piece in target.pieces:
         cut += piece.size * size if piece.cut is not None else 0
-        if piece.src_device != target.devices[0] or (_lone_whole(target) and not written):
-          copied += piece.size * size
+        copied += piece.size * size if _copied(piece, target, written) else 0
       joined += box if len(target.pieces) > 1 or written else 0
       copied += box * (len(target.devices) - 1)
       delivered += box * len(target.devices)

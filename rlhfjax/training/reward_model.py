@@ -13,7 +13,6 @@ checkpoint): the LM head is dropped and the value head starts fresh.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -24,7 +23,6 @@ from rlhfjax import algorithms as alg
 from rlhfjax import models
 from rlhfjax.config import RewardModelConfig
 from rlhfjax.data import pipeline
-from rlhfjax.data.tokenizer import ChatTemplate
 from rlhfjax.models import ModelConfig
 from rlhfjax.placement.spec import Role
 from rlhfjax.training.supervised import Batch, SupervisedTrainer, TrainResult
@@ -71,6 +69,8 @@ def preference_eval_sums(
 class RewardModelTrainer(SupervisedTrainer):
   """Trains the reward role's model (value head) on `cfg.data.preferences`."""
 
+  cfg: RewardModelConfig
+
   role = Role.REWARD
   head = "value"
   name = "rm"
@@ -78,27 +78,12 @@ class RewardModelTrainer(SupervisedTrainer):
   data_kind = "preference"
   init_items = ("reward", "policy", "actor")
   batch_keys = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask", "valid")
+  batch_pipeline = staticmethod(pipeline.preference_batches)
   plot_key = "eval/accuracy"
   plot_name = "eval_accuracy.png"
 
-  def __init__(self, cfg: RewardModelConfig, workdir: str, *, show_progress: bool = True):
-    super().__init__(cfg, workdir, show_progress=show_progress)
-
   def data_file(self) -> str:
     return self.cfg.data.preferences
-
-  def make_batches(self, source: Any, *, batch_size: int, repeat: bool) -> Iterator[Batch]:
-    cfg = self.cfg
-    return pipeline.preference_batches(
-      source,
-      self.tokenizer,
-      batch_size=batch_size,
-      max_len=cfg.max_len,
-      seed=cfg.seed,
-      repeat=repeat,
-      on_long_prompt=cfg.data.on_long_prompt,
-      chat_template=ChatTemplate() if cfg.data.chat_template else None,
-    )
 
   def loss_fn(self, params, batch):
     return preference_loss(params, batch, config=self.model)

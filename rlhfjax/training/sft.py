@@ -12,7 +12,6 @@ for the actor and the reference (`rlhfjax.checkpoint.restore_params`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -23,7 +22,6 @@ from rlhfjax import algorithms as alg
 from rlhfjax import models
 from rlhfjax.config import SFTConfig
 from rlhfjax.data import pipeline
-from rlhfjax.data.tokenizer import ChatTemplate
 from rlhfjax.models import ModelConfig
 from rlhfjax.placement.spec import Role
 from rlhfjax.training.supervised import Batch, SupervisedTrainer, TrainResult
@@ -56,6 +54,8 @@ def sft_eval_sums(
 class SFTTrainer(SupervisedTrainer):
   """SFT of the policy (the actor's model and head) on `cfg.data.demonstrations`."""
 
+  cfg: SFTConfig
+
   role = Role.ACTOR
   head = "lm"
   name = "sft"
@@ -63,27 +63,12 @@ class SFTTrainer(SupervisedTrainer):
   data_kind = "demonstration"
   init_items = ("policy", "actor")
   batch_keys = ("tokens", "attention_mask", "loss_mask")
+  batch_pipeline = staticmethod(pipeline.sft_batches)
   plot_key = "eval/loss"
   plot_name = "eval_loss.png"
 
-  def __init__(self, cfg: SFTConfig, workdir: str, *, show_progress: bool = True):
-    super().__init__(cfg, workdir, show_progress=show_progress)
-
   def data_file(self) -> str:
     return self.cfg.data.demonstrations
-
-  def make_batches(self, source: Any, *, batch_size: int, repeat: bool) -> Iterator[Batch]:
-    cfg = self.cfg
-    return pipeline.sft_batches(
-      source,
-      self.tokenizer,
-      batch_size=batch_size,
-      max_len=cfg.max_len,
-      seed=cfg.seed,
-      repeat=repeat,
-      on_long_prompt=cfg.data.on_long_prompt,
-      chat_template=ChatTemplate() if cfg.data.chat_template else None,
-    )
 
   def loss_fn(self, params, batch):
     return sft_loss(params, batch, config=self.model)

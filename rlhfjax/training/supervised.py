@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -24,7 +24,8 @@ import optax
 import tqdm
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig
+from rlhfjax import launch
+from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
 from rlhfjax.data import jsonl
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.models.config import HeadKind, ModelConfig
@@ -196,16 +197,21 @@ class SupervisedTrainer(abc.ABC):
     except ValueError as e:
       raise ConfigError(f"data.task: {e}") from None
 
-  @abc.abstractmethod
-  def make_batches(self, source: Any, *, batch_size: int, repeat: bool) -> Iterator[Batch]:
-    """The pipeline's batch iterator over `source`."""
+  batch_pipeline: ClassVar[Callable[..., Iterator[Batch]]]
+  """The `rlhfjax.data.pipeline` batch function for `data_kind` (a staticmethod)."""
 
   def batches(self, split: str, *, train: bool) -> Iterator[Batch]:
     """Host batches of `split`: endless and shuffled when `train`, else one padded pass."""
-    return self.make_batches(
+    cfg = self.cfg
+    return self.batch_pipeline(
       self.dataset.source(split),
-      batch_size=self.cfg.batch_size if train else self.eval_rows,
+      self.tokenizer,
+      batch_size=cfg.batch_size if train else self.eval_rows,
+      max_len=cfg.max_len,
+      seed=cfg.seed,
       repeat=train,
+      on_long_prompt=cfg.data.on_long_prompt,
+      chat_template=tokenizer_lib.ChatTemplate() if cfg.data.chat_template else None,
     )
 
   @abc.abstractmethod
@@ -382,3 +388,22 @@ class SupervisedTrainer(abc.ABC):
 
 def _drop_step(row: Mapping[str, float]) -> dict[str, float]:
   return {k: v for k, v in row.items() if k != "step"}
+
+
+def run_script(
+  trainer_cls: type[SupervisedTrainer], config_cls: type[SupervisedConfig], config_dict, workdir
+) -> None:
+  """The body of `scripts/train_sft.py` and `scripts/train_rm.py`: bad config or data is one
+  `error:` line; the run ends by printing its first and last held-out `plot_key`."""
+  try:
+    trainer = trainer_cls(from_config_dict(config_dict, config_cls), workdir)
+  except ValueError as error:  # ConfigError, PlacementError, DataError, CheckpointError
+    launch.fail(error)
+  result = trainer.run()
+  evals = result.eval_rows()
+  key = trainer_cls.plot_key
+  first_last = " -> ".join(f"{row[key]:.3f}" for row in (evals[0], evals[-1])) if evals else "-"
+  print(
+    f"{key} {first_last}; steps {result.start_step} -> {result.final_step}; "
+    f"outputs in {result.workdir}"
+  )
