@@ -12,7 +12,8 @@ On-disk layout (`directory` is WORKDIR/checkpoints)::
     <name>_opt_state/               ... and {'step': state.step, 'opt_state': state.opt_state}
     <name>/                         any other item (a plain pytree of arrays), whole
     meta/metadata                   the caller's JSON meta (step, RNG, KL coefficient, ...)
-    fingerprints/metadata           JSON {orbax item: {leaf: [h1, h2]}}, see `_fingerprint`
+    fingerprints/metadata           JSON {orbax item: {leaf: [h1, h2]}}, see `_fingerprint`,
+                                    and {"meta": {"sha256": ...}} of the meta's canonical JSON
   <step>.orbax-checkpoint-tmp-<t>/  a save in progress, or one killed mid-way: never loaded
 
 Why params and optimizer state are separate items: an SFT or reward-model run's weights are
@@ -22,6 +23,15 @@ Why fingerprints: orbax compresses arrays with zstd and checksums only OCDBT's i
 garbled byte inside array data restores silently as a different number. Two layout-independent
 32-bit hashes per leaf, computed on device at save time and again after restore, catch that.
 
+Why the meta is fingerprinted too: it holds loop state (the KL coefficient, the data
+iterator's position) that a hand edit or a damaged byte would otherwise feed silently into the
+next step.
+
+Failed saves (a full or read-only disk, an error in orbax's background thread) raise
+`CheckpointError` naming the step and the cause, from `save` or `wait`, and the partial
+`<step>.orbax-checkpoint-tmp-*` directory is removed; earlier complete steps are untouched
+(orbax deletes old steps only after a new one is complete).
+
 Completeness: on a local filesystem orbax 0.12.8 writes into `<step>.orbax-checkpoint-tmp-<t>`,
 adds `commit_success.txt`, then renames the directory to `<step>`. Orbax itself accepts any
 directory named like a step; `complete_steps` also requires the marker, so a step directory
@@ -30,9 +40,13 @@ copied half-way or made by hand is never loaded either.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
+import os
 import re
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +56,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rlhfjax import errors
 from rlhfjax.training.state import TrainState
 
 COMMIT_MARKER = "commit_success.txt"
@@ -71,7 +86,18 @@ class CheckpointSection:
 
 
 class CheckpointError(ValueError):
-  """A checkpoint is missing, partial, corrupt or does not match what is restored into it."""
+  """A checkpoint is missing, partial, corrupt or does not match what is restored into it, or
+  a save failed."""
+
+
+def _meta_fingerprint(meta: Any) -> str:
+  """sha256 of the meta's canonical JSON (sorted keys; floats round-trip exactly)."""
+  return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def _absolute(path: epath.PathLike) -> epath.Path:
+  """Orbax refuses relative paths (in a background thread, after training): resolve them here."""
+  return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
 # Layout of items: TrainStates split into params and optimizer state.
@@ -183,7 +209,7 @@ def _fingerprints(tree: Any) -> dict[str, list[int]]:
 
 def complete_steps(directory: epath.PathLike) -> list[int]:
   """Steps in `directory` whose checkpoint is complete (renamed into place, marker written)."""
-  directory = epath.Path(directory)
+  directory = _absolute(directory)
   if not directory.is_dir():
     return []
   return sorted(
@@ -195,7 +221,7 @@ def complete_steps(directory: epath.PathLike) -> list[int]:
 
 def find_step_dir(path: epath.PathLike) -> epath.Path:
   """`path` if it is a complete step directory, else the latest complete step inside it."""
-  path = epath.Path(path)
+  path = _absolute(path)
   if not path.exists():
     raise CheckpointError(f"no checkpoint: {path} does not exist")
   if (path / COMMIT_MARKER).exists():
@@ -306,8 +332,9 @@ def _restore_item(item_dir: epath.Path, abstract: Any, fingerprints: Mapping[str
   return tree
 
 
-def _restore_step(step_dir: epath.Path, abstract_items: Mapping[str, Any]) -> dict[str, Any]:
-  fingerprints = _read_json(step_dir / _FINGERPRINTS / _JSON_FILE)
+def _restore_step(
+  step_dir: epath.Path, abstract_items: Mapping[str, Any], fingerprints: Mapping[str, Any]
+) -> dict[str, Any]:
   return {
     name: _restore_item(step_dir / name, abstract, fingerprints.get(name, {}))
     for name, abstract in _orbax_items(abstract_items).items()
@@ -322,7 +349,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: epath.PathLike, config: CheckpointSection | None = None):
-    self.directory = epath.Path(directory)
+    self.directory = _absolute(directory)
     self.config = CheckpointSection() if config is None else config
     options = ocp.CheckpointManagerOptions(
       max_to_keep=self.config.keep,
@@ -349,9 +376,31 @@ class Checkpointer:
     orbax_items = _orbax_items(items)
     args = {name: ocp.args.StandardSave(tree) for name, tree in orbax_items.items()}
     fingerprints = {name: _fingerprints(tree) for name, tree in orbax_items.items()}
+    fingerprints[_META] = {"sha256": _meta_fingerprint(dict(meta))}
     args[_META] = ocp.args.JsonSave(dict(meta))
     args[_FINGERPRINTS] = ocp.args.JsonSave(fingerprints)
-    return self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+    with self._failures(f"checkpoint of step {step}"):
+      return self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+  @contextlib.contextmanager
+  def _failures(self, what: str):
+    """Turns any failure of orbax (its background thread's too) into one `CheckpointError`
+    naming the cause, after removing partial step directories."""
+    try:
+      yield
+    except CheckpointError:
+      raise
+    except Exception as error:  # orbax, TensorStore and the OS raise many types
+      self._remove_partial_saves()
+      line, _ = errors.describe(error)
+      raise CheckpointError(f"{what} in {self.directory} failed: {line}") from error
+
+  def _remove_partial_saves(self) -> None:
+    if jax.process_index() != 0 or not self.directory.is_dir():
+      return
+    for p in self.directory.iterdir():
+      if ocp.path.atomicity.TMP_DIR_SUFFIX in p.name:
+        shutil.rmtree(os.fspath(p), ignore_errors=True)
 
   def latest_step(self) -> int | None:
     """The latest complete checkpoint's step; a save still in flight does not count."""
@@ -377,16 +426,26 @@ class Checkpointer:
     step_dir = self.directory / str(step)
     if step not in complete_steps(self.directory):
       raise CheckpointError(f"no complete checkpoint for step {step}: {step_dir}")
-    restored = _restore_step(step_dir, abstract_items)
-    meta = _read_json(step_dir / _META / _JSON_FILE)
+    fingerprints = _read_json(step_dir / _FINGERPRINTS / _JSON_FILE)
+    meta_file = step_dir / _META / _JSON_FILE
+    meta = _read_json(meta_file)
+    if fingerprints.get(_META, {}).get("sha256") != _meta_fingerprint(meta):
+      raise CheckpointError(f"corrupt checkpoint: {meta_file} does not match its fingerprint")
+    restored = _restore_step(step_dir, abstract_items, fingerprints)
     return _join_items(abstract_items, restored), meta
 
   def wait(self) -> None:
-    """Blocks until every save in flight is complete (and re-raises its error, if any)."""
-    self._manager.wait_until_finished()
+    """Blocks until every save in flight is complete.
+
+    Raises:
+      CheckpointError: A save in flight failed (the cause named on one line).
+    """
+    with self._failures("a checkpoint save"):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.close()
+    with self._failures("a checkpoint save"):
+      self._manager.close()
 
   def __enter__(self) -> Checkpointer:
     return self

@@ -1,6 +1,11 @@
-"""What every entry point does before JAX starts: flags with one-line errors, host devices.
+"""What every entry point does: flags with one-line errors, host devices before JAX starts,
+the workdir and its lock, and one `error:` line for any failure.
 
-Nothing here imports JAX: `emulate_host_devices` must run before the CPU backend starts.
+A script's `__main__` is `launch.run(main)`. Inside `main`, `start` (before JAX is imported)
+then `open_run` (the absolute workdir, owned by this run, and absolute config paths).
+
+Nothing here imports JAX at import time: `emulate_host_devices` must run before the CPU
+backend starts.
 """
 
 from __future__ import annotations
@@ -8,17 +13,70 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
+from collections.abc import Callable
 from typing import NoReturn
 
-from absl import flags, logging
+from absl import app, flags, logging
+
+from rlhfjax import errors, signals, workdir
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def fail(error: object) -> NoReturn:
-  """Prints `error: <one line>` on stderr and exits with status 2."""
-  print("error: " + " ".join(str(error).split()), file=sys.stderr)
-  sys.exit(2)
+def fail(error: object, status: int = errors.USER_ERROR) -> NoReturn:
+  """Prints `error: <one line>` on stderr and exits with `status` (2: bad input)."""
+  print("error: " + errors.one_line(error), file=sys.stderr)
+  sys.exit(status)
+
+
+_DEBUG = flags.DEFINE_boolean(
+  "debug", False, f"Show the traceback of a failure (also ${errors.DEBUG_ENV}=1)."
+)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  """`absl.app.run(main)` where any failure ends as one `error:` line and a non-zero status
+  (2: bad input or environment, 1: internal error, 130: interrupted); `--debug` or
+  `RLHFJAX_DEBUG=1` also print the traceback."""
+
+  def guarded(argv: list[str]) -> None:
+    signals.install_default_interrupt()
+    try:
+      main(argv)
+    except SystemExit:
+      raise
+    except KeyboardInterrupt:
+      fail("interrupted", errors.INTERRUPTED)
+    except Exception as error:  # noqa: BLE001 - the one place that turns failures into a line
+      if _DEBUG.value or errors.debug_requested():
+        traceback.print_exc()
+      line, status = errors.describe(error)
+      fail(line, status)
+
+  app.run(guarded, flags_parser=parse_flags)
+
+
+_OPEN_LOCKS: list[workdir.WorkdirLock] = []  # held until the process exits
+
+
+def open_run(config_dict, path: str | None) -> str:
+  """The absolute workdir (created, checked, and locked by this job's process 0) and every
+  path field of `config_dict` made absolute in place. Call it after `start`.
+
+  Raises:
+    WorkdirError: the workdir is empty, a file, not writable or in use by another run.
+  """
+  from rlhfjax import distributed  # imports JAX: after `start`
+
+  workdir.absolute_config_paths(config_dict)
+  path = workdir.prepare(path)
+  if distributed.is_primary():
+    lock = workdir.WorkdirLock(path)
+    _OPEN_LOCKS.append(lock)
+    if lock.took_over:
+      logging.warning("took over the lock of an ended run: %s", lock.took_over)
+  return path
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ import json
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 from rlhfjax import launch
 
@@ -94,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=launch.parse_flags)
+  launch.run(main)

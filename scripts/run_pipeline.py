@@ -9,13 +9,14 @@ user looks at first are copied beside it: reward.png (the reward curve), eval.md
 on held-out prompts before and after PPO) and timeline.png (which devices ran what, when).
 
 Rerunning the same command resumes: finished stages are not trained again, an interrupted one
-continues from its latest checkpoint. Bad input: one `error:` line, exit status 2.
+continues from its latest checkpoint; SIGTERM or Ctrl-C stops the current stage with a
+checkpoint. Any failure: one `error:` line, exit status 2 (`--debug`: the traceback).
 """
 
 import os
 import shutil
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from rlhfjax import launch
@@ -46,26 +47,24 @@ def main(argv: list[str]) -> None:
   from rlhfjax.ppo import trainer as ppo_trainer
   from rlhfjax.training import reward_model, sft
 
-  workdir = _WORKDIR.value
+  workdir = launch.open_run(config, _WORKDIR.value)
   dirs = {name: os.path.join(workdir, name) for name in ("sft", "rm", "ppo")}
   config.rm.init.checkpoint = os.path.join(dirs["sft"], "checkpoints")
   config.ppo.init.actor = os.path.join(dirs["sft"], "checkpoints")
   config.ppo.init.reward = os.path.join(dirs["rm"], "checkpoints")
-  try:
-    sft_cfg = config_lib.from_config_dict(config.sft, config_lib.SFTConfig)
-    rm_cfg = config_lib.from_config_dict(config.rm, config_lib.RewardModelConfig)
-    ppo_cfg = config_lib.from_config_dict(config.ppo)
-    print("stage 1/3: supervised fine-tuning", flush=True)
-    sft.SFTTrainer(sft_cfg, dirs["sft"]).run()
-    print("stage 2/3: reward model", flush=True)
-    reward_model.RewardModelTrainer(rm_cfg, dirs["rm"]).run()
-    print("stage 3/3: PPO", flush=True)
-    result = ppo_trainer.PPOTrainer(ppo_cfg, dirs["ppo"]).run()
-  except (ValueError, ppo_trainer.TooManySkippedUpdates) as error:
-    launch.fail(error)
+  sft_cfg = config_lib.from_config_dict(config.sft, config_lib.SFTConfig)
+  rm_cfg = config_lib.from_config_dict(config.rm, config_lib.RewardModelConfig)
+  ppo_cfg = config_lib.from_config_dict(config.ppo)
+  print("stage 1/3: supervised fine-tuning", flush=True)
+  if sft.SFTTrainer(sft_cfg, dirs["sft"]).run().stopped:
+    return _stopped("SFT")
+  print("stage 2/3: reward model", flush=True)
+  if reward_model.RewardModelTrainer(rm_cfg, dirs["rm"]).run().stopped:
+    return _stopped("reward model")
+  print("stage 3/3: PPO", flush=True)
+  result = ppo_trainer.PPOTrainer(ppo_cfg, dirs["ppo"]).run()
   if result.preempted:
-    print("SIGTERM: PPO checkpoint written; rerun the same command to resume")
-    return
+    return _stopped("PPO")
 
   rows = {name: MetricsWriter.read(os.path.join(dirs[name], "metrics.jsonl")) for name in dirs}
   summary = _summary(rows, result.evaluation, ppo_trainer.format_evaluation)
@@ -75,6 +74,10 @@ def main(argv: list[str]) -> None:
     shutil.copyfile(os.path.join(dirs["ppo"], name), os.path.join(workdir, name))
   print(summary)
   print(f"outputs in {workdir}: summary.md, {', '.join(_COPIED)}; each stage in its subdirectory")
+
+
+def _stopped(stage: str) -> None:
+  print(f"stopped: {stage} checkpoint written; rerun the same command to resume")
 
 
 def _first_last(rows: list[dict], key: str) -> str:
@@ -98,4 +101,4 @@ def _summary(rows: dict[str, list[dict]], evaluation: dict, format_evaluation) -
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=launch.parse_flags)
+  launch.run(main)

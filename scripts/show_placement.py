@@ -8,7 +8,7 @@ On a CPU-only machine the script emulates `placement.num_devices` host devices (
 `error: ...` line on stderr and exits with status 2.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from rlhfjax import launch
@@ -40,4 +40,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=launch.parse_flags)
+  launch.run(main)

@@ -14,11 +14,11 @@ Writes `metrics.jsonl`, TensorBoard events, `timeline.json` / `timeline.png` (on
 device group), `reward.png`, `eval.json` / `eval.md` (held-out prompts before and after PPO) and
 `checkpoints/<step>/` into the workdir (in a multi-process run, process 0 writes the files and
 every process takes part in the checkpoints). Rerunning the same command resumes from the latest
-complete checkpoint; SIGTERM writes one and exits with status 0. Bad input: one `error:` line,
-exit status 2.
+complete checkpoint; SIGTERM or Ctrl-C writes one and exits with status 0 (a second Ctrl-C
+stops at once). Any failure: one `error:` line, exit status 2 (`--debug`: the traceback).
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from rlhfjax import launch
@@ -39,20 +39,17 @@ def main(argv: list[str]) -> None:
   from rlhfjax import distributed
   from rlhfjax.ppo import trainer
 
-  try:
-    config = config_lib.from_config_dict(_CONFIG.value)
-    ppo = trainer.PPOTrainer(config, _WORKDIR.value)
-    if ppo.start_step:
-      print(f"resuming from the checkpoint of step {ppo.start_step}")
-    result = ppo.run()
-  except (ValueError, trainer.TooManySkippedUpdates) as error:
-    # Config, placement, data and checkpoint errors are ValueErrors with one-line messages.
-    launch.fail(error)
+  workdir = launch.open_run(_CONFIG.value, _WORKDIR.value)
+  config = config_lib.from_config_dict(_CONFIG.value)
+  ppo = trainer.PPOTrainer(config, workdir)
+  if ppo.start_step:
+    print(f"resuming from the checkpoint of step {ppo.start_step}")
+  result = ppo.run()
   if not distributed.is_primary():
     return
   if result.preempted:
     last = result.metrics[-1]["step"] + 1 if result.metrics else result.start_step
-    print(f"SIGTERM: checkpoint of step {last} written; rerun the same command to resume")
+    print(f"stopped: checkpoint of step {last} written; rerun the same command to resume")
     return
   if result.metrics:
     first, last = result.metrics[0], result.metrics[-1]
@@ -66,4 +63,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=launch.parse_flags)
+  launch.run(main)

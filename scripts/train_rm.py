@@ -9,7 +9,7 @@ Writes `metrics.jsonl`, TensorBoard events, `loss.png`, `eval_accuracy.png` and 
 checkpoint. Bad input: one `error:` line, exit status 2.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from rlhfjax import launch
@@ -35,4 +35,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=launch.parse_flags)
+  launch.run(main)

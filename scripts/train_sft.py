@@ -9,7 +9,7 @@ Writes `metrics.jsonl`, TensorBoard events, `loss.png`, `eval_loss.png` and chec
 checkpoint. Bad input: one `error:` line, exit status 2.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from rlhfjax import launch
@@ -29,8 +29,13 @@ def main(argv: list[str]) -> None:
   from rlhfjax import config as config_lib
   from rlhfjax.training import sft, supervised
 
-  supervised.run_script(sft.SFTTrainer, config_lib.SFTConfig, _CONFIG.value, _WORKDIR.value)
+  supervised.run_script(
+    sft.SFTTrainer,
+    config_lib.SFTConfig,
+    _CONFIG.value,
+    launch.open_run(_CONFIG.value, _WORKDIR.value),
+  )
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=launch.parse_flags)
+  launch.run(main)

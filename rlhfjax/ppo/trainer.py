@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import threading
 from typing import Any
 
@@ -40,7 +39,7 @@ import tqdm
 
 from rlhfjax import algorithms as alg
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import data, distributed, models, tasks
+from rlhfjax import data, distributed, models, signals, tasks
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
@@ -612,7 +611,7 @@ class PPOTrainer:
       self._write_evaluation(evaluation)
     rows: list[dict[str, float]] = []
     preempted = threading.Event()
-    restore_handler = _on_sigterm(preempted.set)
+    restore_handler = signals.on_stop(preempted.set, "PPO run")
     pool = concurrent.futures.ThreadPoolExecutor(1) if cfg.ppo.async_rollout else None
     pending = None
     bar = tqdm.tqdm(
@@ -855,12 +854,3 @@ def format_evaluation(evaluation: dict[str, Any]) -> str:
     for s in evaluation[phase]["samples"]:
       lines.append(f"- {s['prompt']!r} -> {s['response']!r} (reward {s['reward']:.3f})")
   return "\n".join(lines) + "\n"
-
-
-def _on_sigterm(callback) -> Any:
-  """Calls `callback` on SIGTERM (preemption) instead of dying; returns the undo function.
-  Signals reach only the main thread, so elsewhere (a trainer run in a thread) it does nothing."""
-  if threading.current_thread() is not threading.main_thread():
-    return lambda: None
-  previous = signal.signal(signal.SIGTERM, lambda signum, frame: callback())
-  return lambda: signal.signal(signal.SIGTERM, previous)

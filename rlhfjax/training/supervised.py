@@ -24,7 +24,7 @@ import optax
 import tqdm
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import launch
+from rlhfjax import launch, signals
 from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
 from rlhfjax.data import jsonl
 from rlhfjax.data import tokenizer as tokenizer_lib
@@ -53,6 +53,8 @@ class TrainResult:
   start_step: int
   final_step: int
   compilations: dict[str, int]
+  stopped: bool = False
+  """SIGTERM or Ctrl-C stopped the run before `total_steps`, after writing a checkpoint."""
 
   def eval_rows(self) -> list[dict[str, float]]:
     return [row for row in self.metrics if any(k.startswith("eval/") for k in row)]
@@ -312,6 +314,7 @@ class SupervisedTrainer(abc.ABC):
     )
     rows: list[dict[str, float]] = []
     step = self.start_step
+    stop = signals.StopRequest(what=f"{self.name} run").__enter__()
     try:
       if step == 0:
         row = {"step": 0, **self.evaluate()}
@@ -336,10 +339,13 @@ class SupervisedTrainer(abc.ABC):
           writer.write(step, _drop_step(row))
         bar.set_postfix(loss=f"{row['train/loss']:.3f}")
         self._save(step)
+        if stop.is_set():
+          break
       if step > self.start_step:
         self._save(step, force=True)
       self.checkpointer.wait()
     finally:
+      stop.__exit__()
       writer.close()
       self.checkpointer.close()
     if jax.process_index() == 0:
@@ -350,6 +356,7 @@ class SupervisedTrainer(abc.ABC):
       start_step=self.start_step,
       final_step=step,
       compilations=self.traces.counts,
+      stopped=stop.is_set() and step < cfg.total_steps,
     )
 
   def _train_one(self, step: int, batch: Batch) -> dict[str, float]:
@@ -407,3 +414,5 @@ def run_script(
     f"{key} {first_last}; steps {result.start_step} -> {result.final_step}; "
     f"outputs in {result.workdir}"
   )
+  if result.stopped:
+    print("stopped: checkpoint written; rerun the same command to resume")

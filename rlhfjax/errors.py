@@ -1,0 +1,93 @@
+"""One line for any failure a user can cause or meet, and the exit status that goes with it.
+
+`describe(error)` walks an exception and what caused it (orbax re-raises the errors of its
+background threads wrapped, sometimes several times) and returns the most useful single line:
+
+- the exceptions rlhfjax defines (config, placement, data, checkpoint, workdir, reward
+  function errors) say what is wrong already;
+- an `OSError` anywhere in the chain (a full or read-only disk, a missing permission) names
+  the file and the reason, whatever wrapped it;
+- anything else is reported as an internal error with its type, pointing at `--debug`.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+USER_ERROR = 2
+"""Exit status of bad input or a failed environment (disk, permissions, a damaged file)."""
+INTERNAL_ERROR = 1
+"""Exit status of a bug: an exception nobody anticipated."""
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+
+DEBUG_ENV = "RLHFJAX_DEBUG"
+
+_DISK_ERRNOS = {
+  errno.ENOSPC: "no space left on the device",
+  errno.EDQUOT: "disk quota exceeded",
+  errno.EROFS: "read-only file system",
+  errno.EACCES: "permission denied",
+  errno.EPERM: "operation not permitted",
+}
+
+
+def chain(error: BaseException) -> list[BaseException]:
+  """`error` and its causes (`__cause__`, else `__context__`), outermost first."""
+  seen: list[BaseException] = []
+  while error is not None and all(error is not e for e in seen):
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return seen
+
+
+def one_line(text: object) -> str:
+  return " ".join(str(text).split())
+
+
+def _os_error_line(error: OSError) -> str:
+  reason = _DISK_ERRNOS.get(error.errno) or error.strerror or one_line(error)
+  where = error.filename or ""
+  if error.filename2:
+    where = f"{where} -> {error.filename2}"
+  return f"{reason}: {where}" if where else reason
+
+
+def _disk_errno_in_text(error: BaseException) -> str | None:
+  """TensorStore and orbax report OS errors as text (e.g. 'No space left on device')."""
+  text = str(error)
+  for code, reason in _DISK_ERRNOS.items():
+    if os.strerror(code) in text:
+      return reason
+  return None
+
+
+def describe(error: BaseException) -> tuple[str, int]:
+  """The one line (without the `error: ` prefix) and the exit status for `error`."""
+  errors = chain(error)
+  for e in errors:
+    if isinstance(e, OSError) and (e.errno in _DISK_ERRNOS or e.filename):
+      return _os_error_line(e), USER_ERROR
+  for e in errors:
+    # Exceptions rlhfjax defines are raised on purpose, with a message meant for the user.
+    if type(e).__module__.startswith("rlhfjax"):
+      return one_line(e), USER_ERROR
+  for e in errors:
+    reason = _disk_errno_in_text(e)
+    if reason:
+      return f"{reason}: {one_line(e)[:300]}", USER_ERROR
+  first = errors[0]
+  if isinstance(first, ValueError | OSError):
+    return one_line(first), USER_ERROR
+  return (
+    f"internal error {type(first).__name__}: {one_line(first)[:300]} "
+    f"(rerun with --debug or {DEBUG_ENV}=1 for the traceback)",
+    INTERNAL_ERROR,
+  )
+
+
+def debug_requested() -> bool:
+  return os.environ.get(DEBUG_ENV, "") not in ("", "0")
