@@ -56,7 +56,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from rlhfjax import errors
+from rlhfjax import errors, ranges
 from rlhfjax.training.state import TrainState
 
 COMMIT_MARKER = "commit_success.txt"
@@ -79,10 +79,7 @@ class CheckpointSection:
   """Resume from the latest complete checkpoint in WORKDIR/checkpoints if there is one."""
 
   def __post_init__(self):
-    if self.every_steps < 0:
-      raise ValueError(f"'checkpoint.every_steps' must be >= 0, got {self.every_steps}")
-    if self.keep < 1:
-      raise ValueError(f"'checkpoint.keep' must be >= 1, got {self.keep}")
+    ranges.check("checkpoint", self, every_steps=ranges.NON_NEGATIVE, keep=ranges.COUNT)
 
 
 class CheckpointError(ValueError):

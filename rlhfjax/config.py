@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from rlhfjax import ranges
 from rlhfjax.checkpoint import CheckpointSection
 from rlhfjax.distributed import DistributedSection
 from rlhfjax.models import config as model_config
@@ -140,6 +142,17 @@ class PlacementSection:
   explicit: ExplicitPlacementSection = dataclasses.field(default_factory=ExplicitPlacementSection)
   """The hand-written spec of the 'explicit' strategy."""
 
+  def __post_init__(self):
+    # num_devices and rollout_fraction are checked where the placement is planned
+    # (`rlhfjax.placement`), which knows the devices at hand.
+    ranges.check(
+      "placement",
+      self,
+      memory_per_device_gb=ranges.POSITIVE,
+      tensor=ranges.COUNT,
+      rollout_tensor=ranges.COUNT,
+    )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSection:
@@ -159,13 +172,17 @@ class RolloutSection:
   """Decode slots of the continuous-batching engine (0: one per prompt of the batch)."""
 
   def __post_init__(self):
-    for name in ("batch_size", "max_prompt_len", "max_new_tokens"):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"'rollout.{name}' must be >= 1, got {getattr(self, name)}")
-    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.slots < 0:
-      raise ConfigError(
-        "rollout sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, slots >= 0"
-      )
+    ranges.check(
+      "rollout",
+      self,
+      batch_size=ranges.COUNT,
+      max_prompt_len=ranges.COUNT,
+      max_new_tokens=ranges.COUNT,
+      temperature=ranges.NON_NEGATIVE,
+      top_k=ranges.NON_NEGATIVE,
+      top_p=ranges.between(0, 1, low_open=True),
+      slots=ranges.NON_NEGATIVE,
+    )
 
   @property
   def max_seq_len(self) -> int:
@@ -226,15 +243,23 @@ class PPOSection:
         f"'ppo.kl_controller' must be one of "
         f"{', '.join(algorithms.KL_CONTROLLERS)}, got {self.kl_controller!r}"
       )
-    for name in (
-      "ppo_epochs",
-      "mini_batches",
-      "micro_batches",
-      "group_size",
-      "max_skipped_updates",
-    ):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"'ppo.{name}' must be >= 1, got {getattr(self, name)}")
+    ranges.check(
+      "ppo",
+      self,
+      ppo_epochs=ranges.COUNT,
+      mini_batches=ranges.COUNT,
+      micro_batches=ranges.COUNT,
+      group_size=ranges.COUNT,
+      max_skipped_updates=ranges.COUNT,
+      clip_eps=ranges.POSITIVE,
+      value_clip_eps=ranges.POSITIVE,
+      entropy_coef=ranges.NON_NEGATIVE,
+      gamma=ranges.FRACTION,
+      lam=ranges.FRACTION,
+      kl_coef=ranges.NON_NEGATIVE,
+      kl_target=ranges.POSITIVE,
+      kl_horizon=ranges.COUNT,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -335,8 +360,7 @@ class EvalSection:
   """Sampling temperature of the evaluation; 0: greedy."""
 
   def __post_init__(self):
-    if self.num_prompts < 0 or self.temperature < 0:
-      raise ConfigError("'eval.num_prompts' and 'eval.temperature' must be >= 0")
+    ranges.check("eval", self, num_prompts=ranges.NON_NEGATIVE, temperature=ranges.NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -367,6 +391,9 @@ class ExperimentConfig:
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
   distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
+  def __post_init__(self):
+    ranges.check("", self, seed=ranges.SEED, total_steps=ranges.COUNT, log_every=ranges.COUNT)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainPlacementSection:
@@ -382,10 +409,13 @@ class TrainPlacementSection:
   """Memory budget of one device in GiB (params, AdamW moments, grads); None: no check."""
 
   def __post_init__(self):
-    if self.num_devices is not None and self.num_devices < 1:
-      raise ConfigError(f"'placement.num_devices' must be >= 1, got {self.num_devices}")
-    if self.tensor < 1:
-      raise ConfigError(f"'placement.tensor' must be >= 1, got {self.tensor}")
+    ranges.check(
+      "placement",
+      self,
+      num_devices=ranges.COUNT,
+      tensor=ranges.COUNT,
+      memory_per_device_gb=ranges.POSITIVE,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -438,11 +468,17 @@ class SupervisedConfig:
   """Write training metrics every this many steps."""
 
   def __post_init__(self):
-    for name in ("batch_size", "micro_batches", "max_len", "total_steps", "log_every"):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"'{name}' must be >= 1, got {getattr(self, name)}")
-    if self.eval_every < 0:
-      raise ConfigError(f"'eval_every' must be >= 0, got {self.eval_every}")
+    ranges.check(
+      "",
+      self,
+      seed=ranges.SEED,
+      batch_size=ranges.COUNT,
+      micro_batches=ranges.COUNT,
+      max_len=ranges.COUNT,
+      total_steps=ranges.COUNT,
+      log_every=ranges.COUNT,
+      eval_every=ranges.NON_NEGATIVE,
+    )
     if self.batch_size % self.micro_batches:
       raise ConfigError(
         f"'micro_batches'={self.micro_batches} must divide 'batch_size'={self.batch_size}"
@@ -510,9 +546,12 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 
 def _convert_plain(value: Any, tp: type, path: str, *, shown_type: Any) -> Any:
-  """Checks a scalar (int, float, str, bool); ints are accepted where floats are expected."""
+  """Checks a scalar (int, float, str, bool); ints are accepted where floats are expected, and
+  every float must be finite."""
   if tp is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
+  if tp is float and isinstance(value, float) and not math.isfinite(value):
+    raise ConfigError(f"config field {path!r} must be a finite number, got {value!r}")
   # bool is a subclass of int, but `num_devices=True` is a mistake, not the number 1.
   if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
     raise _type_error(path, shown_type, value)
@@ -538,6 +577,8 @@ def _convert_section(value: Any, cls: type, path: str) -> Any:
     return cls(**kwargs)
   except ConfigError:
     raise
+  except ranges.RangeError as e:  # names the field; within a nested section, the section too
+    raise ConfigError(str(e) if not path or f"'{path}." in str(e) else f"{path}: {e}") from None
   except ValueError as e:  # a section's own validation (e.g. OptimizerConfig)
     raise ConfigError(f"{path or 'config'}: {e}") from None
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rlhfjax import reward_fn_check
+
 RewardFn = Callable[[Sequence[np.ndarray], Sequence[np.ndarray], dict], np.ndarray]
 
 _SUBJECTS = (
@@ -80,4 +82,4 @@ def load_reward_fn(path: str) -> RewardFn:
     raise ValueError(f"cannot import reward function {path!r}: {e}") from None
   if not callable(fn):
     raise ValueError(f"reward function {path!r} is not callable")
-  return fn
+  return reward_fn_check.checked(path, fn)

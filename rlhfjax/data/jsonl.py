@@ -28,6 +28,8 @@ from typing import Any
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
+from rlhfjax import workdir
+
 logger = logging.getLogger(__name__)
 
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -327,7 +329,9 @@ def prepare(
     on_bad_record=on_bad_record,
   )
   data_dir = os.fspath(data_dir) if data_dir is not None else default_data_dir()
-  with _quiet_tfds():
+  # Concurrent preparers (two runs, or processes of a job sharing a disk) take turns: the
+  # first writes the dataset, the others then find it complete and reuse it.
+  with _quiet_tfds(), workdir.file_lock(os.path.join(data_dir, f".{config.name}.lock")):
     builder = JsonlDataset(config=config, data_dir=data_dir, file_format="array_record")
     builder.download_and_prepare()
   metadata = builder.info.metadata or {}

@@ -8,6 +8,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 
+class MetricsError(ValueError):
+  """A metrics file cannot be read: a line that is not JSON (not a crash's cut-short last one)."""
+
+
 def _plain(value):
   value = float(value)
   return value if math.isfinite(value) else str(value)
@@ -19,8 +23,10 @@ class MetricsWriter:
   A run that starts at `start_step` (resumed from a checkpoint, or restarted from scratch)
   first drops the rows of steps >= `start_step` that an earlier, interrupted run wrote: those
   steps are about to be run again, and the file must read as one run. TensorBoard is told the
-  same (`purge_step`). Only one process of a multi-host job should write: pass `enabled=False`
-  elsewhere.
+  same (`purge_step`). Each row is appended with a single `write` of the whole line to a file
+  opened with O_APPEND, then fsynced, so a crash leaves at most a cut-short last line, which
+  `read` ignores and the next run's start drops. Only one process of a multi-host job should
+  write: pass `enabled=False` elsewhere.
   """
 
   def __init__(
@@ -54,10 +60,16 @@ class MetricsWriter:
     if not self.enabled:
       return
     row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+    line = (json.dumps(row) + "\n").encode()
+    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      written = os.write(fd, line)
+      if written != len(line):  # a full disk: no half row left behind for the next write
+        os.ftruncate(fd, os.fstat(fd).st_size - written)
+        raise OSError(28, "No space left on device", self.path)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
     if self._tb is not None:
       for key, value in metrics.items():
         self._tb.add_scalar(key, float(value), int(step))
@@ -69,15 +81,26 @@ class MetricsWriter:
 
   @staticmethod
   def read(path: str) -> list[dict]:
-    """The rows of a metrics file; a last line cut short by a crash is left out."""
+    """The rows of a metrics file; a last line cut short by a crash is left out.
+
+    Raises:
+      MetricsError: a complete line is not a JSON object with a 'step' (naming file:line).
+    """
     rows = []
-    with open(path) as f:
-      for line in f:
+    with open(path, errors="replace") as f:
+      for number, line in enumerate(f, 1):
         try:
-          rows.append(json.loads(line))
+          row = json.loads(line)
         except json.JSONDecodeError:
-          if line.endswith("\n"):
-            raise
+          if not line.endswith("\n"):
+            continue  # cut short by a crash
+          row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+          raise MetricsError(
+            f"{path}:{number} is not a metrics row (a JSON object with a 'step'); fix or "
+            "delete that line"
+          )
+        rows.append(row)
     return rows
 
 

@@ -6,6 +6,8 @@ import dataclasses
 
 import optax
 
+from rlhfjax import ranges
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
@@ -27,8 +29,18 @@ class OptimizerConfig:
   def __post_init__(self):
     if self.decay not in ("cosine", "linear", "constant"):
       raise ValueError(f"optimizer.decay must be cosine, linear or constant, got {self.decay!r}")
-    if self.learning_rate <= 0:
-      raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+    ranges.check(
+      "optimizer",
+      self,
+      learning_rate=ranges.POSITIVE,
+      warmup_steps=ranges.NON_NEGATIVE,
+      final_lr_fraction=ranges.FRACTION,
+      weight_decay=ranges.NON_NEGATIVE,
+      b1=ranges.between(0, 1, high_open=True),
+      b2=ranges.between(0, 1, high_open=True),
+      eps=ranges.POSITIVE,
+      max_grad_norm=ranges.NON_NEGATIVE,
+    )
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_updates: int) -> optax.Schedule:
