@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 from jax.experimental import multihost_utils
 
+from rlhfjax import liveness
+
 if TYPE_CHECKING:  # the placement package imports the config, which imports this module
   from rlhfjax.placement.spec import PlacementSpec
 
@@ -53,6 +55,12 @@ class DistributedSection:
   local_device_count: int = 0
   """Host (CPU) devices this process emulates; 0: placement.num_devices / num_processes.
   CPU only: GPU and TPU processes use the devices they have."""
+  start_timeout_s: int = 300
+  """Seconds a process waits for the whole job to join (process 0's coordination service and
+  every other process) before it stops with an error naming what it waited for."""
+  peer_timeout_s: int = 60
+  """Seconds without a sign of life from another process after which the others stop with an
+  error naming it (instead of waiting forever in a collective)."""
 
   def __post_init__(self):
     if self.coordinator_address and not _ADDRESS.match(self.coordinator_address):
@@ -69,6 +77,9 @@ class DistributedSection:
       )
     if self.local_device_count < 0:
       raise DistributedError(f"local_device_count must be >= 0, got {self.local_device_count}")
+    for name in ("start_timeout_s", "peer_timeout_s"):
+      if getattr(self, name) < 1:
+        raise DistributedError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,7 +164,15 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if count:
       jax.config.update("jax_num_cpu_devices", count)
-    jax.distributed.initialize(**args)
+    # JAX aborts the process (a C++ fatal error and a stack trace) when its own time-outs
+    # expire: ours expire first and say what was waited for in one line.
+    with liveness.start_deadline(section.start_timeout_s, _waiting_for(args)):
+      jax.distributed.initialize(
+        **args,
+        initialization_timeout=section.start_timeout_s + _JAX_MARGIN_S,
+        heartbeat_timeout_seconds=max(100, section.peer_timeout_s + _JAX_MARGIN_S),
+      )
+    liveness.watch_peers(section.peer_timeout_s, args["coordinator_address"])
   except (RuntimeError, ValueError, TypeError) as error:
     missing = [
       f"{flag} (or ${env})"
@@ -167,6 +186,19 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
     hint = f"; no cluster detected, so set {', '.join(missing)}" if missing else ""
     message = " ".join(str(error).split()).rstrip(".")
     raise DistributedError(f"jax.distributed.initialize failed: {message}{hint}") from None
+
+
+_JAX_MARGIN_S = 30
+
+
+def _waiting_for(args: Mapping[str, Any]) -> str:
+  process = "this process" if args["process_id"] is None else f"process {args['process_id']}"
+  count = "" if args["num_processes"] is None else f" of {args['num_processes']}"
+  address = args["coordinator_address"] or "the cluster's coordinator"
+  return (
+    f"{process}{count} to join the job at the coordinator {address} (process 0 runs it; "
+    "every process must start with the same num_processes and a distinct process_id)"
+  )
 
 
 def is_primary() -> bool:

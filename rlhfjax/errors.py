@@ -80,6 +80,11 @@ def describe(error: BaseException) -> tuple[str, int]:
     if reason:
       return f"{reason}: {one_line(e)[:300]}", USER_ERROR
   first = errors[0]
+  if "Connection closed by peer" in str(first) or "Connection reset by peer" in str(first):
+    return (
+      f"another process of the job ended or failed (see its log): {one_line(first)[:300]}",
+      USER_ERROR,
+    )
   if isinstance(first, ValueError | OSError):
     return one_line(first), USER_ERROR
   return (

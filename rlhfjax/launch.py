@@ -52,6 +52,12 @@ def run(main: Callable[[list[str]], None]) -> None:
       if _DEBUG.value or errors.debug_requested():
         traceback.print_exc()
       line, status = errors.describe(error)
+      if "jax" in sys.modules and sys.modules["jax"].process_count() > 1:
+        # Not through atexit: JAX's shutdown barrier would wait for the other processes,
+        # which may have failed too, until its heartbeat timeout aborts with a stack trace.
+        print("error: " + line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(status)
       fail(line, status)
 
   app.run(guarded, flags_parser=parse_flags)
