@@ -70,6 +70,14 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
 
   config.data = ml_collections.ConfigDict()
   config.data.task = "vowels"
+  config.data.prompts = ""  # empty: the bundled prompts of data.task
+  config.data.train_split = "train[:90%]"
+  config.data.eval_split = "train[90%:]"
+  config.data.tokenizer = "byte"  # or the path of a Hugging Face tokenizer.json
+  config.data.chat_template = False
+  config.data.data_dir = ""  # empty: WORKDIR/data
+  config.data.on_bad_record = "error"  # or "skip" (counted)
+  config.data.on_long_prompt = "truncate"  # or "skip", "error"
 
   config.reward = ml_collections.ConfigDict()
   config.reward.fn = "rlhfjax.tasks:vowel_reward"
@@ -94,6 +102,7 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.ppo.kl_target = 6.0
   config.ppo.kl_horizon = 10_000
   config.ppo.async_rollout = variant == "disaggregated_async"
+  config.ppo.max_skipped_updates = 3
 
   config.checkpoint = ml_collections.ConfigDict(
     {"every_steps": 20, "keep": 2, "async_save": True, "resume": True}

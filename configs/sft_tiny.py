@@ -36,6 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.eval_split = "train[90%:]"
   config.data.tokenizer = "byte"
   config.data.data_dir = ""  # empty: WORKDIR/data
+  config.data.chat_template = False
+  config.data.on_bad_record = "error"  # or "skip" (counted)
+  config.data.on_long_prompt = "truncate"  # or "skip", "error"
 
   config.optimizer = ml_collections.ConfigDict(
     {"learning_rate": 3e-3, "warmup_steps": 5, "decay": "cosine", "max_grad_norm": 1.0}

@@ -269,12 +269,29 @@ def _check_json_files(item_dir: epath.Path) -> None:
 
 
 _FILE_IN_ERROR = re.compile(r'local file "([^"]+)"(?:: )?')
+_OCDBT_READ = re.compile(
+  r'Error reading "([^"/]+)/([^"]*)" in OCDBT database at local file "([^"]+)"'
+)
 
 
 def _corrupt(error: Exception, item_dir: epath.Path) -> CheckpointError:
-  """A one-line error naming the file TensorStore failed on (else the item directory)."""
-  text = str(error).split(" [tensorstore_spec")[0].strip().splitlines()
-  text = text[0] if text else type(error).__name__
+  """A one-line error naming the file TensorStore failed on (else the item directory), from
+  whichever exception in the chain says it (orbax wraps TensorStore's in its own)."""
+  texts = []
+  for e in errors.chain(error):
+    lines = str(e).split(" [tensorstore_spec")[0].strip().splitlines()
+    texts.append(lines[0] if lines else type(e).__name__)
+  text = next((t for t in texts if _FILE_IN_ERROR.search(t)), texts[0])
+  ocdbt = _OCDBT_READ.search(text)
+  if ocdbt:
+    # Arrays live in one OCDBT database per item (its files under d/ and ocdbt.process_*/d/);
+    # TensorStore names the database and the leaf, not the data file.
+    leaf, chunk, where = ocdbt.groups()
+    reason = text[ocdbt.end() :].lstrip(": ")
+    return CheckpointError(
+      f"corrupt checkpoint file in {where.rstrip('/')}: the data of leaf {leaf!r} (chunk "
+      f"{chunk}) cannot be read: {reason[:300]}"
+    )
   files = list(_FILE_IN_ERROR.finditer(text))
   if files:
     where, reason = files[-1].group(1), text[files[-1].end() :]

@@ -32,6 +32,7 @@ _DISK_ERRNOS = {
   errno.EROFS: "read-only file system",
   errno.EACCES: "permission denied",
   errno.EPERM: "operation not permitted",
+  errno.EFBIG: "file too large (a file-size limit)",
 }
 
 

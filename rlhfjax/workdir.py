@@ -15,6 +15,7 @@ Nothing here imports JAX.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -121,6 +122,7 @@ class WorkdirLock:
     }
     os.ftruncate(self._fd, 0)
     os.pwrite(self._fd, json.dumps(record).encode(), 0)
+    atexit.register(self.release)  # a normal exit leaves an empty file: nothing to take over
 
   def release(self) -> None:
     if self._fd is None:

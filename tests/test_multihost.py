@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -108,12 +107,6 @@ def test_to_host_reads_local_arrays():
 # End to end: scripts/train_ppo.py as two processes and as one.
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
   """The test session's environment without its 8 host devices (each process sets its own)
   and with this worktree first on the path."""
@@ -176,9 +169,9 @@ def _distributed(process_id: int, port: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, reserve_port):
   root = tmp_path_factory.mktemp("multihost")
-  port = _free_port()
+  port = reserve_port()
   commands = {
     "single": [*_RUN, f"--workdir={root / 'single'}"],
     # One workdir, as multi-host checkpoints need (a shared filesystem): every process takes
@@ -231,8 +224,8 @@ def test_only_process_zero_writes_and_prints(runs):
 
 
 @pytest.mark.slow
-def test_placements_across_processes_fail_at_start_up(tmp_path):
-  port = _free_port()
+def test_placements_across_processes_fail_at_start_up(tmp_path, reserve_port):
+  port = reserve_port()
   commands = {
     f"process{k}": [
       "--config=configs/ppo_tiny.py:disaggregated",

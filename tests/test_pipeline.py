@@ -24,7 +24,7 @@ SHORT = (
 )
 
 
-def _run(workdir: str) -> subprocess.CompletedProcess:
+def _run(workdir: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
   command = [
     sys.executable,
     os.path.join(ROOT, "scripts", "run_pipeline.py"),
@@ -32,13 +32,14 @@ def _run(workdir: str) -> subprocess.CompletedProcess:
     f"--workdir={workdir}",
     *SHORT,
   ]
-  return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+  return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=cwd)
 
 
 @pytest.mark.slow
 def test_pipeline_chains_the_stages_and_resumes(tmp_path):
-  workdir = str(tmp_path)
-  done = _run(workdir)
+  # As the README runs it: a relative workdir (here from another current directory).
+  workdir = str(tmp_path / "workdirs" / "pipeline")
+  done = _run("workdirs/pipeline", cwd=str(tmp_path))
   assert done.returncode == 0, done.stderr[-3000:]
   for name in ("summary.md", "reward.png", "eval.md", "timeline.png"):
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
@@ -57,7 +58,7 @@ def test_pipeline_chains_the_stages_and_resumes(tmp_path):
   assert "Reward model held-out accuracy" in summary and "| task_reward |" in summary
 
   # A rerun finds every stage complete: nothing is trained again, the outputs are rewritten.
-  again = _run(workdir)
+  again = _run("workdirs/pipeline", cwd=str(tmp_path))
   assert again.returncode == 0, again.stderr[-3000:]
   with open(os.path.join(workdir, "ppo", "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f] == [0, 1]

@@ -39,9 +39,15 @@ def _command(workdir: str, *extra: str) -> list[str]:
   return [sys.executable, SCRIPT, f"--config={config}", f"--workdir={workdir}", *FLAGS, *extra]
 
 
-def _run(workdir: str, *extra: str) -> subprocess.CompletedProcess:
+def _run(workdir: str, *extra: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
   return subprocess.run(
-    _command(workdir, *extra), capture_output=True, text=True, timeout=600, cwd=ROOT
+    _command(workdir, *extra), capture_output=True, text=True, timeout=600, cwd=cwd
+  )
+
+
+def _start(workdir: str, cwd: str) -> subprocess.Popen:
+  return subprocess.Popen(
+    _command(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
   )
 
 
@@ -81,10 +87,9 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.slow
 def test_kill_9_then_rerun_repeats_the_uninterrupted_run(uninterrupted, tmp_path):
-  workdir = str(tmp_path)
-  proc = subprocess.Popen(
-    _command(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-  )
+  # A relative workdir from another current directory, as a user types it.
+  workdir = str(tmp_path / "runs" / "ppo")
+  proc = _start("runs/ppo", cwd=str(tmp_path))
   # Iteration 3's row is written just before its checkpoint is due (step 4): the kill lands
   # in iteration 3's save or early in iteration 4, after the step-2 checkpoint is complete.
   _wait_for_row(proc, workdir, 3)
@@ -93,8 +98,11 @@ def test_kill_9_then_rerun_repeats_the_uninterrupted_run(uninterrupted, tmp_path
   assert proc.returncode == -signal.SIGKILL
   complete = ckpt.complete_steps(os.path.join(workdir, "checkpoints"))
   assert complete and complete[-1] < STEPS
+  # The killed run's lock is left behind, stale: the rerun takes it over.
+  with open(os.path.join(workdir, ".lock")) as f:
+    assert json.load(f)["pid"] == proc.pid
 
-  done = _run(workdir)
+  done = _run("runs/ppo", cwd=str(tmp_path))
   assert done.returncode == 0, done.stderr[-3000:]
   assert f"resuming from the checkpoint of step {complete[-1]}" in done.stdout
   resumed = _rows(workdir)
@@ -104,25 +112,53 @@ def test_kill_9_then_rerun_repeats_the_uninterrupted_run(uninterrupted, tmp_path
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
-  workdir = str(tmp_path)
-  proc = subprocess.Popen(
-    _command(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-  )
+def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
+  """SIGINT behaves as SIGTERM (the same handler, `rlhfjax.signals`; SIGTERM is checked in
+  tests/test_front_door.py): finish the iteration, checkpoint, exit 0, no traceback."""
+  workdir = str(tmp_path / "w")
+  proc = _start("w", cwd=str(tmp_path))
   _wait_for_row(proc, workdir, 0)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err[-3000:]
-  assert "SIGTERM: checkpoint of step" in out
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+  assert "stopped: checkpoint of step" in out
   stopped_at = int(out.split("checkpoint of step ")[1].split()[0])
   assert stopped_at < STEPS
   assert stopped_at in ckpt.complete_steps(os.path.join(workdir, "checkpoints"))
   assert [r["step"] for r in _rows(workdir)] == list(range(stopped_at))
 
-  done = _run(workdir)
+  done = _run("w", cwd=str(tmp_path))
   assert done.returncode == 0, done.stderr[-3000:]
   assert f"resuming from the checkpoint of step {stopped_at}" in done.stdout
   for got, want in zip(_rows(workdir), uninterrupted, strict=True):
+    assert _deterministic(got) == _deterministic(want), got["step"]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_and_the_rerun_repeats_the_run(uninterrupted, tmp_path):
+  workdir = str(tmp_path)
+  proc = _start(workdir, cwd=ROOT)
+  # As in the kill -9 test: the step-4 save is due, or in flight, when the signals land.
+  _wait_for_row(proc, workdir, 3)
+  proc.send_signal(signal.SIGINT)
+  # Signals sent back to back may be delivered as one: send the second once the first is seen.
+  seen = ""
+  while "Ctrl-C again to stop at once" not in seen:
+    line = proc.stderr.readline()
+    assert line, seen[-3000:]
+    seen += line
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err[-3000:]
+  assert err.strip().splitlines()[-1].startswith("error: interrupted again: stopped at once")
+  assert "Traceback" not in err, err[-3000:]
+
+  done = _run(workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  resumed = _rows(workdir)
+  assert [r["step"] for r in resumed] == list(range(STEPS))
+  for got, want in zip(resumed, uninterrupted, strict=True):
     assert _deterministic(got) == _deterministic(want), got["step"]
 
 

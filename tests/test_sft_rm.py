@@ -296,10 +296,10 @@ def test_reward_model_from_sft_beats_chance_on_held_out_pairs(sft_run, tmp_path)
 # Entry points.
 
 
-def _script(name, *args, workdir):
+def _script(name, *args, workdir, cwd=REPO):
   return subprocess.run(
     [sys.executable, os.path.join(REPO, "scripts", name), f"--workdir={workdir}", *args],
-    cwd=REPO,
+    cwd=cwd,
     capture_output=True,
     text=True,
     timeout=300,
@@ -315,20 +315,29 @@ def _script(name, *args, workdir):
   ],
 )
 def test_scripts_train_end_to_end(tmp_path, script, config, metric):
-  result = _script(
+  """From another current directory, with a relative workdir and data directory (orbax wants
+  absolute paths: the entry point makes them so), then resumed the same way."""
+  run = functools.partial(
+    _script,
     script,
-    f"--config={config}",
-    "--config.total_steps=3",
+    f"--config={os.path.join(REPO, config)}",
     "--config.placement.num_devices=2",
     "--config.placement.tensor=1",
     "--config.batch_size=8",
     "--config.micro_batches=1",
-    f"--config.data.data_dir={tmp_path / 'data'}",
-    workdir=tmp_path / "run",
+    "--config.data.data_dir=data",
+    workdir="runs/run",
+    cwd=tmp_path,
   )
+  result = run("--config.total_steps=3")
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(rf"{metric} [\d.]+ -> [\d.]+; steps 0 -> 3", result.stdout), result.stdout
-  assert os.path.isdir(tmp_path / "run" / "checkpoints" / "3")
+  assert os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "3")
+  assert os.path.isdir(tmp_path / "data")
+  resumed = run("--config.total_steps=4")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "steps 3 -> 4" in resumed.stdout, resumed.stdout
+  assert os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "4")
 
 
 @pytest.mark.parametrize(
