@@ -268,6 +268,7 @@ def _check_json_files(item_dir: epath.Path) -> None:
       _read_json(path)
 
 
+_TMP_STEP = re.compile(r"/(\d+)\.orbax-checkpoint-tmp")
 _FILE_IN_ERROR = re.compile(r'local file "([^"]+)"(?:: )?')
 _OCDBT_READ = re.compile(
   r'Error reading "([^"/]+)/([^"]*)" in OCDBT database at local file "([^"]+)"'
@@ -407,6 +408,10 @@ class Checkpointer:
     except Exception as error:  # orbax, TensorStore and the OS raise many types
       self._remove_partial_saves()
       line, _ = errors.describe(error)
+      # An asynchronous save's failure surfaces at the next call: name the step that failed.
+      failed = _TMP_STEP.search(line)
+      if failed:
+        what = f"checkpoint of step {failed.group(1)}"
       raise CheckpointError(f"{what} in {self.directory} failed: {line}") from error
 
   def _remove_partial_saves(self) -> None:

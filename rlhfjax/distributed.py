@@ -164,6 +164,10 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if count:
       jax.config.update("jax_num_cpu_devices", count)
+    # Process 0 compiles each program (or reads it from the persistent compilation cache) and
+    # the others wait for its binary: the processes then reach their first collectives
+    # together, instead of one compiling while the other waits out gloo's fixed 30 s for it.
+    jax.config.update("jax_share_binary_between_hosts", True)
     # JAX aborts the process (a C++ fatal error and a stack trace) when its own time-outs
     # expire: ours expire first and say what was waited for in one line.
     with liveness.start_deadline(section.start_timeout_s, _waiting_for(args)):

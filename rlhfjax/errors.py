@@ -15,7 +15,9 @@ Nothing here imports JAX.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import sys
 
 USER_ERROR = 2
 """Exit status of bad input or a failed environment (disk, permissions, a damaged file)."""
@@ -97,3 +99,25 @@ def describe(error: BaseException) -> tuple[str, int]:
 
 def debug_requested() -> bool:
   return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+class _OrbaxFailureFilter(logging.Filter):
+  """Drops orbax's logged tracebacks of failed background writes: the failure reaches the
+  caller, which reports it on one line (`rlhfjax.checkpoint`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+    return not (from_orbax and record.levelno >= logging.ERROR)
+
+
+def quiet_background_failures() -> None:
+  """Keeps stderr to one line per failure: tracebacks that libraries print from their own
+  threads and callbacks (orbax's log of a failed write, TensorStore callbacks finding their
+  event loop closed after it) are dropped; the failure itself surfaces in the caller. An entry
+  point's `--debug` skips this."""
+  logging.getLogger("absl").addFilter(_OrbaxFailureFilter())
+  # C++ callbacks report their Python exceptions as unraisable (PyErr_WriteUnraisable) or
+  # through sys.excepthook (PyErr_Print); the main thread's own exceptions never get there (the
+  # entry point catches them).
+  sys.unraisablehook = lambda unraisable: None
+  sys.excepthook = lambda *exc_info: None

@@ -42,6 +42,8 @@ def run(main: Callable[[list[str]], None]) -> None:
 
   def guarded(argv: list[str]) -> None:
     signals.install_default_interrupt()
+    if not (_DEBUG.value or errors.debug_requested()):
+      errors.quiet_background_failures()
     try:
       main(argv)
     except SystemExit:

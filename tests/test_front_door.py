@@ -502,3 +502,40 @@ def test_when_a_process_dies_the_others_stop_with_a_clear_error(reserve_port):
     "process 1 of 2 gave no sign of life" in last or "another process of the job" in last
   ), err[-3000:]
   assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_a_run_on_a_full_disk_ends_in_one_line_and_keeps_its_last_checkpoint(tmp_path):
+  disk = tmp_path / "disk"
+  # Room for the first checkpoint (1.6 MB) but not the second: it fails in orbax's thread.
+  with _small_disk(disk, 2500 * 1024):
+    result = subprocess.run(
+      [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "train_sft.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'sft_tiny.py')}",
+        "--workdir=disk/sft",
+        "--config.total_steps=4",
+        "--config.checkpoint.every_steps=1",
+        "--config.eval_every=0",
+        f"--config.data.data_dir={tmp_path / 'data'}",
+      ],
+      cwd=tmp_path,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+    )
+    errors_printed = [x for x in result.stderr.replace("\r", "\n").splitlines() if x.strip()]
+    errors_printed = [x for x in errors_printed if not x.startswith("sft:")]  # progress bar
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(errors_printed) == 1, result.stderr[-3000:]
+    assert re.match(
+      rf"error: checkpoint of step \d in {disk / 'sft' / 'checkpoints'} failed: (no space left "
+      "on the device|file too large)",
+      errors_printed[0],
+    ), errors_printed[0]
+    # Complete steps only (the partial one is removed), and at least the first.
+    names = sorted(p.name for p in (disk / "sft" / "checkpoints").iterdir())
+    assert names and all(n.isdigit() for n in names), names
+    assert ckpt.complete_steps(disk / "sft" / "checkpoints") == [int(n) for n in names]
