@@ -164,10 +164,6 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if count:
       jax.config.update("jax_num_cpu_devices", count)
-    # Process 0 compiles each program (or reads it from the persistent compilation cache) and
-    # the others wait for its binary: the processes then reach their first collectives
-    # together, instead of one compiling while the other waits out gloo's fixed 30 s for it.
-    jax.config.update("jax_share_binary_between_hosts", True)
     # JAX aborts the process (a C++ fatal error and a stack trace) when its own time-outs
     # expire: ours expire first and say what was waited for in one line.
     with liveness.start_deadline(section.start_timeout_s, _waiting_for(args)):
@@ -176,6 +172,12 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
         initialization_timeout=section.start_timeout_s + _JAX_MARGIN_S,
         heartbeat_timeout_seconds=max(100, section.peer_timeout_s + _JAX_MARGIN_S),
       )
+    if jax.default_backend() == "cpu":
+      # Gloo waits a fixed 30 s for the other processes at each new collective group. With a
+      # persistent compilation cache, one process may load a program in a second while another
+      # compiles it for longer than that (an entry written in between): without the cache the
+      # processes compile alike and reach their collectives together.
+      jax.config.update("jax_enable_compilation_cache", False)
     liveness.watch_peers(section.peer_timeout_s, args["coordinator_address"])
   except (RuntimeError, ValueError, TypeError) as error:
     missing = [
