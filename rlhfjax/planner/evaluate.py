@@ -12,11 +12,12 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from rlhfjax.placement.memory import device_totals, sharding_of
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import costs, memory
 from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.hardware import GIB, Hardware
-from rlhfjax.planner.replay import Replay, StageCost, cells, replay
+from rlhfjax.planner.replay import Replay, StageCost, replay
 from rlhfjax.planner.workload import Workload
 
 HEADS = {"actor": "lm", "critic": "value", "reference": "lm", "reward": "value", "rollout": "lm"}
@@ -77,15 +78,6 @@ def model_for(workload: Workload, role: Role):
   return workload.actor if role == Role.ROLLOUT else workload.model(role.value)
 
 
-def role_sharding(spec: RoleSpec) -> memory.Sharding:
-  if spec.layout == Layout.TRAINING:
-    params = spec.axis_size("fsdp") * spec.axis_size("tensor")
-    batch = spec.axis_size("data") * spec.axis_size("fsdp")
-  else:
-    params, batch = spec.axis_size("tensor"), spec.axis_size("data")
-  return memory.Sharding(param_shards=params, batch_shards=batch, tensor=spec.axis_size("tensor"))
-
-
 def options(workload: Workload, hw: Hardware, eff: Efficiency) -> memory.Options:
   return memory.Options(
     remat=workload.remat,
@@ -109,7 +101,7 @@ def role_memory(
 ) -> memory.MemoryEstimate:
   """Per-device memory of `role` on its group of `spec`."""
   config, rs = model_for(workload, role), spec[role]
-  sharding, opts = role_sharding(rs), options(workload, hw, eff)
+  sharding, opts = sharding_of(rs), options(workload, hw, eff)
   if role == Role.ROLLOUT:
     return memory.rollout_memory(
       config,
@@ -126,24 +118,6 @@ def role_memory(
   return memory.forward_memory(config, HEADS[role], sharding, **{**kwargs, "options": frozen})
 
 
-def device_peaks(
-  spec: PlacementSpec, estimates: Mapping[Role, memory.MemoryEstimate], offload_params: bool
-) -> dict[int, int]:
-  """Bytes each device needs at its peak: the persistent state of every role on it, plus the
-  largest transient set (stages on one device run one at a time). With `offload_params`, idle
-  roles wait in host memory, so the peak is the largest single role."""
-  roles = tuple(estimates)
-  peaks: dict[int, int] = {}
-  for key, devices in cells(tuple(spec[role].devices for role in roles)).items():
-    here = [estimates[roles[i]] for i in key]
-    if offload_params:
-      peak = max(e.total for e in here)
-    else:
-      peak = sum(e.persistent for e in here) + max(e.transient for e in here)
-    peaks.update(dict.fromkeys(devices, peak))
-  return peaks
-
-
 def evaluate(
   spec: PlacementSpec,
   workload: Workload,
@@ -155,7 +129,10 @@ def evaluate(
   label: str = "",
   devices_per_node: int | None = None,
 ) -> Plan:
-  """Predicts one iteration of `workload` on `spec` with `micro_batch` sequences per device."""
+  """Predicts one iteration of `workload` on `spec` with `micro_batch` sequences per device
+  (per batch shard; with `workload.train_rows` the micro-batch follows from it)."""
+  if workload.train_rows:
+    micro_batch = math.ceil(workload.train_rows / sharding_of(spec[Role.ACTOR]).batch_shards)
   roles = present_roles(workload)
   per_node = devices_per_node or hw.devices_per_node
   budget = hw.memory_gib * GIB
@@ -168,14 +145,14 @@ def evaluate(
     estimates = {
       role: role_memory(role, spec, workload, hw, eff, micro_batch, slots) for role in roles
     }
-    peak = max(device_peaks(spec, estimates, workload.offload_params).values())
+    peak = max(device_totals(spec, estimates, offload_params=workload.offload_params).values())
     if peak <= budget or slots == 1:
       break
     slots = math.ceil(slots / 2)  # generate in waves when the whole batch does not fit
 
   costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots)
   result = replay(*costs_, async_rollout=async_rollout)
-  peaks = device_peaks(spec, estimates, workload.offload_params)
+  peaks = device_totals(spec, estimates, offload_params=workload.offload_params)
   peak_device = max(peaks, key=peaks.get)
   fits = peaks[peak_device] <= budget
   why_not = ""

@@ -103,8 +103,8 @@ def replay(
     if async_rollout:
       batch_ready = generated[i]
       synced = run(sync, i, last_update) if i > 0 else batch_ready
-      if i + 1 < iterations:
-        generated[i + 1] = run(generate, i + 1, synced)
+      # Issued in the last iteration too: it takes its devices before this batch is scored.
+      generated[i + 1] = run(generate, i + 1, synced)
     else:
       batch_ready = run(generate, i, ends[-1] if ends else 0.0)
     scored = max(run(s, i, batch_ready) for s in scores)

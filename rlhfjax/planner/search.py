@@ -126,6 +126,8 @@ def search(
   ):
     best = None
     mbs = (workload.micro_batch,) if workload.micro_batch else micro_batches
+    if workload.train_rows:
+      mbs = (0,)  # fixed by train_rows
     for mb in sorted(mbs, reverse=True):
       plan = evaluate(
         spec,

@@ -37,6 +37,9 @@ class Workload:
   """Optimizer updates per epoch (mini-batches)."""
   micro_batch: int = 0
   """Sequences per device per micro-step of training and scoring; 0: the planner chooses."""
+  train_rows: int = 0
+  """Sequences per micro-step over a trained role's whole group, as a config fixes it; 0: the
+  per-device `micro_batch` (or the planner's choice) decides."""
   static_batching: bool = True
   """Generation lasts as long as its longest sample (no continuous batching)."""
   remat: str = "none"
@@ -65,8 +68,8 @@ class Workload:
       )
     if self.ppo_epochs < 1 or self.optimizer_steps < 1:
       raise ValueError("ppo_epochs and optimizer_steps must be >= 1")
-    if self.micro_batch < 0 or self.logits_chunk < 0:
-      raise ValueError("micro_batch and logits_chunk must be >= 0")
+    if self.micro_batch < 0 or self.logits_chunk < 0 or self.train_rows < 0:
+      raise ValueError("micro_batch, train_rows and logits_chunk must be >= 0")
 
   @property
   def sequences(self) -> int:
