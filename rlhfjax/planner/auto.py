@@ -89,3 +89,22 @@ def describe(plans: list[Plan], workload: Workload) -> str:
       f"{plan.iteration_s:.3g} s/iteration ({stages}), peak {plan.peak_memory_gib:.2f} GiB"
     )
   return "\n".join(lines)
+
+
+def predict(
+  config: ExperimentConfig, num_devices: int, hw: hardware.Hardware, eff: efficiency.Efficiency
+) -> Plan:
+  """The planner's prediction for the placement `config` names (not a search)."""
+  from rlhfjax.placement.strategies import build_placement
+  from rlhfjax.planner.evaluate import evaluate
+
+  spec = build_placement(config.placement, num_devices)
+  return evaluate(
+    spec,
+    workload_of(config),
+    hw,
+    eff,
+    micro_batch=0,
+    async_rollout=config.ppo.async_rollout,
+    label=spec.strategy,
+  )

@@ -94,7 +94,7 @@ def forward_time(
   """A scoring forward over `sequences` padded sequences of `seq_len` tokens."""
   tokens = sequences * seq_len
   flops = tokens * forward_flops_per_token(config, head, seq_len / 2)
-  compute = flops / (group.devices * hw.flops(config.dtype) * eff.forward_mfu)
+  compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.forward_mfu)
   fsdp = group.devices // group.tensor
   param_bytes = matmul_params(config, head) * _BYTES[config.param_dtype] / group.tensor
   gather = micro_steps * _ring(param_bytes, fsdp, _link(hw, group) * eff.collective_bw)
@@ -122,7 +122,7 @@ def train_time(
   tokens = sequences * seq_len * epochs
   passes = 4 if remat == "full" else 3
   flops = passes * tokens * forward_flops_per_token(config, head, seq_len / 2)
-  compute = flops / (group.devices * hw.flops(config.dtype) * eff.train_mfu)
+  compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.train_mfu)
   fsdp = group.devices // group.tensor
   pb = _BYTES[config.param_dtype]
   param_bytes = matmul_params(config, head) * pb / group.tensor
@@ -133,7 +133,7 @@ def train_time(
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
   ob = _BYTES[optimizer_dtype or config.param_dtype]
   # The update reads parameters, moments and gradients and writes parameters and moments.
-  state = matmul_params(config, head) / group.devices * (2 * pb + 4 * ob + 4 + pb)
+  state = matmul_params(config, head) / hw.parallel(group.devices) * (2 * pb + 4 * ob + 4 + pb)
   updates = epochs * optimizer_steps * state / (hw.memory_bw * eff.optimizer_bw)
   overhead = eff.stage_s * epochs * optimizer_steps + (
     epochs * micro_steps * passes * config.num_layers * eff.layer_s
@@ -153,12 +153,16 @@ def generate_time(
   response_max: int,
   slots: int,
   static_batching: bool,
+  gather_devices: int = 1,
 ) -> tuple[float, float]:
   """(prefill, decode) seconds for `sequences` rollouts on `group`, `slots` per data group."""
-  per_replica = math.ceil(sequences / group.replicas)
+  replicas = group.replicas
+  if hw.host_shared:  # the data groups take turns on the host's cores: one batch of all slots
+    slots, replicas = slots * replicas, 1
+  per_replica = math.ceil(sequences / replicas)
   slots = max(1, min(slots, per_replica))
   prefill_flops = per_replica * prompt_len * forward_flops_per_token(config, "lm", prompt_len / 2)
-  prefill = prefill_flops / (group.tensor * hw.flops(config.dtype) * eff.forward_mfu)
+  prefill = prefill_flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.forward_mfu)
   prefill += _tensor_allreduce(hw, eff, config, group, per_replica * prompt_len, 1)
   waves = math.ceil(per_replica / slots)
   if static_batching:
@@ -167,6 +171,9 @@ def generate_time(
     steps = math.ceil(per_replica * response_mean / slots) + (response_max - response_mean)
   context = prompt_len + (response_max if static_batching else response_mean) / 2
   step = decode_step_time(hw, eff, config, group, batch=slots, context=context)
+  if gather_devices > 1:  # weights partitioned over the group: gathered again every step
+    weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
+    step += _ring(weights, gather_devices, _link(hw, group) * eff.collective_bw)
   return prefill + eff.stage_s, steps * step
 
 
@@ -177,9 +184,9 @@ def decode_step_time(
   c = _BYTES[config.dtype]
   weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
   kv = batch * context * 2 * config.num_layers * config.num_kv_heads * config.head_dim * c
-  memory = (weights + kv) / (group.tensor * hw.memory_bw * eff.decode_bw)
+  memory = (weights + kv) / (hw.parallel(group.tensor) * hw.memory_bw * eff.decode_bw)
   flops = batch * forward_flops_per_token(config, "lm", context)
-  compute = flops / (group.tensor * hw.flops(config.dtype) * eff.decode_mfu)
+  compute = flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.decode_mfu)
   tp = _tensor_allreduce(hw, eff, config, group, batch, 1)
   return max(memory, compute) + tp + eff.decode_step_s + config.num_layers * eff.layer_s
 

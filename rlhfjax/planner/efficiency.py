@@ -42,6 +42,8 @@ class Efficiency:
   replicated_activations: bool = True
   """The engine's train step keeps SwiGLU intermediates and logits whole on every FSDP device
   (the current rlhfjax step, see `memory`); False where activations split over the batch."""
+  fused_attention: bool = False
+  """The engine's attention never materialises the `[h, s, s]` weights (flash attention)."""
   generation_engine: str = "jax"
   """Free text naming the engine the factors describe (shown in reports)."""
 

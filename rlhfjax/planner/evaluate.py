@@ -87,6 +87,7 @@ def options(workload: Workload, hw: Hardware, eff: Efficiency) -> memory.Options
     optimizer_dtype=workload.optimizer_dtype,
     native_half=hw.native_half,
     replicated_activations=eff.replicated_activations,
+    fused_attention=eff.fused_attention,
   )
 
 
@@ -138,20 +139,24 @@ def evaluate(
   budget = hw.memory_gib * GIB
   groups = {role: _group(spec[role], per_node) for role in roles}
 
-  replicas = groups[Role.ROLLOUT].replicas
-  slots = math.ceil(workload.sequences / replicas)
-  estimates = {}
-  while True:
-    estimates = {
-      role: role_memory(role, spec, workload, hw, eff, micro_batch, slots) for role in roles
-    }
-    peak = max(device_totals(spec, estimates, offload_params=workload.offload_params).values())
-    if peak <= budget or slots == 1:
-      break
-    slots = math.ceil(slots / 2)  # generate in waves when the whole batch does not fit
+  slots = math.ceil(workload.sequences / groups[Role.ROLLOUT].replicas)
+  if workload.generation_batch:
+    slots = min(slots, workload.generation_batch)
+  estimates = {
+    role: role_memory(role, spec, workload, hw, eff, micro_batch, slots) for role in roles
+  }
+  # Generate in waves when the KV cache of every slot does not fit beside the persistent state.
+  rollout_devices = set(spec[Role.ROLLOUT].devices)
+  resident = max(
+    sum(e.persistent for r, e in estimates.items() if set(spec[r].devices) & rollout_devices),
+    0,
+  )
+  while slots > 1 and resident + estimates[Role.ROLLOUT].transient > budget:
+    slots = math.ceil(slots / 2)
+    estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
   costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots)
-  result = replay(*costs_, async_rollout=async_rollout)
+  result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
   peaks = device_totals(spec, estimates, offload_params=workload.offload_params)
   peak_device = max(peaks, key=peaks.get)
   fits = peaks[peak_device] <= budget
@@ -205,6 +210,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     response_max=w.response_len_max,
     slots=slots,
     static_batching=w.static_batching,
+    gather_devices=len(rollout.devices) if w.decode_gathers_weights else 1,
   )
   generate = StageCost(
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode

@@ -38,6 +38,13 @@ class Hardware:
   """False where 16-bit matmuls run in float32 (XLA's CPU backend), so activations are f32."""
   pair_bw: tuple[tuple[float, ...], ...] = ()
   """Measured device-to-device copy rates (bytes/s), `local` only; empty for presets."""
+  host_shared: bool = False
+  """The devices are slices of one host's cores (XLA's virtual CPU devices): a group computes
+  at the host's rate whatever its size, and stages on disjoint groups still take turns."""
+
+  def parallel(self, devices: int) -> int:
+    """How many devices' worth of rate a group of `devices` gets."""
+    return 1 if self.host_shared else devices
 
   def flops(self, dtype: str) -> float:
     return self.float_flops if dtype == "float32" or not self.native_half else self.half_flops

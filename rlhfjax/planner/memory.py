@@ -25,6 +25,8 @@ Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens eac
 
 Backends without native 16-bit matmuls (XLA on CPU) compute, and keep activations, in float32.
 
+Engines with fused (flash) attention keep no `[h, s]` weights per token (`fused_attention`).
+
 `replicated_activations` (a property of the engine): the current rlhfjax train step sets no
 sharding constraint on activations, and XLA's propagation keeps the SwiGLU intermediates and
 the logits whole on every FSDP device (the weights shard the model width; seen in the compiled
@@ -104,6 +106,8 @@ class Options:
   native_half: bool = True
   """False on backends that run 16-bit matmuls in float32 (XLA on CPU)."""
   replicated_activations: bool = True
+  fused_attention: bool = False
+  """Attention weights are never materialised (flash attention): no `h s` term per token."""
 
 
 def activation_bytes(config: ModelConfig, native_half: bool) -> int:
@@ -220,11 +224,11 @@ def _saved_activations(config, global_tokens, seq_len, c, sharding, options) -> 
   mlp_shards = sharding.tensor if options.replicated_activations else group
   layers = config.num_layers
   if options.remat == "none":
-    sharded = (4 * d + 2 * h * n + 2 * k * n) * c + h * seq_len * (4 + c)
+    sharded = (4 * d + 2 * h * n + 2 * k * n) * c + _scores(h, seq_len, 4 + c, options)
     per_layer = global_tokens * (sharded / group + 5 * f * c / mlp_shards)
     return int(layers * per_layer)
   if options.remat == "dots_saveable":
-    sharded = (2 * d + h * n + 2 * k * n) * c + h * seq_len * 4
+    sharded = (2 * d + h * n + 2 * k * n) * c + _scores(h, seq_len, 4, options)
     per_layer = global_tokens * (sharded / group + 2 * f * c / mlp_shards)
     return int(layers * per_layer)
   # 'full': the layer inputs, and one layer's full set while it is recomputed.
@@ -240,8 +244,13 @@ def _layer_activation_bytes(config, seq_len, c, sharding, options) -> float:
   d, f, h, k, n = _dims(config)
   group = sharding.batch_shards * sharding.tensor
   mlp_shards = sharding.tensor if options.replicated_activations else group
-  sharded = (3 * d + 2 * h * n + 2 * k * n) * c + h * seq_len * (4 + c)
+  sharded = (3 * d + 2 * h * n + 2 * k * n) * c + _scores(h, seq_len, 4 + c, options)
   return sharded / group + 3 * f * c / mlp_shards
+
+
+def _scores(h: int, seq_len: int, bytes_per: int, options: Options) -> int:
+  """Bytes per token of attention weights (a float32 log-sum-exp per head when fused)."""
+  return h * 4 if options.fused_attention else h * seq_len * bytes_per
 
 
 def _logits(config, head, global_tokens, sharding, options, *, copies) -> int:

@@ -68,13 +68,15 @@ def replay(
   *,
   async_rollout: bool,
   iterations: int = 4,
+  serial: bool = False,
 ) -> Replay:
-  """The predicted timeline of `iterations` iterations of the given stages."""
+  """The predicted timeline of `iterations` iterations of the given stages; with `serial`
+  every stage takes turns (devices that share one host's cores)."""
   groups = sorted({c.devices for c in (generate, *scores, advantages, *updates, sync)})
   lanes_of = {g: [] for g in groups}
   for lane, key in enumerate(cells(tuple(groups))):
     for i in key:
-      lanes_of[groups[i]].append(lane)
+      lanes_of[groups[i]].append(0 if serial else lane)
   free: dict[int, float] = {}
   records: list[StageRecord] = []
 

@@ -40,6 +40,12 @@ class Workload:
   train_rows: int = 0
   """Sequences per micro-step over a trained role's whole group, as a config fixes it; 0: the
   per-device `micro_batch` (or the planner's choice) decides."""
+  generation_batch: int = 0
+  """Most sequences one rollout data group decodes at once (the engine's generation batch);
+  0: as many as memory allows."""
+  decode_gathers_weights: bool = False
+  """Generation runs on the training layout (ZeRO-3 partitioned weights, as DeepSpeed-Chat's
+  hybrid engine with ZeRO-3): every decode step all-gathers every layer's weights."""
   static_batching: bool = True
   """Generation lasts as long as its longest sample (no continuous batching)."""
   remat: str = "none"
@@ -125,14 +131,21 @@ def resolve_model(name_or_path: str, dtype: str = "bfloat16") -> ModelConfig | N
 
 
 def config_from_hf_dict(hf: dict, dtype: str, path: str) -> ModelConfig:
-  """The shape fields of a HF config (any decoder-only family; only shapes matter here)."""
+  """The shape fields of a HF config (any decoder-only family; only shapes matter here).
+
+  OPT's two-matrix GeLU MLP of width `ffn_dim` becomes a SwiGLU MLP of two thirds the width:
+  the same parameters and FLOPs per token.
+  """
   try:
     d = hf["hidden_size"]
     heads = hf["num_attention_heads"]
+    mlp = hf.get("intermediate_size") or 4 * d
+    if "ffn_dim" in hf:
+      mlp = round(2 * hf["ffn_dim"] / 3)
     return ModelConfig(
       vocab_size=hf["vocab_size"],
       hidden_size=d,
-      intermediate_size=hf.get("intermediate_size") or hf.get("ffn_dim") or 4 * d,
+      intermediate_size=mlp,
       num_layers=hf["num_hidden_layers"],
       num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
