@@ -42,6 +42,9 @@ _OFFLOAD = flags.DEFINE_bool("offload", False, "Idle roles' parameters and momen
 _EFFICIENCY = flags.DEFINE_string("efficiency", None, "Efficiency JSON (profile or calibration).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the table.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per plan instead of the table.")
+_TIMELINE = flags.DEFINE_string(
+  "timeline", None, "Directory for the winner's predicted timeline.json and timeline.png."
+)
 
 
 def main(argv):
@@ -58,6 +61,11 @@ def main(argv):
       print(json.dumps(plan.to_json()))
   else:
     print(text)
+  if _TIMELINE.value:
+    from rlhfjax.planner.report import write_timeline
+
+    paths = write_timeline(plans[0], _TIMELINE.value)
+    print(f"predicted timeline: {', '.join(paths)}", file=sys.stderr)
   sys.stdout.flush()
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from rlhfjax.config import from_config_dict
 from rlhfjax.models.config import get_model_config
+from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement import plan_placement
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.planner import efficiency, hardware, memory, search
@@ -179,7 +180,7 @@ def test_grpo_drops_the_critic():
   assert grpo.stages["update"] < ppo.stages["update"]
 
 
-def test_plan_placement_script_json():
+def test_plan_placement_script_json(tmp_path):
   out = subprocess.run(
     [
       sys.executable,
@@ -194,6 +195,7 @@ def test_plan_placement_script_json():
       "--response_len_mean=512",
       "--response_len_max=1024",
       "--json",
+      f"--timeline={tmp_path}",
     ],
     capture_output=True,
     text=True,
@@ -206,6 +208,12 @@ def test_plan_placement_script_json():
     assert key in plans[0]
   assert plans[0]["fits"] is True
   assert set(plans[0]["stages"]) == {"generate", "score", "advantages", "update", "sync"}
+  # The winner's predicted timeline, in the measured timeline.json's format.
+  records = Timeline.read_json(str(tmp_path / "timeline.json"))
+  steady = [r for r in records if r.iteration == 3]
+  span = max(r.end for r in steady) - min(r.start for r in steady)
+  assert span == pytest.approx(plans[0]["iteration_s"], rel=1e-3)
+  assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
 def test_plan_placement_script_bad_input_is_one_line():

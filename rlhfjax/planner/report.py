@@ -65,3 +65,21 @@ def format_plans(plans: Sequence[Plan], workload: Workload, *, top: int = 10) ->
     lines.append(f"... {len(plans) - top} more candidates")
   lines.append("why: " + explain(plans))
   return "\n".join(lines)
+
+
+def write_timeline(plan: Plan, directory: str) -> tuple[str, str]:
+  """The plan's predicted timeline as `timeline.json` (the measured file's format) and its
+  Gantt chart `timeline.png`, drawn by the code that draws a measured run's."""
+  import dataclasses
+  import json
+  import os
+
+  from rlhfjax.observe.timeline import plot_gantt
+
+  os.makedirs(directory, exist_ok=True)
+  json_path = os.path.join(directory, "timeline.json")
+  with open(json_path, "w") as f:
+    json.dump([dataclasses.asdict(r) for r in plan.replay.records], f, indent=1)
+  png_path = os.path.join(directory, "timeline.png")
+  plot_gantt(plan.replay.records, png_path, title=f"predicted: {plan.label}")
+  return json_path, png_path
