@@ -9,6 +9,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from rlhfjax.config import from_config_dict
@@ -269,3 +270,31 @@ def test_auto_strategy_on_local_needs_a_calibration():
   config = from_config_dict({"model": {"size": "tiny"}, "placement": {"strategy": "auto"}})
   with pytest.raises(ValueError, match="run scripts/calibrate.py --out=FILE"):
     plan_placement(config, 8)
+
+
+@pytest.mark.slow
+def test_auto_strategy_runs_on_the_local_calibration(tmp_path, capsys):
+  import dataclasses
+  import runpy
+
+  from rlhfjax.planner import calibrate
+  from rlhfjax.ppo.trainer import PPOTrainer
+
+  hw = calibrate.measure_hardware(matmul_size=128, copy_bytes=8 << 20, pair_bytes=1 << 20)
+  assert hw.host_shared and len(hw.pair_bw) == 8 and hw.float_flops > 0
+  path = tmp_path / "local.json"
+  path.write_text(
+    json.dumps({"hardware": hw.to_json(), "efficiency": dataclasses.asdict(calibrate.IDEAL)})
+  )
+  cd = runpy.run_path(str(REPO / "configs" / "ppo_tiny.py"))["get_config"]("colocated")
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  cd.placement.strategy = "auto"
+  cd.placement.efficiency = str(path)
+  trainer = PPOTrainer(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
+  chosen = capsys.readouterr().out.splitlines()[0]
+  assert chosen.startswith(f"placement auto chosen: {trainer.placement.strategy}")
+  rows = trainer.run().metrics
+  assert len(rows) == 2 and all(np.isfinite(r["loss/policy"]) for r in rows)
