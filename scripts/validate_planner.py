@@ -31,6 +31,7 @@ def main(argv):
       print(
         f"{r['case']:24} {r['what']:12} {r['published']:>10g} {r['predicted']:>10.1f} "
         f"{r['factor']:>7.2f}  {'yes' if r['ok'] else 'NO'}"
+        + ("" if r["fits"] else "  (the planner finds this placement over memory)")
       )
     print(f"\n{'ratio':46} {'what':12} {'published':>9} {'predicted':>9} {'error':>7}  ok")
     for r in result["ratios"]:

@@ -298,3 +298,18 @@ def test_auto_strategy_runs_on_the_local_calibration(tmp_path, capsys):
   assert chosen.startswith(f"placement auto chosen: {trainer.placement.strategy}")
   rows = trainer.run().metrics
   assert len(rows) == 2 and all(np.isfinite(r["loss/policy"]) for r in rows)
+
+
+def test_published_cases_are_predicted_with_fixed_profiles():
+  from rlhfjax.planner import validation
+
+  table = validation.load_table()
+  result = validation.validate(table)
+  cases = {c["name"] for c in table["cases"]}
+  assert {r["case"] for r in result["absolute"]} == cases
+  assert all(c["source"] and c["profile"] in efficiency.profile_names() for c in table["cases"])
+  # The whole-iteration targets: every time within 2x, every placement ratio within 25%.
+  iterations = [r for r in result["absolute"] if r["what"] == "iteration_s"]
+  assert len(iterations) == len(cases) and all(r["ok"] for r in iterations), iterations
+  ratios = [r for r in result["ratios"] if r["what"] == "iteration_s"]
+  assert len(ratios) == 2 and all(r["ok"] for r in ratios), ratios
