@@ -12,9 +12,10 @@ import dataclasses
 
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.placement.spec import PlacementSpec, Role
+from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import PlacementError, check_models
 from rlhfjax.planner import efficiency, hardware, search
-from rlhfjax.planner.evaluate import Plan
+from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
 from rlhfjax.planner.report import format_groups
 from rlhfjax.planner.workload import Workload
 
@@ -78,8 +79,6 @@ def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, l
 
 def describe(plans: list[Plan], workload: Workload) -> str:
   """Two lines: the chosen plan and the runner-up, with their predictions."""
-  from rlhfjax.planner.evaluate import present_roles
-
   roles = present_roles(workload)
   lines = []
   for name, plan in zip(("chosen", "runner-up"), plans[:2], strict=False):
@@ -95,9 +94,6 @@ def predict(
   config: ExperimentConfig, num_devices: int, hw: hardware.Hardware, eff: efficiency.Efficiency
 ) -> Plan:
   """The planner's prediction for the placement `config` names (not a search)."""
-  from rlhfjax.placement.strategies import build_placement
-  from rlhfjax.planner.evaluate import evaluate
-
   spec = build_placement(config.placement, num_devices)
   return evaluate(
     spec,
