@@ -41,6 +41,9 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.placement.rollout_fraction = 0.5
   config.placement.split_actor_critic = variant == "interleaved_split"
   config.placement.split_reference_reward = False
+  # strategy=auto: the planner's hardware ('local' needs efficiency = a calibrate.py output).
+  config.placement.hardware = "local"
+  config.placement.efficiency = ""
   # Used with the 'explicit' variant: actor, reference and rollout share the first half,
   # critic and reward the second; the two halves update concurrently.
   config.placement.explicit = ml_collections.ConfigDict()

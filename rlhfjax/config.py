@@ -124,7 +124,8 @@ class PlacementSection:
   """How the roles are placed on devices; see `rlhfjax.placement.strategies`."""
 
   strategy: str = "colocated"
-  """'colocated', 'interleaved', 'disaggregated' or 'explicit'."""
+  """'colocated', 'interleaved', 'disaggregated', 'explicit', or 'auto' (the planner picks the
+  fastest placement that fits; see `rlhfjax.planner`)."""
   num_devices: int | None = None
   """Devices the job uses (the first ones of `jax.devices()`); None: all of them."""
   memory_per_device_gb: float | None = None
@@ -141,6 +142,10 @@ class PlacementSection:
   """disaggregated: reference and reward on disjoint halves (interleaved always splits them)."""
   explicit: ExplicitPlacementSection = dataclasses.field(default_factory=ExplicitPlacementSection)
   """The hand-written spec of the 'explicit' strategy."""
+  hardware: str = "local"
+  """auto: the planner's hardware, a preset name or 'local' (measured, see `efficiency`)."""
+  efficiency: str = ""
+  """auto: a calibration JSON of `scripts/calibrate.py` (needed by 'local') or a profile."""
 
   def __post_init__(self):
     # num_devices and rollout_fraction are checked where the placement is planned

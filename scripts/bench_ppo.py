@@ -28,27 +28,25 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "num_layers (0: the size's own).")
 _MLP = flags.DEFINE_integer("mlp", 352, "intermediate_size (0: the size's own).")
 _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per rollout batch.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Response tokens per sequence.")
+_PREDICT = flags.DEFINE_string(
+  "predict", None, "Calibration JSON of scripts/calibrate.py: add the planner's prediction."
+)
 
 
 def _config(variant: str):
-  import runpy
+  from rlhfjax.planner.localcheck import bench_config
 
-  from rlhfjax.config import from_config_dict
-
-  cd = runpy.run_path("configs/ppo_tiny.py")["get_config"](variant)
-  cd.total_steps = _ITERATIONS.value
-  cd.placement.num_devices = _DEVICES.value
-  cd.model.size = _SIZE.value
-  overrides = {
-    "hidden_size": _HIDDEN.value,
-    "num_layers": _LAYERS.value,
-    "intermediate_size": _MLP.value,
-  }
-  cd.model.overrides = {k: v for k, v in overrides.items() if v}
-  cd.rollout.batch_size = _BATCH.value
-  cd.rollout.max_new_tokens = _NEW_TOKENS.value
-  cd.reward.model_coef = 0.5
-  return from_config_dict(cd)
+  return bench_config(
+    variant,
+    iterations=_ITERATIONS.value,
+    devices=_DEVICES.value,
+    size=_SIZE.value,
+    hidden=_HIDDEN.value,
+    layers=_LAYERS.value,
+    mlp=_MLP.value,
+    batch=_BATCH.value,
+    new_tokens=_NEW_TOKENS.value,
+  )
 
 
 def main(argv):
@@ -71,6 +69,18 @@ def main(argv):
       if k.startswith("time/") and k != "time/iteration"
     }
     iteration = float(np.median([r["time/iteration"] for r in steady]))
+    predicted = {}
+    if _PREDICT.value:
+      from rlhfjax.planner import efficiency, hardware, localcheck
+
+      measured = {k[len("time/") :]: v for k, v in stages.items()}
+      predicted["predicted"] = localcheck.compare(
+        trainer.cfg,
+        hardware.load_hardware("local", _PREDICT.value),
+        efficiency.load_efficiency(_PREDICT.value),
+        _DEVICES.value,
+        {**measured, "iteration": iteration},
+      )
     print(
       json.dumps(
         {
@@ -87,6 +97,7 @@ def main(argv):
             round(rows[0]["reward/mean"], 4),
             round(rows[-1]["reward/mean"], 4),
           ],
+          **predicted,
         }
       ),
       flush=True,

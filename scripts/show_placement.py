@@ -34,7 +34,9 @@ def main(argv: list[str]) -> None:
     spec = placement.plan_placement(config, available_devices=jax.device_count())
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
-  estimates = placement.estimate_placement_memory(spec, config.model, config.rollout)
+  estimates = placement.estimate_placement_memory(
+    spec, config.model, config.rollout, train_rows=placement.train_rows(config)
+  )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
 

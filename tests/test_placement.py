@@ -354,8 +354,9 @@ def test_70b_does_not_fit_colocated_on_8_devices_of_16_gib():
     placement={"strategy": "colocated", "num_devices": 8, "memory_per_device_gb": 16},
   )
   message = (
-    r"^actor does not fit: needs 96\.4 GiB per device \(params 16\.1, optimizer 64\.2, "
-    r"grads 16\.1, kv cache 0\) on its 8 devices but the budget is 16 GiB "
+    r"^actor does not fit: needs 147 GiB per device \(params 16\.1, optimizer 32\.1, "
+    r"grads 48\.2, activations 46\.6, logits 0\.732, kv cache 0\) on its 8 devices but the "
+    r"budget is 16 GiB "
     r"\(placement\.memory_per_device_gb\)$"
   )
   with pytest.raises(PlacementError, match=message) as info:
@@ -377,9 +378,13 @@ def test_roles_sharing_a_device_must_fit_together():
     r"reward \+ rollout together: [\d.e-]+ GiB but the budget is [\d.e-]+ GiB",
   ):
     plan_placement(tight, 8)
-  # Disaggregated moves the rollout, the biggest resident, off the training devices.
-  separate = _config(placement={"strategy": "disaggregated", "memory_per_device_gb": budget_gib})
-  plan_placement(separate, 8)
+  # Exactly the peak fits: the persistent state of all five plus the largest transient set.
+  exact = _config(
+    placement={"strategy": "colocated", "memory_per_device_gb": colocated_peak / 2**30}
+  )
+  plan_placement(exact, 8)
+  persistent = sum(e.persistent for e in estimates.values())
+  assert colocated_peak == persistent + max(e.transient for e in estimates.values())
 
 
 # --- Memory estimate --------------------------------------------------------------------------
@@ -414,20 +419,25 @@ def test_memory_of_tiny_roles_matches_hand_computation():
   fp32 = 4
   actor = estimates[Role.ACTOR]
   assert actor.params == math.ceil(lm * fp32 / 8)
-  assert actor.optimizer == math.ceil(lm * 2 * 4 / 8)
-  assert actor.grads == actor.params
-  assert actor.kv_cache == 0
+  assert actor.optimizer == math.ceil(lm * 2 * 4 / 8)  # two fp32 moments (fp32 params)
+  assert actor.grads == math.ceil(lm * (4 + 4) / 8)  # fp32 accumulator + averaged gradients
+  assert actor.kv_cache == 0 and actor.activations > 0 and actor.logits > 0
   critic = estimates[Role.CRITIC]
   assert (critic.params, critic.optimizer) == (math.ceil(value * fp32 / 8), value * 8 // 8)
-  assert estimates[Role.REFERENCE].total == estimates[Role.REFERENCE].params == lm * fp32 // 8
-  assert estimates[Role.REWARD].total == math.ceil(value * fp32 / 8)
+  assert estimates[Role.REFERENCE].params == lm * fp32 // 8
+  assert estimates[Role.REFERENCE].optimizer == estimates[Role.REFERENCE].grads == 0
+  assert estimates[Role.REWARD].params == math.ceil(value * fp32 / 8)
+  assert estimates[Role.REWARD].logits == 0  # a value head has no vocabulary
   rollout = estimates[Role.ROLLOUT]
   # Generation layout, data=4 x tensor=2: params split over tensor only; 16 / 4 sequences of
   # 128 tokens, K and V of 3 layers x 2 kv heads x 12 dims in fp32, kv heads split over 2.
   assert rollout.params == lm * fp32 // 2
   assert rollout.kv_cache == (16 // 4) * 128 * (2 * 3 * 2 * 12 * fp32) // 2
   assert rollout.optimizer == rollout.grads == 0
-  assert rollout.total == rollout.params + rollout.kv_cache
+  # Co-located: no transfer buffer; decode logits of 4 slots x vocab, fp32, twice, over tensor.
+  assert rollout.transfer == 0
+  assert rollout.logits == 4 * 328 * 4 * 2 // 2
+  assert rollout.total == rollout.params + rollout.kv_cache + rollout.logits
 
 
 def test_memory_of_a_training_layout_ignores_data_replicas():
@@ -445,8 +455,9 @@ def test_70b_memory_per_device():
   estimate = estimate_placement_memory(spec, config.model, config.rollout)[Role.ACTOR]
   params = 68_976_648_192  # Llama-2-70B with an untied LM head
   assert estimate.params == params * 2 // 8
-  assert estimate.optimizer == params * 8 // 8
-  assert estimate.total / 2**30 == pytest.approx(params * 12 / 8 / 2**30)
+  assert estimate.optimizer == params * 2 * 2 // 8  # optax keeps the moments in bf16 too
+  assert estimate.grads == params * (4 + 2) // 8
+  assert estimate.persistent == estimate.params + estimate.optimizer
 
 
 def test_format_placement_table_lists_every_role():

@@ -12,6 +12,7 @@ from rlhfjax.placement.strategies import (
   plan_placement,
   register_strategy,
   strategy_names,
+  train_rows,
 )
 from rlhfjax.placement.validate import PlacementError
 
@@ -34,4 +35,5 @@ __all__ = [
   "plan_placement",
   "register_strategy",
   "strategy_names",
+  "train_rows",
 ]

@@ -1,35 +1,42 @@
-"""Per-device memory estimate of each role: parameters, optimizer state, gradients, KV cache.
+"""Per-device memory of each role of a placement, from the planner's memory model.
 
-The estimate counts the state that stays resident; activations and temporary buffers are left
-out, so it is a lower bound meant to reject placements that cannot work, not to promise that a
-placement fits.
+The model itself (`rlhfjax.planner.memory`) counts parameters, gradients, optimizer moments in
+their dtypes, activations with and without remat, logits (whole or chunked), the KV cache and
+the weight sync's temporary buffer from the shapes alone. This module feeds it a placement:
 
-- Parameters are stored in the model's `param_dtype`. The training layout shards them over
-  `fsdp` x `tensor` (`data` holds replicas); the generation layout shards them over `tensor`
-  only (each `data` group holds a full copy).
-- Trained roles (actor, critic) add AdamW moments (2 x float32 per parameter) and gradients
-  (`param_dtype`), sharded like the parameters.
-- The rollout adds the KV cache of `batch_size` sequences of `max_prompt_len + max_new_tokens`
-  tokens: the batch split over the batch axes (`data`, and `fsdp` in a training layout), the
-  KV heads over `tensor`.
+- the training layout shards parameters (and moments, gradients) over `fsdp` x `tensor` and
+  splits the batch over `data` x `fsdp`; the generation layout shards parameters over `tensor`
+  and gives each `data` group its share of the rollout slots;
+- actor and critic are trained on micro-batches of `train_rows` sequences (the config's mini-
+  batch split into micro-batches); reference and reward score the whole rollout batch at once,
+  as the trainer does;
+- a device's need is the persistent state (parameters, moments) of every role on it plus the
+  largest transient set of any of them: stages sharing a device run one at a time and free
+  their temporaries. With offloaded parameters, idle roles wait in host memory.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
 from rlhfjax.config import ModelSection, RolloutSection
-from rlhfjax.models.config import HeadKind, ModelConfig, kv_cache_bytes_per_token, param_count
+from rlhfjax.models.config import ModelConfig
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
+from rlhfjax.planner.memory import (
+  MemoryEstimate,
+  Options,
+  Sharding,
+  forward_memory,
+  rollout_memory,
+  train_memory,
+)
+from rlhfjax.planner.replay import cells
 
 GIB = 2**30
-ADAM_BYTES_PER_PARAM = 2 * 4
-"""AdamW's first and second moments, float32 each."""
 
 TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)
-HEADS: Mapping[Role, HeadKind] = {
+HEADS: Mapping[Role, str] = {
   Role.ACTOR: "lm",
   Role.CRITIC: "value",
   Role.REFERENCE: "lm",
@@ -49,74 +56,93 @@ BATCH_AXES: Mapping[Layout, tuple[str, ...]] = {
 }
 """Mesh axes each layout splits the batch over."""
 
+__all__ = ["GIB", "MemoryEstimate", "Options", "estimate_memory", "estimate_placement_memory"]
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryEstimate:
-  """Bytes one device of a role holds, by kind."""
 
-  params: int
-  optimizer: int = 0
-  """AdamW moments (trained roles only)."""
-  grads: int = 0
-  """Gradients (trained roles only)."""
-  kv_cache: int = 0
-  """KV cache (rollout only)."""
-
-  @property
-  def total(self) -> int:
-    return self.params + self.optimizer + self.grads + self.kv_cache
+def sharding_of(spec: RoleSpec) -> Sharding:
+  """How `spec` splits parameters and batch, as the memory model takes it."""
+  return Sharding(
+    param_shards=math.prod(spec.axis_size(a) for a in PARAM_SHARDING_AXES[spec.layout]),
+    batch_shards=math.prod(spec.axis_size(a) for a in BATCH_AXES[spec.layout]),
+    tensor=spec.axis_size("tensor"),
+  )
 
 
 def estimate_memory(
-  role: Role | str, spec: RoleSpec, model: ModelConfig, rollout: RolloutSection
+  role: Role | str,
+  spec: RoleSpec,
+  model: ModelConfig,
+  rollout: RolloutSection,
+  *,
+  train_rows: int | None = None,
+  receives_sync: bool = False,
+  options: Options | None = None,
 ) -> MemoryEstimate:
-  """Estimates the bytes one device of `role` holds when placed as `spec`.
+  """Estimates the bytes one device of `role` needs when placed as `spec`.
 
   Args:
-    role: the role, which decides the head and whether optimizer state and KV cache exist.
+    role: the role: trained (actor, critic), scoring (reference, reward) or the rollout.
     spec: the role's devices, mesh axes and layout.
     model: the role's model.
-    rollout: the rollout batch shape (used by the rollout role only).
-
-  Returns:
-    The per-device breakdown, rounded up to whole bytes per kind.
+    rollout: the rollout batch shape (sequence length; slots of the rollout).
+    train_rows: sequences per micro-step of a trained role (default: the whole batch).
+    receives_sync: the rollout gets the actor's weights from other devices.
+    options: remat, logits chunk, offload flags and backend numerics.
   """
   role = Role(role)
-  param_shards = math.prod(spec.axis_size(a) for a in PARAM_SHARDING_AXES[spec.layout])
-  num_params = param_count(model, HEADS[role])
-  params = _ceil_div(num_params * model.param_bytes_per_element, param_shards)
-  optimizer = grads = kv_cache = 0
-  if role in TRAINED_ROLES:
-    optimizer = _ceil_div(num_params * ADAM_BYTES_PER_PARAM, param_shards)
-    grads = params
+  options = options or Options()
+  sharding = sharding_of(spec)
+  seq_len = rollout.max_seq_len
   if role == Role.ROLLOUT:
-    batch_shards = math.prod(spec.axis_size(a) for a in BATCH_AXES[spec.layout])
-    sequences = _ceil_div(rollout.batch_size, batch_shards)
-    per_token = _ceil_div(kv_cache_bytes_per_token(model), spec.axis_size("tensor"))
-    kv_cache = sequences * rollout.max_seq_len * per_token
-  return MemoryEstimate(params=params, optimizer=optimizer, grads=grads, kv_cache=kv_cache)
+    slots = math.ceil((rollout.slots or rollout.batch_size) / sharding.batch_shards)
+    return rollout_memory(
+      model, sharding, slots=slots, seq_len=seq_len, options=options, receives_sync=receives_sync
+    )
+  rows = train_rows if role in TRAINED_ROLES and train_rows else rollout.batch_size
+  micro_batch = math.ceil(rows / sharding.batch_shards)
+  fn = train_memory if role in TRAINED_ROLES else forward_memory
+  return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
 
 
 def estimate_placement_memory(
-  placement: PlacementSpec, model: ModelSection, rollout: RolloutSection
+  placement: PlacementSpec,
+  model: ModelSection,
+  rollout: RolloutSection,
+  *,
+  train_rows: int | None = None,
+  options: Options | None = None,
 ) -> dict[Role, MemoryEstimate]:
   """`estimate_memory` of every role of `placement`, with the model each role runs."""
+  actor_devices = set(placement[Role.ACTOR].devices)
   return {
-    role: estimate_memory(role, spec, model.for_role(role), rollout)
+    role: estimate_memory(
+      role,
+      spec,
+      model.for_role(role),
+      rollout,
+      train_rows=train_rows,
+      receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
+      options=options,
+    )
     for role, spec in placement.roles.items()
   }
 
 
 def device_totals(
-  placement: PlacementSpec, estimates: Mapping[Role, MemoryEstimate]
+  placement: PlacementSpec,
+  estimates: Mapping[Role, MemoryEstimate],
+  *,
+  offload_params: bool = False,
 ) -> dict[int, int]:
-  """Bytes each device holds, summed over the roles placed on it (all stay resident)."""
+  """Bytes each device needs at its peak: every role's persistent state on it plus the largest
+  transient set (with `offload_params`, the largest single role)."""
+  roles = tuple(estimates)
   totals: dict[int, int] = {}
-  for role, spec in placement.roles.items():
-    for device in spec.devices:
-      totals[device] = totals.get(device, 0) + estimates[role].total
+  for key, devices in cells(tuple(placement[role].devices for role in roles)).items():
+    here = [estimates[roles[i]] for i in key]
+    if offload_params:
+      need = max(e.total for e in here)
+    else:
+      need = sum(e.persistent for e in here) + max(e.transient for e in here)
+    totals.update(dict.fromkeys(devices, need))
   return totals
-
-
-def _ceil_div(a: int, b: int) -> int:
-  return -(-a // b)

@@ -7,8 +7,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from rlhfjax.placement.memory import GIB, MemoryEstimate, device_totals
 from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
 
-_HEADER = ("role", "devices", "mesh", "layout", "total", "params", "optimizer", "grads", "kv cache")
+_HEADER = (
+  "role",
+  "devices",
+  "mesh",
+  "layout",
+  "total",
+  "params",
+  "optimizer",
+  "grads",
+  "gathered",
+  "activations",
+  "logits",
+  "kv cache",
+  "transfer",
+)
 _NUMERIC_FROM = _HEADER.index("total")
+_KINDS = tuple(name.replace(" ", "_") for name in _HEADER[_NUMERIC_FROM:])
 _UNITS = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10))
 
 
@@ -55,10 +70,7 @@ def format_placement_table(
         format_devices(role_spec.devices),
         format_mesh(role_spec),
         role_spec.layout.value,
-        *(
-          _amount(getattr(estimate, kind), scale)
-          for kind in ("total", "params", "optimizer", "grads", "kv_cache")
-        ),
+        *(_amount(getattr(estimate, kind), scale) for kind in _KINDS),
       )
     )
   title = f"{spec.strategy} placement on {len(spec.devices)} devices, est. memory/device in {unit}"

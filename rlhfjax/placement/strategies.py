@@ -219,8 +219,8 @@ def register_strategy(name: str, builder: Builder) -> None:
 
 
 def strategy_names() -> tuple[str, ...]:
-  """Names accepted by `placement.strategy`."""
-  return tuple(_STRATEGIES)
+  """Names accepted by `placement.strategy` (`auto` is resolved by `plan_placement`)."""
+  return (*_STRATEGIES, "auto")
 
 
 def build_placement(placement_cfg: PlacementSection, available_devices: int) -> PlacementSpec:
@@ -246,10 +246,35 @@ def build_placement(placement_cfg: PlacementSection, available_devices: int) -> 
   return spec
 
 
+def train_rows(config: ExperimentConfig) -> int:
+  """Sequences per micro-step of the trained roles: the rollout batch split into mini-batches,
+  each into micro-batches."""
+  return max(1, config.rollout.batch_size // config.ppo.mini_batches // config.ppo.micro_batches)
+
+
 def plan_placement(config: ExperimentConfig, available_devices: int) -> PlacementSpec:
-  """`build_placement`, then checks the models of `config` against it (`check_models`)."""
-  spec = build_placement(config.placement, available_devices)
-  check_models(spec, config.model, config.rollout, config.placement.memory_per_device_gb)
+  """`build_placement`, then checks the models of `config` against it (`check_models`).
+
+  `placement.strategy='auto'` asks the planner (`rlhfjax.planner.auto`) for the fastest
+  placement on the available devices and prints the chosen plan and the runner-up.
+  """
+  if config.placement.strategy == "auto":
+    # The planner builds on this package, so it is imported only when asked for.
+    from rlhfjax.planner import auto
+
+    num_devices = resolve_num_devices(config.placement.num_devices, available_devices)
+    spec, plans = auto.choose(config, num_devices)
+    print(auto.describe(plans, auto.workload_of(config)), flush=True)
+    check_spec(spec, num_devices)
+  else:
+    spec = build_placement(config.placement, available_devices)
+  check_models(
+    spec,
+    config.model,
+    config.rollout,
+    config.placement.memory_per_device_gb,
+    train_rows=train_rows(config),
+  )
   return spec
 
 

@@ -63,6 +63,9 @@ def check_models(
   model: ModelSection,
   rollout: RolloutSection,
   memory_per_device_gb: float | None,
+  *,
+  train_rows: int | None = None,
+  options: memory.Options | None = None,
 ) -> None:
   """Checks that every role's model can be laid out on its mesh and fits its devices.
 
@@ -71,6 +74,8 @@ def check_models(
     model: which model each role runs.
     rollout: the rollout batch shape.
     memory_per_device_gb: the budget of one device in GiB; None skips the memory checks.
+    train_rows: sequences per micro-step of the trained roles (see `estimate_memory`).
+    options: remat, logits chunk, offload and backend settings of the memory model.
 
   Raises:
     PlacementError: a `tensor` size does not divide a model's heads or KV heads, the rollout
@@ -96,9 +101,11 @@ def check_models(
       f"{batch_shards} batch shards ({'x'.join(batch_axes)}) of the rollout mesh"
     )
   if memory_per_device_gb is not None:
-    _check_memory(
-      spec, memory.estimate_placement_memory(spec, model, rollout), memory_per_device_gb
+    estimates = memory.estimate_placement_memory(
+      spec, model, rollout, train_rows=train_rows, options=options
     )
+    offload = options is not None and options.offload_params
+    _check_memory(spec, estimates, memory_per_device_gb, offload)
 
 
 def _check_devices(role: Role, spec: RoleSpec, num_devices: int) -> None:
@@ -143,6 +150,7 @@ def _check_memory(
   spec: PlacementSpec,
   estimates: Mapping[Role, memory.MemoryEstimate],
   memory_per_device_gb: float,
+  offload_params: bool,
 ) -> None:
   budget = memory_per_device_gb * memory.GIB
   budget_text = f"the budget is {memory_per_device_gb:.3g} GiB (placement.memory_per_device_gb)"
@@ -151,10 +159,13 @@ def _check_memory(
       raise PlacementError(
         f"{role} does not fit: needs {_gib(estimate.total)} GiB per device "
         f"(params {_gib(estimate.params)}, optimizer {_gib(estimate.optimizer)}, "
-        f"grads {_gib(estimate.grads)}, kv cache {_gib(estimate.kv_cache)}) on its "
+        f"grads {_gib(estimate.grads)}, activations {_gib(estimate.activations)}, "
+        f"logits {_gib(estimate.logits)}, kv cache {_gib(estimate.kv_cache)}) on its "
         f"{len(spec[role].devices)} devices but {budget_text}"
       )
-  for device, total in sorted(memory.device_totals(spec, estimates).items()):
+  for device, total in sorted(
+    memory.device_totals(spec, estimates, offload_params=offload_params).items()
+  ):
     if total > budget:
       roles = [role.value for role, s in spec.roles.items() if device in s.devices]
       raise PlacementError(

@@ -91,10 +91,11 @@ def role_spec(
     )
   spec = RoleSpec.training(range(num_devices), fsdp=fsdp, tensor=tensor)
   if placement.memory_per_device_gb is not None:
-    # Parameters, AdamW moments and gradients (activations excluded), estimated as for PPO's
-    # trained role with the same head.
+    # Estimated as for PPO's trained role with the same head: parameters, moments, gradients,
+    # and the activations and logits of one micro-batch of `max_len` tokens.
     trained = Role.ACTOR if head == "lm" else Role.CRITIC
-    need = memory.estimate_memory(trained, spec, model, RolloutSection()).total
+    shape = RolloutSection(batch_size=rows, max_prompt_len=cfg.max_len, max_new_tokens=1)
+    need = memory.estimate_memory(trained, spec, model, shape, train_rows=rows).total
     budget = placement.memory_per_device_gb * memory.GIB
     if need > budget:
       raise PlacementError(

@@ -1,0 +1,106 @@
+"""`placement.strategy='auto'`: plan for the devices at hand and return the winning spec.
+
+The experiment config becomes a `Workload` (the trainer's batch, lengths, epochs, mini- and
+micro-batches, models); the search ranks every placement on the configured hardware (`local`
+from a calibration file, or a preset), and the first plan that fits and passes the placement
+checks of the config is used. The chosen plan and the runner-up are printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlhfjax.config import ExperimentConfig
+from rlhfjax.placement.spec import PlacementSpec, Role
+from rlhfjax.placement.strategies import build_placement
+from rlhfjax.placement.validate import PlacementError, check_models
+from rlhfjax.planner import efficiency, hardware, search
+from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
+from rlhfjax.planner.report import format_groups
+from rlhfjax.planner.workload import Workload
+
+
+def workload_of(config: ExperimentConfig) -> Workload:
+  """The planner's view of one iteration of the experiment."""
+  ppo, rollout, model = config.ppo, config.rollout, config.model
+  critic_free = ppo.advantage != "gae"
+  return Workload(
+    actor=model.for_role(Role.ACTOR),
+    critic=None if critic_free else model.for_role(Role.CRITIC),
+    reward=model.for_role(Role.REWARD) if config.reward.model_coef != 0.0 else None,
+    reference=model.for_role(Role.REFERENCE),
+    algorithm="grpo" if critic_free else "ppo",
+    prompts=rollout.batch_size // ppo.group_size,
+    samples_per_prompt=ppo.group_size,
+    prompt_len=rollout.max_prompt_len,
+    response_len_mean=rollout.max_new_tokens,
+    response_len_max=rollout.max_new_tokens,
+    ppo_epochs=ppo.ppo_epochs,
+    optimizer_steps=ppo.mini_batches,
+    train_rows=rollout.batch_size // ppo.mini_batches // ppo.micro_batches,
+  )
+
+
+def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, list[Plan]]:
+  """The fastest placement of `config` on `num_devices` that fits and passes `check_models`.
+
+  Raises:
+    PlacementError: the hardware or efficiency file cannot be read, or no placement fits.
+  """
+  section = config.placement
+  try:
+    hw = hardware.load_hardware(section.hardware, section.efficiency or None)
+    eff = efficiency.load_efficiency(section.efficiency or None)
+  except ValueError as error:
+    hint = (
+      " (run scripts/calibrate.py --out=FILE and pass --config.placement.efficiency=FILE, or "
+      "name a preset with --config.placement.hardware)"
+    )
+    raise PlacementError(f"placement.strategy=auto: {error}{hint}") from None
+  if section.memory_per_device_gb is not None:
+    hw = dataclasses.replace(hw, memory_gib=section.memory_per_device_gb)
+  plans = search.search(
+    workload_of(config), hw, eff, num_devices, async_rollout=config.ppo.async_rollout
+  )
+  usable = []
+  for plan in plans:
+    if not plan.fits:
+      continue
+    try:
+      check_models(plan.spec, config.model, config.rollout, None)
+    except PlacementError:
+      continue
+    usable.append(plan)
+  if not usable:
+    closest = plans[0].why_not if plans else "no candidate"
+    raise PlacementError(f"placement.strategy=auto: no placement fits; closest: {closest}")
+  return usable[0].spec, usable
+
+
+def describe(plans: list[Plan], workload: Workload) -> str:
+  """Two lines: the chosen plan and the runner-up, with their predictions."""
+  roles = present_roles(workload)
+  lines = []
+  for name, plan in zip(("chosen", "runner-up"), plans[:2], strict=False):
+    stages = " ".join(f"{k}={v:.3g}s" for k, v in plan.stages.items() if v)
+    lines.append(
+      f"placement auto {name}: {plan.label} [{format_groups(plan, roles)}] predicted "
+      f"{plan.iteration_s:.3g} s/iteration ({stages}), peak {plan.peak_memory_gib:.2f} GiB"
+    )
+  return "\n".join(lines)
+
+
+def predict(
+  config: ExperimentConfig, num_devices: int, hw: hardware.Hardware, eff: efficiency.Efficiency
+) -> Plan:
+  """The planner's prediction for the placement `config` names (not a search)."""
+  spec = build_placement(config.placement, num_devices)
+  return evaluate(
+    spec,
+    workload_of(config),
+    hw,
+    eff,
+    micro_batch=0,
+    async_rollout=config.ppo.async_rollout,
+    label=spec.strategy,
+  )

@@ -1,0 +1,69 @@
+"""The planner behind `scripts/plan_placement.py`: flags in, ranked plans and their table out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlhfjax.planner import efficiency, hardware, report, search
+from rlhfjax.planner.evaluate import Plan
+from rlhfjax.planner.workload import Workload, resolve_model
+
+
+def workload_from_flags(f) -> Workload:
+  actor = resolve_model(f.actor)
+  if actor is None:
+    raise ValueError("--actor cannot be 'none'")
+  critic_name = f.critic if f.critic is not None else ("none" if f.algorithm == "grpo" else f.actor)
+  critic = resolve_model(critic_name)
+  reward_name = f.reward if f.reward is not None else (critic_name if critic else "none")
+  if f.algorithm == "ppo" and critic is None:
+    raise ValueError("--algorithm=ppo needs a critic; use --algorithm=grpo for critic-free runs")
+  return Workload(
+    actor=actor,
+    critic=critic if f.algorithm == "ppo" else None,
+    reward=resolve_model(reward_name),
+    reference=resolve_model(f.reference) if f.reference else None,
+    algorithm=f.algorithm,
+    prompts=f.prompts,
+    samples_per_prompt=f.samples_per_prompt,
+    prompt_len=f.prompt_len,
+    response_len_mean=f.response_len_mean,
+    response_len_max=f.response_len_max,
+    ppo_epochs=f.ppo_epochs,
+    optimizer_steps=f.optimizer_steps,
+    micro_batch=f.micro_batch,
+    static_batching=not f.continuous_batching,
+    remat=f.remat,
+    logits_chunk=f.logits_chunk,
+    offload_params=f.offload,
+    offload_optimizer=f.offload,
+  )
+
+
+def plan_from_flags(f) -> tuple[list[Plan], str]:
+  """Ranked plans and their table for the flags of `plan_placement.py`."""
+  work = workload_from_flags(f)
+  hw = hardware.load_hardware(f.hardware, f.efficiency)
+  if f.devices_per_node:
+    hw = dataclasses.replace(hw, devices_per_node=f.devices_per_node)
+  eff = efficiency.load_efficiency(f.efficiency)
+  if f.rollout_devices is not None and f.strategy != "disaggregated":
+    raise ValueError("--rollout_devices needs --strategy=disaggregated")
+  plans = search.search(
+    work,
+    hw,
+    eff,
+    f.devices,
+    strategy=f.strategy,
+    rollout_devices=f.rollout_devices,
+    async_rollout=f.async_rollout,
+  )
+  if not plans:
+    raise ValueError(f"no {f.strategy} placement can be built on {f.devices} devices")
+  title = (
+    f"{f.strategy} placements of {f.algorithm} on {f.devices} x {hw.name} "
+    f"({hw.memory_gib:.0f} GiB), {work.sequences} sequences of {work.prompt_len}+"
+    f"{work.response_len_mean:g}/{work.response_len_max} tokens, efficiency "
+    f"{eff.generation_engine}; stage seconds per iteration"
+  )
+  return plans, title + "\n" + report.format_plans(plans, work, top=f.top)

@@ -1,0 +1,212 @@
+"""Stage times from first principles: FLOPs, bytes and collectives over rates and efficiencies.
+
+Every function returns seconds for one stage of one iteration on a role's device group. Counts:
+
+- A forward costs `2 * N` FLOPs per token for `N` matmul parameters (every layer's projections
+  and the LM head; the embedding lookup is free), plus attention `4 * L * h * n * c` for a
+  context of `c` tokens (QK^T and PV). A train step costs three forwards (forward, two backward
+  matmuls), four with full remat (the forward is recomputed), and is repeated per epoch.
+- Generation = prefill (a forward over the prompts, FLOP-bound) + decode steps. One decode step
+  reads the weights once and the KV cache of every slot, and computes `2 N` FLOPs per slot:
+  it lasts max(bytes / bandwidth, FLOPs / rate). Under static batching a wave of slots decodes
+  for the longest response; with continuous batching the slots stay full and only the tail of
+  the longest response runs alone. Tensor parallelism adds two all-reduces per layer per step.
+- FSDP gathers the weights in every forward and backward pass of every micro-step and
+  reduce-scatters the gradients; tensor parallelism all-reduces activations twice per layer
+  per pass. A ring collective moves `(g - 1) / g` of the buffer over each device's link.
+- The weight sync moves the actor's parameters into the generation layout: each rollout device
+  receives its tensor shard over the slowest link between the two groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rlhfjax.models.config import ModelConfig
+from rlhfjax.planner.efficiency import Efficiency
+from rlhfjax.planner.hardware import Hardware
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Group:
+  """A role's devices as the cost model sees them."""
+
+  devices: int
+  tensor: int = 1
+  spans_nodes: bool = False
+
+  @property
+  def replicas(self) -> int:
+    """Independent batch shards (data x fsdp, or data groups of the generation layout)."""
+    return self.devices // self.tensor
+
+
+def matmul_params(config: ModelConfig, head: str) -> int:
+  d, f, h, k, n = (
+    config.hidden_size,
+    config.intermediate_size,
+    config.num_heads,
+    config.num_kv_heads,
+    config.head_dim,
+  )
+  per_layer = 2 * d * h * n + 2 * d * k * n + 3 * d * f
+  out = d * config.vocab_size if head == "lm" else d
+  return config.num_layers * per_layer + out
+
+
+def forward_flops_per_token(config: ModelConfig, head: str, context: float) -> float:
+  attn = 4 * config.num_layers * config.num_heads * config.head_dim * context
+  return 2 * matmul_params(config, head) + attn
+
+
+def _link(hw: Hardware, group: Group) -> float:
+  return hw.inter_node_bw if group.spans_nodes else hw.intra_node_bw
+
+
+def _ring(bytes_: float, size: int, bw: float) -> float:
+  return 0.0 if size <= 1 else bytes_ * (size - 1) / size / bw
+
+
+def _tensor_allreduce(hw, eff, config, group, tokens_per_replica, passes) -> float:
+  """Two all-reduces of the `[tokens, d]` activations per layer per pass (ring: 2x data)."""
+  if group.tensor <= 1:
+    return 0.0
+  c = _BYTES[config.dtype]
+  bytes_ = 2 * tokens_per_replica * config.hidden_size * c
+  bw = hw.intra_node_bw * eff.collective_bw
+  return passes * 2 * config.num_layers * _ring(bytes_, group.tensor, bw)
+
+
+def forward_time(
+  hw: Hardware,
+  eff: Efficiency,
+  config: ModelConfig,
+  head: str,
+  group: Group,
+  *,
+  sequences: int,
+  seq_len: int,
+  micro_steps: int,
+) -> float:
+  """A scoring forward over `sequences` padded sequences of `seq_len` tokens."""
+  tokens = sequences * seq_len
+  flops = tokens * forward_flops_per_token(config, head, seq_len / 2)
+  compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.forward_mfu)
+  fsdp = group.devices // group.tensor
+  param_bytes = matmul_params(config, head) * _BYTES[config.param_dtype] / group.tensor
+  gather = micro_steps * _ring(param_bytes, fsdp, _link(hw, group) * eff.collective_bw)
+  tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, 1)
+  overhead = eff.stage_s + micro_steps * config.num_layers * eff.layer_s
+  return compute + gather + tp + overhead
+
+
+def train_time(
+  hw: Hardware,
+  eff: Efficiency,
+  config: ModelConfig,
+  head: str,
+  group: Group,
+  *,
+  sequences: int,
+  seq_len: int,
+  epochs: int,
+  optimizer_steps: int,
+  micro_steps: int,
+  remat: str,
+  optimizer_dtype: str | None = None,
+) -> float:
+  """`epochs` passes over `sequences` sequences in `optimizer_steps` updates per epoch."""
+  tokens = sequences * seq_len * epochs
+  passes = 4 if remat == "full" else 3
+  flops = passes * tokens * forward_flops_per_token(config, head, seq_len / 2)
+  compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.train_mfu)
+  fsdp = group.devices // group.tensor
+  pb = _BYTES[config.param_dtype]
+  param_bytes = matmul_params(config, head) * pb / group.tensor
+  bw = _link(hw, group) * eff.collective_bw
+  # Two gathers (forward, backward; three with full remat) and one reduce-scatter per micro-step.
+  gathers = (3 if remat == "full" else 2) + 1
+  collectives = epochs * micro_steps * gathers * _ring(param_bytes, fsdp, bw)
+  tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
+  ob = _BYTES[optimizer_dtype or config.param_dtype]
+  # The update reads parameters, moments and gradients and writes parameters and moments.
+  state = matmul_params(config, head) / hw.parallel(group.devices) * (2 * pb + 4 * ob + 4 + pb)
+  updates = epochs * optimizer_steps * state / (hw.memory_bw * eff.optimizer_bw)
+  overhead = eff.stage_s * epochs * optimizer_steps + (
+    epochs * micro_steps * passes * config.num_layers * eff.layer_s
+  )
+  return compute + collectives + tp + updates + overhead
+
+
+def generate_time(
+  hw: Hardware,
+  eff: Efficiency,
+  config: ModelConfig,
+  group: Group,
+  *,
+  sequences: int,
+  prompt_len: int,
+  response_mean: float,
+  response_max: int,
+  slots: int,
+  static_batching: bool,
+  gather_devices: int = 1,
+) -> tuple[float, float]:
+  """(prefill, decode) seconds for `sequences` rollouts on `group`, `slots` per data group."""
+  replicas = group.replicas
+  if hw.host_shared:  # the data groups take turns on the host's cores: one batch of all slots
+    slots, replicas = slots * replicas, 1
+  per_replica = math.ceil(sequences / replicas)
+  slots = max(1, min(slots, per_replica))
+  prefill_flops = per_replica * prompt_len * forward_flops_per_token(config, "lm", prompt_len / 2)
+  prefill = prefill_flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.forward_mfu)
+  prefill += _tensor_allreduce(hw, eff, config, group, per_replica * prompt_len, 1)
+  waves = math.ceil(per_replica / slots)
+  if static_batching:
+    steps = waves * response_max
+  else:
+    steps = math.ceil(per_replica * response_mean / slots) + (response_max - response_mean)
+  context = prompt_len + (response_max if static_batching else response_mean) / 2
+  step = decode_step_time(hw, eff, config, group, batch=slots, context=context)
+  if gather_devices > 1:  # weights partitioned over the group: gathered again every step
+    weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
+    step += _ring(weights, gather_devices, _link(hw, group) * eff.collective_bw)
+  return prefill + eff.stage_s, steps * step
+
+
+def decode_step_time(
+  hw: Hardware, eff: Efficiency, config: ModelConfig, group: Group, *, batch: int, context: float
+) -> float:
+  """One token for `batch` slots of one data group at mean context `context`."""
+  c = _BYTES[config.dtype]
+  weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
+  kv = batch * context * 2 * config.num_layers * config.num_kv_heads * config.head_dim * c
+  memory = (weights + kv) / (hw.parallel(group.tensor) * hw.memory_bw * eff.decode_bw)
+  flops = batch * forward_flops_per_token(config, "lm", context)
+  compute = flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.decode_mfu)
+  tp = _tensor_allreduce(hw, eff, config, group, batch, 1)
+  return max(memory, compute) + tp + eff.decode_step_s + config.num_layers * eff.layer_s
+
+
+def sync_time(
+  hw: Hardware,
+  eff: Efficiency,
+  config: ModelConfig,
+  *,
+  rollout_tensor: int,
+  colocated: bool,
+  spans_nodes: bool,
+  pair_bw: float | None = None,
+) -> float:
+  """Moving the actor's weights into the rollout's layout (each device gets its shard)."""
+  received = matmul_params(config, "lm") * _BYTES[config.param_dtype] / rollout_tensor
+  if pair_bw:
+    bw = pair_bw
+  elif colocated:
+    bw = hw.intra_node_bw
+  else:
+    bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
+  return received / (bw * eff.transfer_bw) + eff.stage_s

@@ -1,0 +1,288 @@
+"""One placement, predicted: stage times, the replayed iteration, memory per device, fit.
+
+`evaluate` turns a `PlacementSpec` and a micro-batch size into a `Plan`: each role's stage
+costs on its group (`costs`), its memory per device (`memory`), the replayed timeline
+(`replay`), and whether every device fits its memory (persistent state of every role on the
+device plus the largest transient working set of any of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from rlhfjax.placement.memory import device_totals, sharding_of
+from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
+from rlhfjax.planner import costs, memory
+from rlhfjax.planner.efficiency import Efficiency
+from rlhfjax.planner.hardware import GIB, Hardware
+from rlhfjax.planner.replay import Replay, StageCost, replay
+from rlhfjax.planner.workload import Workload
+
+HEADS = {"actor": "lm", "critic": "value", "reference": "lm", "reward": "value", "rollout": "lm"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+  """A placement with its predictions."""
+
+  label: str
+  """Strategy and variant, e.g. 'disaggregated rollout=2 split_actor_critic'."""
+  spec: PlacementSpec
+  micro_batch: int
+  replay: Replay
+  memory: Mapping[Role, memory.MemoryEstimate]
+  peak_memory_gib: float
+  fits: bool
+  why_not: str = ""
+  tokens_per_s_per_device: float = 0.0
+
+  @property
+  def iteration_s(self) -> float:
+    return self.replay.iteration_s
+
+  @property
+  def stages(self) -> Mapping[str, float]:
+    return self.replay.stages
+
+  def to_json(self) -> dict:
+    return {
+      "strategy": self.spec.strategy,
+      "label": self.label,
+      "iteration_s": round(self.iteration_s, 4),
+      "stages": {k: round(v, 4) for k, v in self.stages.items()},
+      "peak_memory_gb": round(self.peak_memory_gib * GIB / 1e9, 3),
+      "peak_memory_gib": round(self.peak_memory_gib, 3),
+      "tokens_per_s_per_device": round(self.tokens_per_s_per_device, 2),
+      "fits": self.fits,
+      "why_not": self.why_not,
+      "micro_batch": self.micro_batch,
+      "mesh": {role.value: dict(spec.axes) for role, spec in self.spec.roles.items()},
+      "devices": {
+        role.value: [min(s.devices), max(s.devices)] for role, s in self.spec.roles.items()
+      },
+    }
+
+
+def present_roles(workload: Workload) -> tuple[Role, ...]:
+  roles = [Role.ACTOR, Role.REFERENCE, Role.ROLLOUT]
+  if workload.critic is not None and workload.algorithm == "ppo":
+    roles.append(Role.CRITIC)
+  if workload.reward is not None:
+    roles.append(Role.REWARD)
+  return tuple(roles)
+
+
+def model_for(workload: Workload, role: Role):
+  return workload.actor if role == Role.ROLLOUT else workload.model(role.value)
+
+
+def options(workload: Workload, hw: Hardware, eff: Efficiency) -> memory.Options:
+  return memory.Options(
+    remat=workload.remat,
+    logits_chunk=workload.logits_chunk,
+    offload_params=workload.offload_params,
+    offload_optimizer=workload.offload_optimizer,
+    optimizer_dtype=workload.optimizer_dtype,
+    native_half=hw.native_half,
+    replicated_activations=eff.replicated_activations,
+    fused_attention=eff.fused_attention,
+  )
+
+
+def role_memory(
+  role: Role,
+  spec: PlacementSpec,
+  workload: Workload,
+  hw: Hardware,
+  eff: Efficiency,
+  micro_batch: int,
+  slots: int,
+) -> memory.MemoryEstimate:
+  """Per-device memory of `role` on its group of `spec`."""
+  config, rs = model_for(workload, role), spec[role]
+  sharding, opts = sharding_of(rs), options(workload, hw, eff)
+  if role == Role.ROLLOUT:
+    return memory.rollout_memory(
+      config,
+      sharding,
+      slots=slots,
+      seq_len=workload.seq_len,
+      options=opts,
+      receives_sync=not set(rs.devices) <= set(spec[Role.ACTOR].devices),
+    )
+  kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
+  if role in (Role.ACTOR, Role.CRITIC):
+    return memory.train_memory(config, HEADS[role], sharding, **kwargs)
+  frozen = dataclasses.replace(opts, offload_params=False)
+  return memory.forward_memory(config, HEADS[role], sharding, **{**kwargs, "options": frozen})
+
+
+def evaluate(
+  spec: PlacementSpec,
+  workload: Workload,
+  hw: Hardware,
+  eff: Efficiency,
+  *,
+  micro_batch: int,
+  async_rollout: bool = False,
+  label: str = "",
+  devices_per_node: int | None = None,
+) -> Plan:
+  """Predicts one iteration of `workload` on `spec` with `micro_batch` sequences per device
+  (per batch shard; with `workload.train_rows` the micro-batch follows from it)."""
+  if workload.train_rows:
+    micro_batch = math.ceil(workload.train_rows / sharding_of(spec[Role.ACTOR]).batch_shards)
+  roles = present_roles(workload)
+  per_node = devices_per_node or hw.devices_per_node
+  budget = hw.memory_gib * GIB
+  groups = {role: _group(spec[role], per_node) for role in roles}
+
+  slots = math.ceil(workload.sequences / groups[Role.ROLLOUT].replicas)
+  if workload.generation_batch:
+    slots = min(slots, workload.generation_batch)
+  estimates = {
+    role: role_memory(role, spec, workload, hw, eff, micro_batch, slots) for role in roles
+  }
+  # Generate in waves when the KV cache of every slot does not fit beside the persistent state.
+  rollout_devices = set(spec[Role.ROLLOUT].devices)
+  resident = max(
+    sum(e.persistent for r, e in estimates.items() if set(spec[r].devices) & rollout_devices),
+    0,
+  )
+  while slots > 1 and resident + estimates[Role.ROLLOUT].transient > budget:
+    slots = math.ceil(slots / 2)
+    estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
+
+  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots)
+  result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
+  peaks = device_totals(spec, estimates, offload_params=workload.offload_params)
+  peak_device = max(peaks, key=peaks.get)
+  fits = peaks[peak_device] <= budget
+  why_not = ""
+  if not fits:
+    on_it = [r for r in roles if peak_device in spec[r].devices]
+    worst = max(on_it, key=lambda r: estimates[r].total)
+    e = estimates[worst]
+    why_not = (
+      f"device {peak_device} ({'+'.join(r.value for r in on_it)}) needs "
+      f"{peaks[peak_device] / GIB:.1f} GiB > {hw.memory_gib:.0f}; largest: {worst.value} "
+      f"(params {e.params / GIB:.1f}, optimizer {e.optimizer / GIB:.1f}, grads "
+      f"{e.grads / GIB:.1f}, activations {e.activations / GIB:.1f}, logits {e.logits / GIB:.1f}, "
+      f"kv {e.kv_cache / GIB:.1f})"
+    )
+  tokens = workload.sequences * workload.mean_tokens
+  return Plan(
+    label=label or spec.strategy,
+    spec=spec,
+    micro_batch=micro_batch,
+    replay=result,
+    memory=estimates,
+    peak_memory_gib=peaks[peak_device] / GIB,
+    fits=fits,
+    why_not=why_not,
+    tokens_per_s_per_device=tokens / result.iteration_s / len(spec.devices),
+  )
+
+
+def _group(rs: RoleSpec, per_node: int) -> costs.Group:
+  spans = min(rs.devices) // per_node != max(rs.devices) // per_node
+  return costs.Group(devices=len(rs.devices), tensor=rs.axis_size("tensor"), spans_nodes=spans)
+
+
+def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
+  w = workload
+  roles = tuple(groups)
+
+  def micro_steps(role, sequences):
+    return max(1, math.ceil(sequences / (micro_batch * groups[role].replicas)))
+
+  rollout = spec[Role.ROLLOUT]
+  prefill, decode = costs.generate_time(
+    hw,
+    eff,
+    w.actor,
+    groups[Role.ROLLOUT],
+    sequences=w.sequences,
+    prompt_len=w.prompt_len,
+    response_mean=w.response_len_mean,
+    response_max=w.response_len_max,
+    slots=slots,
+    static_batching=w.static_batching,
+    gather_devices=len(rollout.devices) if w.decode_gathers_weights else 1,
+  )
+  generate = StageCost(
+    role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
+  )
+  scores = []
+  for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD):
+    if role not in roles:
+      continue
+    seconds = costs.forward_time(
+      hw,
+      eff,
+      model_for(w, role),
+      HEADS[role],
+      groups[role],
+      sequences=w.sequences,
+      seq_len=w.seq_len,
+      micro_steps=micro_steps(role, w.sequences),
+    )
+    scores.append(
+      StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
+    )
+  advantages = StageCost(
+    role="actor", stage="advantages", devices=spec[Role.ACTOR].devices, seconds=eff.stage_s
+  )
+  updates = []
+  for role in (Role.ACTOR, Role.CRITIC):
+    if role not in roles:
+      continue
+    per_step = math.ceil(w.sequences / w.optimizer_steps)
+    seconds = costs.train_time(
+      hw,
+      eff,
+      model_for(w, role),
+      HEADS[role],
+      groups[role],
+      sequences=w.sequences,
+      seq_len=w.seq_len,
+      epochs=w.ppo_epochs,
+      optimizer_steps=w.optimizer_steps,
+      micro_steps=w.optimizer_steps * micro_steps(role, per_step),
+      remat=w.remat,
+      optimizer_dtype=w.optimizer_dtype,
+    )
+    updates.append(
+      StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=seconds)
+    )
+  actor_devices = set(spec[Role.ACTOR].devices)
+  colocated = set(rollout.devices) <= actor_devices
+  sync_devices = tuple(sorted(actor_devices | set(rollout.devices)))
+  pair_bw = None
+  if hw.pair_bw:
+    pairs = [
+      hw.pair_bw[a][b]
+      for a in spec[Role.ACTOR].devices
+      for b in rollout.devices
+      if a != b and a < len(hw.pair_bw) and b < len(hw.pair_bw)
+    ]
+    pair_bw = sum(pairs) / len(pairs) if pairs else None
+  sync = StageCost(
+    role="rollout",
+    stage="sync",
+    devices=sync_devices,
+    seconds=costs.sync_time(
+      hw,
+      eff,
+      w.actor,
+      rollout_tensor=rollout.axis_size("tensor"),
+      colocated=colocated,
+      spans_nodes=_group(
+        RoleSpec(devices=sync_devices, axes=(), layout=Layout.GENERATION), hw.devices_per_node
+      ).spans_nodes,
+      pair_bw=pair_bw,
+    ),
+  )
+  return generate, scores, advantages, updates, sync

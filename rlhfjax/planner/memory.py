@@ -1,0 +1,275 @@
+"""Memory per device of one role: persistent state and the transient peak of its stage.
+
+Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens each, model width
+`d`, MLP width `f`, `h` query heads and `k` KV heads of size `n`, `L` layers, vocab `v`.
+
+- Persistent (lives between stages): parameters in `param_dtype`, and for trained roles the two
+  Adam moments (optax keeps them in the parameters' dtype unless told otherwise), sharded over
+  the layout's parameter axes. Offloaded state is in host memory and counts zero here.
+- Transient, trained roles (`accumulate_and_apply`): a float32 gradient accumulator and the
+  averaged gradients in `param_dtype`, both sharded like the parameters; two layers' weights
+  gathered whole (the layer in use and the next, as FSDP prefetches) in the compute dtype; the
+  activations the backward pass keeps for one micro-batch; the logits.
+- Activations per token and layer, kept for the backward pass under each remat policy:
+  'none': the residual stream and norm outputs (4d), q, rotated k and v (hn + 2kn), the
+  attention output (hn), the attention weights in float32 and the compute dtype (h s per token),
+  and the SwiGLU intermediates gate, sigmoid(gate), silu(gate), up and their product (5f);
+  'dots_saveable': matmul outputs only (hn + 2kn, 2d, scores h s, gate and up 2f);
+  'full': the layer input (d) per layer, plus one layer's 'none' set while it is recomputed.
+- Logits: float32 `[b, s, v]` three times (logits, log-softmax, their gradient; forwards keep
+  two), or `logits_chunk` tokens at a time; the vocabulary is split over `tensor`.
+- Rollout: parameters in the generation layout and the KV cache of its slots
+  (`2 L k n` values per token in the compute dtype) at full length, plus decode logits.
+- Weight sync: the rollout receives the largest stacked parameter (an `[L, ...]` leaf) before
+  it frees the old one, so one such leaf is the transfer's temporary.
+
+Backends without native 16-bit matmuls (XLA on CPU) compute, and keep activations, in float32.
+
+Engines with fused (flash) attention keep no `[h, s]` weights per token (`fused_attention`).
+
+`replicated_activations` (a property of the engine): the current rlhfjax train step sets no
+sharding constraint on activations, and XLA's propagation keeps the SwiGLU intermediates and
+the logits whole on every FSDP device (the weights shard the model width; seen in the compiled
+HLO as `[L, b, s, f]` buffers with the full micro-batch on each device). When true, those
+tensors are divided by `tensor` only instead of by every device of the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlhfjax.models.config import ModelConfig, param_count
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+  """Bytes one device of a role holds, by kind. `persistent` stays between stages."""
+
+  params: int = 0
+  optimizer: int = 0
+  """Adam moments (trained roles)."""
+  grads: int = 0
+  """Gradient accumulator and averaged gradients during the update (trained roles)."""
+  gathered: int = 0
+  """Whole-layer weights FSDP gathers during a pass."""
+  activations: int = 0
+  logits: int = 0
+  kv_cache: int = 0
+  """KV cache (rollout)."""
+  transfer: int = 0
+  """The weight sync's temporary buffer (rollout)."""
+
+  @property
+  def persistent(self) -> int:
+    return self.params + self.optimizer
+
+  @property
+  def transient(self) -> int:
+    return self.total - self.persistent
+
+  @property
+  def total(self) -> int:
+    return (
+      self.params
+      + self.optimizer
+      + self.grads
+      + self.gathered
+      + self.activations
+      + self.logits
+      + self.kv_cache
+      + self.transfer
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sharding:
+  """How a role's group splits its model and batch."""
+
+  param_shards: int
+  """Devices one parameter is split over (fsdp x tensor, or tensor)."""
+  batch_shards: int
+  """Devices the batch is split over (data x fsdp, or data)."""
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+  """Memory-relevant settings of the step (the config wires them; see `Workload`)."""
+
+  remat: str = "none"
+  logits_chunk: int = 0
+  offload_params: bool = False
+  offload_optimizer: bool = False
+  optimizer_dtype: str | None = None
+  native_half: bool = True
+  """False on backends that run 16-bit matmuls in float32 (XLA on CPU)."""
+  replicated_activations: bool = True
+  fused_attention: bool = False
+  """Attention weights are never materialised (flash attention): no `h s` term per token."""
+
+
+def activation_bytes(config: ModelConfig, native_half: bool) -> int:
+  return _BYTES[config.dtype] if native_half else 4
+
+
+def param_bytes(config: ModelConfig, head: str, shards: int) -> int:
+  return _ceil_div(param_count(config, head) * _BYTES[config.param_dtype], shards)
+
+
+def layer_params(config: ModelConfig) -> int:
+  d, f, h, k, n = _dims(config)
+  return d * h * n * 2 + 2 * d * k * n + 3 * d * f + 2 * d
+
+
+def train_memory(
+  config: ModelConfig,
+  head: str,
+  sharding: Sharding,
+  *,
+  micro_batch: int,
+  seq_len: int,
+  options: Options,
+) -> MemoryEstimate:
+  """Per-device memory of a train step on `micro_batch` sequences per batch shard."""
+  p = param_count(config, head)
+  ps = sharding.param_shards
+  pb = _BYTES[config.param_dtype]
+  ob = _BYTES[options.optimizer_dtype or config.param_dtype]
+  c = activation_bytes(config, options.native_half)
+  params = 0 if options.offload_params else _ceil_div(p * pb, ps)
+  optimizer = 0 if options.offload_optimizer else _ceil_div(2 * p * ob, ps)
+  grads = _ceil_div(p * (4 + pb), ps)
+  gathered = 2 * _ceil_div(layer_params(config) * c, sharding.tensor) if ps > 1 else 0
+  global_tokens = micro_batch * sharding.batch_shards * seq_len
+  acts = _saved_activations(config, global_tokens, seq_len, c, sharding, options)
+  logits = _logits(config, head, global_tokens, sharding, options, copies=3)
+  return MemoryEstimate(
+    params=params,
+    optimizer=optimizer,
+    grads=grads,
+    gathered=gathered,
+    activations=acts,
+    logits=logits,
+  )
+
+
+def forward_memory(
+  config: ModelConfig,
+  head: str,
+  sharding: Sharding,
+  *,
+  micro_batch: int,
+  seq_len: int,
+  options: Options,
+) -> MemoryEstimate:
+  """Per-device memory of a scoring forward: parameters, one layer's working set, logits."""
+  c = activation_bytes(config, options.native_half)
+  global_tokens = micro_batch * sharding.batch_shards * seq_len
+  per_token = _layer_activation_bytes(config, seq_len, c, sharding, options)
+  gathered = (
+    2 * _ceil_div(layer_params(config) * c, sharding.tensor) if sharding.param_shards > 1 else 0
+  )
+  return MemoryEstimate(
+    params=param_bytes(config, head, sharding.param_shards),
+    gathered=gathered,
+    activations=int(global_tokens * per_token),
+    logits=_logits(config, head, global_tokens, sharding, options, copies=2),
+  )
+
+
+def rollout_memory(
+  config: ModelConfig,
+  sharding: Sharding,
+  *,
+  slots: int,
+  seq_len: int,
+  options: Options,
+  receives_sync: bool,
+) -> MemoryEstimate:
+  """Per-device memory of generation with `slots` sequences per data group."""
+  c = activation_bytes(config, options.native_half)
+  _, _, _, k, n = _dims(config)
+  kv_per_token = 2 * config.num_layers * k * n * c
+  kv_shards = sharding.tensor if k % sharding.tensor == 0 else 1
+  kv_cache = slots * seq_len * _ceil_div(kv_per_token, kv_shards)
+  logits = slots * config.vocab_size * 4 * 2 // sharding.tensor
+  transfer = 0
+  if receives_sync:
+    d, f = config.hidden_size, config.intermediate_size
+    largest = max(config.num_layers * d * f, config.vocab_size * d)
+    transfer = _ceil_div(largest * _BYTES[config.param_dtype], sharding.tensor)
+  return MemoryEstimate(
+    params=param_bytes(config, "lm", sharding.param_shards),
+    kv_cache=kv_cache,
+    logits=logits,
+    transfer=transfer,
+  )
+
+
+def _dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
+  return (
+    config.hidden_size,
+    config.intermediate_size,
+    config.num_heads,
+    config.num_kv_heads,
+    config.head_dim,
+  )
+
+
+def _saved_activations(config, global_tokens, seq_len, c, sharding, options) -> int:
+  d, f, h, k, n = _dims(config)
+  group = sharding.batch_shards * sharding.tensor
+  mlp_shards = sharding.tensor if options.replicated_activations else group
+  layers = config.num_layers
+  if options.remat == "none":
+    sharded = (4 * d + 2 * h * n + 2 * k * n) * c + _scores(h, seq_len, 4 + c, options)
+    per_layer = global_tokens * (sharded / group + 5 * f * c / mlp_shards)
+    return int(layers * per_layer)
+  if options.remat == "dots_saveable":
+    sharded = (2 * d + h * n + 2 * k * n) * c + _scores(h, seq_len, 4, options)
+    per_layer = global_tokens * (sharded / group + 2 * f * c / mlp_shards)
+    return int(layers * per_layer)
+  # 'full': the layer inputs, and one layer's full set while it is recomputed.
+  inputs = layers * global_tokens * d * c / group
+  one_layer = _saved_activations(
+    config.replace(num_layers=1), global_tokens, seq_len, c, sharding, _no_remat(options)
+  )
+  return int(inputs + one_layer)
+
+
+def _layer_activation_bytes(config, seq_len, c, sharding, options) -> float:
+  """Bytes per token of one layer's forward working set (nothing kept for a backward)."""
+  d, f, h, k, n = _dims(config)
+  group = sharding.batch_shards * sharding.tensor
+  mlp_shards = sharding.tensor if options.replicated_activations else group
+  sharded = (3 * d + 2 * h * n + 2 * k * n) * c + _scores(h, seq_len, 4 + c, options)
+  return sharded / group + 3 * f * c / mlp_shards
+
+
+def _scores(h: int, seq_len: int, bytes_per: int, options: Options) -> int:
+  """Bytes per token of attention weights (a float32 log-sum-exp per head when fused)."""
+  return h * 4 if options.fused_attention else h * seq_len * bytes_per
+
+
+def _logits(config, head, global_tokens, sharding, options, *, copies) -> int:
+  if head != "lm":
+    return 0
+  tokens = global_tokens
+  if options.logits_chunk:
+    tokens = min(tokens, options.logits_chunk * sharding.batch_shards)
+  shards = (
+    sharding.tensor
+    if options.replicated_activations
+    else sharding.tensor * max(sharding.batch_shards, 1)
+  )
+  return int(copies * tokens * config.vocab_size * 4 / shards)
+
+
+def _no_remat(options: Options) -> Options:
+  return dataclasses.replace(options, remat="none")
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)

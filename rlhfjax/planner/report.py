@@ -1,0 +1,85 @@
+"""Text rendering of ranked plans: one row per plan, then the reason for the winner."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rlhfjax.placement.report import format_devices
+from rlhfjax.placement.spec import Role
+from rlhfjax.planner.evaluate import Plan, present_roles
+from rlhfjax.planner.replay import STAGES
+from rlhfjax.planner.search import explain
+from rlhfjax.planner.workload import Workload
+
+_SHORT = {"actor": "A", "critic": "C", "reference": "Ref", "reward": "Rw", "rollout": "G"}
+
+
+def format_groups(plan: Plan, roles: Sequence[Role]) -> str:
+  """Devices and mesh per role, e.g. 'A:0-7 f8t1 | G:0-7 d2t4'."""
+  parts = []
+  for role in roles:
+    spec = plan.spec[role]
+    axes = dict(spec.axes)
+    mesh = (
+      f"f{axes['fsdp']}t{axes['tensor']}" if "fsdp" in axes else f"d{axes['data']}t{axes['tensor']}"
+    )
+    parts.append(f"{_SHORT[role.value]}:{format_devices(spec.devices)} {mesh}")
+  return " | ".join(parts)
+
+
+def format_plans(plans: Sequence[Plan], workload: Workload, *, top: int = 10) -> str:
+  """The `top` plans as an aligned table, the rest counted, and why the winner wins."""
+  roles = present_roles(workload)
+  header = (
+    "#",
+    "placement",
+    "groups (devices, mesh)",
+    "mb",
+    *STAGES,
+    "iter s",
+    "tok/s/dev",
+    "peak GiB",
+  )
+  rows = [header]
+  for i, plan in enumerate(plans[:top]):
+    rows.append(
+      (
+        str(i + 1),
+        plan.label,
+        format_groups(plan, roles),
+        str(plan.micro_batch),
+        *(f"{plan.stages[s]:.2f}" for s in STAGES),
+        f"{plan.iteration_s:.2f}",
+        f"{plan.tokens_per_s_per_device:.1f}",
+        f"{plan.peak_memory_gib:.1f}" + ("" if plan.fits else " (!)"),
+      )
+    )
+  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+  lines = [
+    "  ".join(
+      c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+    ).rstrip()
+    for r in rows
+  ]
+  if len(plans) > top:
+    lines.append(f"... {len(plans) - top} more candidates")
+  lines.append("why: " + explain(plans))
+  return "\n".join(lines)
+
+
+def write_timeline(plan: Plan, directory: str) -> tuple[str, str]:
+  """The plan's predicted timeline as `timeline.json` (the measured file's format) and its
+  Gantt chart `timeline.png`, drawn by the code that draws a measured run's."""
+  import dataclasses
+  import json
+  import os
+
+  from rlhfjax.observe.timeline import plot_gantt
+
+  os.makedirs(directory, exist_ok=True)
+  json_path = os.path.join(directory, "timeline.json")
+  with open(json_path, "w") as f:
+    json.dump([dataclasses.asdict(r) for r in plan.replay.records], f, indent=1)
+  png_path = os.path.join(directory, "timeline.png")
+  plot_gantt(plan.replay.records, png_path, title=f"predicted: {plan.label}")
+  return json_path, png_path

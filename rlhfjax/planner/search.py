@@ -1,0 +1,174 @@
+"""Search: enumerate placements for N devices, drop those that do not fit, rank by time.
+
+Candidates: co-located; interleaved (reference and reward on disjoint halves) with and without
+actor and critic split; disaggregated over a range of rollout device counts, with and without
+the training roles split; each with the tensor sizes that divide every model's heads (within a
+node), and each with the micro-batch sizes of `MICRO_BATCHES`. Plans that do not fit memory stay
+in the result, last, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from rlhfjax.placement import strategies
+from rlhfjax.placement.spec import PlacementSpec
+from rlhfjax.placement.validate import PlacementError
+from rlhfjax.planner.efficiency import Efficiency
+from rlhfjax.planner.evaluate import Plan, evaluate
+from rlhfjax.planner.hardware import Hardware
+from rlhfjax.planner.workload import Workload
+
+STRATEGIES = ("colocated", "interleaved", "disaggregated")
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def tensor_sizes(workload: Workload, limit: int) -> tuple[int, ...]:
+  """Tensor-parallel sizes up to `limit` that divide every present model's heads."""
+  models = [m for m in (workload.actor, workload.critic, workload.reward, workload.reference) if m]
+  sizes = []
+  t = 1
+  while t <= limit:
+    if all(m.num_heads % t == 0 and m.num_kv_heads % t == 0 for m in models):
+      sizes.append(t)
+    t *= 2
+  return tuple(sizes)
+
+
+def rollout_counts(num_devices: int, rollout_tensor: int) -> tuple[int, ...]:
+  """Rollout device counts tried by the disaggregated strategy: every count for small jobs,
+  sixteenths of the job for large ones; multiples of `rollout_tensor`, leaving one for training."""
+  if num_devices <= 16:
+    counts = range(1, num_devices)
+  else:
+    counts = {round(num_devices * i / 16) for i in range(1, 16)}
+  return tuple(sorted(k for k in counts if k % rollout_tensor == 0 and 0 < k < num_devices))
+
+
+def candidates(
+  num_devices: int,
+  workload: Workload,
+  *,
+  strategy: str = "auto",
+  rollout_devices: int | None = None,
+  max_tensor: int = 8,
+) -> Iterator[tuple[str, PlacementSpec]]:
+  """(label, spec) of every placement considered; specs that cannot be built are skipped."""
+  names = STRATEGIES if strategy == "auto" else (strategy,)
+  if strategy not in (*STRATEGIES, "auto"):
+    raise ValueError(f"unknown strategy {strategy!r}; use auto, {', '.join(STRATEGIES)}")
+  tensors = tensor_sizes(workload, min(max_tensor, num_devices))
+  for name in names:
+    for t in tensors:
+      for rt in tensors:
+        yield from _variants(name, num_devices, t, rt, rollout_devices)
+
+
+def _variants(name, n, t, rt, rollout_devices):
+  tag = f" t={t} rt={rt}"
+  try:
+    if name == "colocated":
+      yield "colocated" + tag, strategies.colocated(n, tensor=t, rollout_tensor=rt)
+    elif name == "interleaved":
+      for split in (False, True):
+        label = "interleaved" + (" split_actor_critic" if split else "") + tag
+        yield (
+          label,
+          strategies.interleaved(n, split_actor_critic=split, tensor=t, rollout_tensor=rt),
+        )
+    else:
+      counts = (rollout_devices,) if rollout_devices else rollout_counts(n, rt)
+      for k in counts:
+        for split in (False, True):
+          label = f"disaggregated rollout={k}" + (" split" if split else "") + tag
+          try:
+            yield (
+              label,
+              strategies.disaggregated(
+                n,
+                rollout_fraction=k / n,
+                rollout_tensor=rt,
+                tensor=t,
+                split_actor_critic=split,
+                split_reference_reward=split,
+              ),
+            )
+          except PlacementError:
+            continue
+  except PlacementError:
+    return
+
+
+def search(
+  workload: Workload,
+  hw: Hardware,
+  eff: Efficiency,
+  num_devices: int,
+  *,
+  strategy: str = "auto",
+  rollout_devices: int | None = None,
+  async_rollout: bool = False,
+  micro_batches: Sequence[int] = MICRO_BATCHES,
+  devices_per_node: int | None = None,
+) -> list[Plan]:
+  """Every candidate's best micro-batch, ranked: fitting plans by iteration time, then the
+  rest by how far over memory they are."""
+  if num_devices < 1:
+    raise ValueError(f"devices must be >= 1, got {num_devices}")
+  per_node = devices_per_node or hw.devices_per_node
+  plans = []
+  for label, spec in candidates(
+    num_devices,
+    workload,
+    strategy=strategy,
+    rollout_devices=rollout_devices,
+    max_tensor=min(8, per_node),
+  ):
+    best = None
+    mbs = (workload.micro_batch,) if workload.micro_batch else micro_batches
+    if workload.train_rows:
+      mbs = (0,)  # fixed by train_rows
+    for mb in sorted(mbs, reverse=True):
+      plan = evaluate(
+        spec,
+        workload,
+        hw,
+        eff,
+        micro_batch=mb,
+        async_rollout=async_rollout,
+        label=label,
+        devices_per_node=per_node,
+      )
+      if best is None or _key(plan) < _key(best):
+        best = plan
+      if plan.fits:
+        break  # smaller micro-batches only add collectives and overhead
+    plans.append(best)
+  plans.sort(key=_key)
+  return plans
+
+
+def _key(plan: Plan) -> tuple:
+  return (not plan.fits, plan.peak_memory_gib if not plan.fits else plan.iteration_s)
+
+
+def explain(plans: Sequence[Plan]) -> str:
+  """A short reason for the winner against the best plan of each other strategy."""
+  fitting = [p for p in plans if p.fits]
+  if not fitting:
+    return f"no placement fits memory; closest: {plans[0].label}: {plans[0].why_not}"
+  best = fitting[0]
+  dominant = max(best.stages, key=best.stages.get)
+  parts = [
+    f"{best.label} wins at {best.iteration_s:.1f} s/iteration "
+    f"({dominant} dominates at {best.stages[dominant]:.1f} s)"
+  ]
+  for name in STRATEGIES:
+    other = next((p for p in fitting if p.spec.strategy == name and p is not best), None)
+    if other is not None and other.spec.strategy != best.spec.strategy:
+      ratio = other.iteration_s / best.iteration_s
+      parts.append(f"best {name} is {ratio:.2f}x slower ({other.iteration_s:.1f} s)")
+  dropped = sum(not p.fits for p in plans)
+  if dropped:
+    parts.append(f"{dropped} candidates do not fit memory")
+  return "; ".join(parts)

@@ -1,0 +1,117 @@
+"""The planner against published RLHF timings (`published.json`, sources inside).
+
+Each case fixes hardware, models, workload, the placement the source used (as data: devices and
+mesh per role) and the engine's efficiency profile (`profiles/<name>.json`, one per engine,
+shared by every case that engine ran). The prediction is compared with the published numbers:
+every absolute time within a factor of 2, and every ratio between two placements of the same job
+within 25% of the published ratio. 'train' in the sources is everything after generation
+(scoring, advantages, updates, weight sync).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
+from rlhfjax.planner.efficiency import load_efficiency
+from rlhfjax.planner.evaluate import Plan, evaluate
+from rlhfjax.planner.hardware import load_hardware
+from rlhfjax.planner.workload import Workload, config_from_hf_dict, resolve_model
+
+TABLE = os.path.join(os.path.dirname(__file__), "published.json")
+ABSOLUTE_FACTOR = 2.0
+RATIO_TOLERANCE = 0.25
+
+
+def load_table(path: str = TABLE) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _model(entry):
+  if isinstance(entry, str):
+    return resolve_model(entry)
+  return config_from_hf_dict(entry["hf"], "bfloat16", "published.json")
+
+
+def _spec(placement: Mapping[str, Mapping]) -> PlacementSpec:
+  roles = {}
+  for role in Role:
+    entry = placement.get(role.value) or placement["all"]
+    devices = range(*entry["devices"])
+    if role == Role.ROLLOUT:
+      roles[role] = RoleSpec.generation(devices, data=entry["data"], tensor=entry["tensor"])
+    else:
+      roles[role] = RoleSpec.training(devices, fsdp=entry["fsdp"], tensor=entry.get("tensor", 1))
+    assert roles[role].layout in (Layout.TRAINING, Layout.GENERATION)
+  return PlacementSpec(strategy="published", roles=roles)
+
+
+def predict_case(case: Mapping, table: Mapping) -> Plan:
+  models = {role: _model(table["models"][name]) for role, name in case["models"].items()}
+  work = Workload(
+    actor=models["actor"],
+    critic=models.get("critic"),
+    reward=models.get("reward"),
+    reference=models.get("reference"),
+    **case["workload"],
+  )
+  hw = load_hardware(case["hardware"])
+  eff = load_efficiency(case["profile"])
+  spec = _spec(case["placement"])
+  plan = None
+  for micro_batch in (16, 8, 4, 2, 1):  # the largest micro-batch that fits, as a user would
+    plan = evaluate(spec, work, hw, eff, micro_batch=micro_batch, label=case["name"])
+    if plan.fits:
+      break
+  return plan
+
+
+def validate(table: Mapping | None = None) -> dict:
+  """Predicted against published for every case and ratio, with pass/fail per target."""
+  table = table or load_table()
+  rows, plans = [], {}
+  for case in table["cases"]:
+    plan = predict_case(case, table)
+    plans[case["name"]] = plan
+    predicted = {
+      "iteration_s": plan.iteration_s,
+      "generate_s": plan.stages["generate"],
+      "train_s": plan.iteration_s - plan.stages["generate"],
+    }
+    for key, published in case["published"].items():
+      factor = predicted[key] / published
+      rows.append(
+        {
+          "case": case["name"],
+          "what": key,
+          "published": published,
+          "predicted": round(predicted[key], 3),
+          "factor": round(factor, 3),
+          "ok": 1 / ABSOLUTE_FACTOR <= factor <= ABSOLUTE_FACTOR,
+          "fits": plan.fits,
+        }
+      )
+  published_by_name = {c["name"]: c["published"] for c in table["cases"]}
+  ratios = []
+  for a, b in table["ratios"]:
+    for key in ("iteration_s", "generate_s", "train_s"):
+      if key not in published_by_name[a] or key not in published_by_name[b]:
+        continue
+      pub = published_by_name[a][key] / published_by_name[b][key]
+      pa = next(r["predicted"] for r in rows if r["case"] == a and r["what"] == key)
+      pb = next(r["predicted"] for r in rows if r["case"] == b and r["what"] == key)
+      pred = pa / pb
+      ratios.append(
+        {
+          "ratio": f"{a} / {b}",
+          "what": key,
+          "published": round(pub, 3),
+          "predicted": round(pred, 3),
+          "error": round(pred / pub - 1, 3),
+          "ok": abs(pred / pub - 1) <= RATIO_TOLERANCE,
+        }
+      )
+  return {"absolute": rows, "ratios": ratios}

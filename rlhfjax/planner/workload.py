@@ -1,0 +1,158 @@
+"""The workload of one RLHF iteration: per-role model shapes, batch shape, algorithm, dtypes.
+
+A role's model is a registered size name (`rlhfjax.models.config`) or the path of a Hugging
+Face `config.json` (or of the checkpoint directory holding it). Critic and reward may be absent
+(`none`): GRPO is critic-free, and a rule reward needs no reward model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from rlhfjax.models.config import ModelConfig, get_model_config, model_sizes
+
+ALGORITHMS = ("ppo", "grpo")
+REMAT_POLICIES = ("none", "dots_saveable", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+  """One iteration: `prompts` x `samples_per_prompt` rollouts, scored, then trained on."""
+
+  actor: ModelConfig
+  critic: ModelConfig | None = None
+  reward: ModelConfig | None = None
+  reference: ModelConfig | None = None
+  """Defaults to the actor's shape."""
+  algorithm: str = "ppo"
+  prompts: int = 1024
+  samples_per_prompt: int = 1
+  prompt_len: int = 1024
+  response_len_mean: float = 512
+  response_len_max: int = 1024
+  ppo_epochs: int = 1
+  optimizer_steps: int = 1
+  """Optimizer updates per epoch (mini-batches)."""
+  micro_batch: int = 0
+  """Sequences per device per micro-step of training and scoring; 0: the planner chooses."""
+  train_rows: int = 0
+  """Sequences per micro-step over a trained role's whole group, as a config fixes it; 0: the
+  per-device `micro_batch` (or the planner's choice) decides."""
+  generation_batch: int = 0
+  """Most sequences one rollout data group decodes at once (the engine's generation batch);
+  0: as many as memory allows."""
+  decode_gathers_weights: bool = False
+  """Generation runs on the training layout (ZeRO-3 partitioned weights, as DeepSpeed-Chat's
+  hybrid engine with ZeRO-3): every decode step all-gathers every layer's weights."""
+  static_batching: bool = True
+  """Generation lasts as long as its longest sample (no continuous batching)."""
+  remat: str = "none"
+  """Rematerialisation of the train step: 'none', 'dots_saveable' or 'full'."""
+  logits_chunk: int = 0
+  """Tokens per chunk of the log-prob computation; 0 materialises all logits at once."""
+  offload_params: bool = False
+  """Idle roles' parameters wait in host memory while another role runs on their devices."""
+  offload_optimizer: bool = False
+  """Optimizer moments live in host memory outside the update."""
+  optimizer_dtype: str | None = None
+  """Dtype of the Adam moments; None: the parameters' dtype (optax's default)."""
+
+  def __post_init__(self):
+    if self.algorithm not in ALGORITHMS:
+      raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+    for name in ("prompts", "samples_per_prompt", "prompt_len", "response_len_max"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if not 0 < self.response_len_mean <= self.response_len_max:
+      raise ValueError(
+        f"response_len_mean={self.response_len_mean} must be in (0, response_len_max="
+        f"{self.response_len_max}]"
+      )
+    if self.ppo_epochs < 1 or self.optimizer_steps < 1:
+      raise ValueError("ppo_epochs and optimizer_steps must be >= 1")
+    if self.micro_batch < 0 or self.logits_chunk < 0 or self.train_rows < 0:
+      raise ValueError("micro_batch, train_rows and logits_chunk must be >= 0")
+
+  @property
+  def sequences(self) -> int:
+    return self.prompts * self.samples_per_prompt
+
+  @property
+  def seq_len(self) -> int:
+    """Padded length of a scored or trained sequence."""
+    return self.prompt_len + self.response_len_max
+
+  @property
+  def mean_tokens(self) -> float:
+    """Real (prompt + response) tokens of one sequence on average."""
+    return self.prompt_len + self.response_len_mean
+
+  @property
+  def reference_model(self) -> ModelConfig:
+    return self.reference or self.actor
+
+  def model(self, role: str) -> ModelConfig | None:
+    return self.reference_model if role == "reference" else getattr(self, role)
+
+  def replace(self, **changes) -> Workload:
+    return dataclasses.replace(self, **changes)
+
+
+def resolve_model(name_or_path: str, dtype: str = "bfloat16") -> ModelConfig | None:
+  """A registered size, or the shape in a Hugging Face `config.json`; None for 'none'.
+
+  Sizes keep their own dtypes unless they are float32 (the small test sizes), which get
+  `dtype`; HF configs get `dtype` for parameters and compute.
+  """
+  if name_or_path in ("none", ""):
+    return None
+  if name_or_path in model_sizes():
+    config = get_model_config(name_or_path)
+    if config.param_dtype == "float32":
+      config = config.replace(param_dtype=dtype, dtype=dtype)
+    return config
+  path = name_or_path
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  if not os.path.exists(path):
+    raise ValueError(
+      f"model {name_or_path!r} is neither a size ({', '.join(model_sizes())}) nor a config.json"
+    )
+  with open(path) as f:
+    try:
+      hf = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: invalid JSON ({e})") from None
+  return config_from_hf_dict(hf, dtype, path)
+
+
+def config_from_hf_dict(hf: dict, dtype: str, path: str) -> ModelConfig:
+  """The shape fields of a HF config (any decoder-only family; only shapes matter here).
+
+  OPT's two-matrix GeLU MLP of width `ffn_dim` becomes a SwiGLU MLP of two thirds the width:
+  the same parameters and FLOPs per token.
+  """
+  try:
+    d = hf["hidden_size"]
+    heads = hf["num_attention_heads"]
+    mlp = hf.get("intermediate_size") or 4 * d
+    if "ffn_dim" in hf:
+      mlp = round(2 * hf["ffn_dim"] / 3)
+    return ModelConfig(
+      vocab_size=hf["vocab_size"],
+      hidden_size=d,
+      intermediate_size=mlp,
+      num_layers=hf["num_hidden_layers"],
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or d // heads,
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      param_dtype=dtype,
+      dtype=dtype,
+    )
+  except KeyError as e:
+    raise ValueError(f"{path}: missing {e.args[0]!r}") from None

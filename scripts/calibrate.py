@@ -1,0 +1,63 @@
+"""Measures this machine for the planner: `--hardware=local --efficiency=FILE` reads the output.
+
+  python scripts/calibrate.py --out=/tmp/local.json
+
+Times a sharded matmul (float32 and bfloat16), a sharded copy and a transfer between every pair
+of devices, then runs `scripts/bench_ppo.py`'s config co-located for a few iterations and fits
+the efficiency factors to its measured stage times. Prints the JSON it writes.
+"""
+
+import json
+import tempfile
+
+from absl import app, flags
+
+from rlhfjax import launch
+
+_OUT = flags.DEFINE_string("out", None, "Where to write the calibration JSON.")
+_DEVICES = flags.DEFINE_integer("devices", 8, "Devices (host devices emulated on CPU).")
+_ITERATIONS = flags.DEFINE_integer("iterations", 4, "PPO iterations of the fitted run (>= 2).")
+_VARIANT = flags.DEFINE_string("variant", "colocated", "Placement of the fitted run.")
+flags.mark_flags_as_required(["out"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    launch.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _ITERATIONS.value < 2:
+    launch.fail("--iterations must be >= 2 (the first one compiles)")
+  launch.quiet_logging()
+  launch.emulate_host_devices(_DEVICES.value)
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from rlhfjax.planner import calibrate, localcheck
+  from rlhfjax.ppo.trainer import PPOTrainer
+
+  devices = jax.devices()[: _DEVICES.value]
+  hw = calibrate.measure_hardware(devices)
+  config = localcheck.bench_config(
+    _VARIANT.value, iterations=_ITERATIONS.value, devices=_DEVICES.value
+  )
+  rows = PPOTrainer(config, tempfile.mkdtemp(), show_progress=False).run().metrics[1:]
+  measured = {
+    key[len("time/") :]: float(np.median([r[key] for r in rows]))
+    for key in rows[0]
+    if key.startswith("time/")
+  }
+  eff = localcheck.fit(config, hw, _DEVICES.value, measured)
+  out = {
+    "hardware": hw.to_json(),
+    "efficiency": dataclasses.asdict(eff),
+    "fit_run": {"config": f"bench_ppo {_VARIANT.value}", "measured": measured},
+  }
+  with open(_OUT.value, "w") as f:
+    json.dump(out, f, indent=1)
+  summary = {k: v for k, v in out["hardware"].items() if k != "pair_bw"}
+  print(json.dumps({"hardware": summary, "efficiency": out["efficiency"], "measured": measured}))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=launch.parse_flags)

@@ -1,0 +1,315 @@
+"""The placement planner: memory against XLA, replay semantics, search, the scripts, auto."""
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfjax.config import from_config_dict
+from rlhfjax.models.config import get_model_config
+from rlhfjax.observe.timeline import Timeline
+from rlhfjax.placement import plan_placement
+from rlhfjax.placement.spec import Role, RoleSpec
+from rlhfjax.planner import efficiency, hardware, memory, search
+from rlhfjax.planner.replay import StageCost, replay
+from rlhfjax.planner.workload import Workload, resolve_model
+from rlhfjax.ppo import steps
+from rlhfjax.ppo.runtime import RoleRuntime
+from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# --- Memory against XLA's own analysis -----------------------------------------------------
+
+
+def _xla_actor_step_bytes(size: str, rows: int, prompt_len: int, response_len: int) -> int:
+  """Peak bytes per device XLA plans for the real actor train step, on abstract inputs only."""
+  config = get_model_config(size)
+  runtime = RoleRuntime.create(Role.ACTOR, RoleSpec.training(range(8), fsdp=8), config, "lm")
+  tx = make_optimizer(OptimizerConfig(), 100)
+  shardings = runtime.train_state_shardings(tx)
+  seq = prompt_len + response_len
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=runtime.batch_sharding(shape, 1))
+
+  batch = {
+    "tokens": spec((1, rows, seq), jnp.int32),
+    "attention_mask": spec((1, rows, seq), jnp.int32),
+    "response_mask": spec((1, rows, response_len), jnp.float32),
+    "old_logprobs": spec((1, rows, response_len), jnp.float32),
+    "advantages": spec((1, rows, response_len), jnp.float32),
+  }
+  loss = functools.partial(
+    steps.actor_loss, config=config, prompt_len=prompt_len, clip_eps=0.2, entropy_coef=0.0
+  )
+  step = jax.jit(
+    functools.partial(steps.accumulate_and_apply, loss, tx),
+    in_shardings=(shardings, None),
+    out_shardings=(shardings, runtime.replicated),
+    donate_argnums=0,
+  )
+  analysis = step.lower(runtime.abstract_train_state(tx), batch).compile().memory_analysis()
+  # The state is donated (aliased into the outputs): the peak is the arguments plus temporaries.
+  return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("size", ["1b", "7b"])
+def test_train_step_memory_matches_xla(size):
+  rows, prompt_len, response_len = 8, 64, 64
+  xla = _xla_actor_step_bytes(size, rows, prompt_len, response_len)
+  estimate = memory.train_memory(
+    get_model_config(size),
+    "lm",
+    memory.Sharding(param_shards=8, batch_shards=8),
+    micro_batch=rows // 8,
+    seq_len=prompt_len + response_len,
+    options=memory.Options(native_half=jax.default_backend() != "cpu"),
+  )
+  assert estimate.total == pytest.approx(xla, rel=0.20), (size, estimate, xla / 2**30)
+
+
+def test_remat_and_chunking_shrink_the_estimate():
+  config = get_model_config("7b")
+  sharding = memory.Sharding(param_shards=8, batch_shards=8)
+
+  def total(**options):
+    return memory.train_memory(
+      config, "lm", sharding, micro_batch=4, seq_len=2048, options=memory.Options(**options)
+    )
+
+  none, dots, full = (total(remat=r) for r in ("none", "dots_saveable", "full"))
+  assert none.activations > dots.activations > full.activations > 0
+  assert total(logits_chunk=256).logits < none.logits
+  offloaded = total(offload_params=True, offload_optimizer=True)
+  assert offloaded.params == offloaded.optimizer == 0 and offloaded.grads == none.grads
+
+
+# --- Replay --------------------------------------------------------------------------------
+
+
+def _cost(role, stage, devices, seconds):
+  return StageCost(role=role, stage=stage, devices=tuple(devices), seconds=seconds)
+
+
+def _stages(rollout_devices, critic_devices):
+  return (
+    _cost("rollout", "generate", rollout_devices, 5.0),
+    [_cost("actor", "score", range(4), 1.0), _cost("critic", "score", critic_devices, 2.0)],
+    _cost("actor", "advantages", range(4), 0.0),
+    [_cost("actor", "update", range(4), 3.0), _cost("critic", "update", critic_devices, 3.0)],
+    _cost("rollout", "sync", sorted(set(range(4)) | set(rollout_devices)), 0.5),
+  )
+
+
+def test_replay_serialises_shared_devices_and_overlaps_disjoint_ones():
+  shared = replay(*_stages(range(4), range(4)), async_rollout=False)
+  assert shared.iteration_s == pytest.approx(5 + 1 + 2 + 3 + 3 + 0.5)
+  assert shared.stages["score"] == pytest.approx(3.0)
+  split = replay(*_stages(range(4), range(4, 8)), async_rollout=False)
+  assert split.iteration_s == pytest.approx(5 + 2 + 3 + 0.5)
+  # One step off-policy on the rollout's own devices: after each sync, the next generation
+  # (5 s) runs beside this batch's scoring and update (2 + 3 s), so only the longer one counts.
+  overlapped = replay(*_stages(range(8, 12), range(4, 8)), async_rollout=True, iterations=6)
+  assert overlapped.iteration_s == pytest.approx(0.5 + max(5, 2 + 3))
+  # The same overlap on shared devices buys nothing: everything queues on devices 0-3.
+  queued = replay(*_stages(range(4), range(4)), async_rollout=True, iterations=6)
+  assert queued.iteration_s == pytest.approx(shared.iteration_s)
+  records = [r for r in overlapped.records if r.iteration == 3]
+  assert {r.stage for r in records} == {"generate", "score", "advantages", "update", "sync"}
+
+
+# --- Search and scripts --------------------------------------------------------------------
+
+
+def _workload(**changes):
+  seven = resolve_model("7b")
+  base = dict(actor=seven, critic=seven, reward=seven, prompts=1024, prompt_len=1024)
+  return Workload(**{**base, "response_len_mean": 512, "response_len_max": 1024, **changes})
+
+
+def test_search_answers_256_devices_in_seconds():
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  start = time.perf_counter()
+  plans = search.search(_workload(), hw, eff, 256)
+  assert time.perf_counter() - start < 15
+  fitting = [p for p in plans if p.fits]
+  assert fitting and {p.spec.strategy for p in fitting} == {
+    "colocated",
+    "interleaved",
+    "disaggregated",
+  }
+  times = [p.iteration_s for p in fitting]
+  assert times == sorted(times)
+  assert all(p.peak_memory_gib <= hw.memory_gib for p in fitting)
+  assert all(not p.fits and p.why_not for p in plans[len(fitting) :])
+
+
+def test_too_little_memory_says_why():
+  hw = hardware.load_hardware("tpu_v5e")  # 16 GiB: four 7B models on 8 chips cannot fit
+  plans = search.search(_workload(), hw, efficiency.load_efficiency(None), 8)
+  assert not any(p.fits for p in plans)
+  assert "GiB > 16" in plans[0].why_not
+
+
+def test_named_strategy_and_fixed_rollout_split():
+  hw, eff = hardware.load_hardware("a800"), efficiency.load_efficiency(None)
+  plans = search.search(_workload(), hw, eff, 8, strategy="disaggregated", rollout_devices=2)
+  assert plans and all(len(p.spec[Role.ROLLOUT].devices) == 2 for p in plans)
+  assert {p.spec.strategy for p in plans} == {"disaggregated"}
+
+
+def test_grpo_drops_the_critic():
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  ppo = search.search(_workload(), hw, eff, 8, strategy="colocated")[0]
+  grpo = search.search(
+    _workload(algorithm="grpo", critic=None, reward=None, samples_per_prompt=1),
+    hw,
+    eff,
+    8,
+    strategy="colocated",
+  )[0]
+  assert Role.CRITIC in ppo.memory and Role.CRITIC not in grpo.memory
+  assert grpo.stages["update"] < ppo.stages["update"]
+
+
+def test_plan_placement_script_json(tmp_path):
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(REPO / "scripts" / "plan_placement.py"),
+      "--actor=7b",
+      "--critic=7b",
+      "--reward=7b",
+      "--hardware=a800",
+      "--devices=8",
+      "--prompts=1024",
+      "--prompt_len=1024",
+      "--response_len_mean=512",
+      "--response_len_max=1024",
+      "--json",
+      f"--timeline={tmp_path}",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+    timeout=120,
+  )
+  plans = [json.loads(line) for line in out.stdout.splitlines()]
+  assert len(plans) > 10
+  for key in ("strategy", "iteration_s", "stages", "peak_memory_gb", "tokens_per_s_per_device"):
+    assert key in plans[0]
+  assert plans[0]["fits"] is True
+  assert set(plans[0]["stages"]) == {"generate", "score", "advantages", "update", "sync"}
+  # The winner's predicted timeline, in the measured timeline.json's format.
+  records = Timeline.read_json(str(tmp_path / "timeline.json"))
+  steady = [r for r in records if r.iteration == 3]
+  span = max(r.end for r in steady) - min(r.start for r in steady)
+  assert span == pytest.approx(plans[0]["iteration_s"], rel=1e-3)
+  assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_plan_placement_script_bad_input_is_one_line():
+  out = subprocess.run(
+    [sys.executable, str(REPO / "scripts" / "plan_placement.py"), "--actor=8q"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 2
+  assert out.stderr.strip().startswith("error: model '8q' is neither a size")
+  assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_hf_config_json_is_read(tmp_path):
+  (tmp_path / "config.json").write_text(
+    json.dumps(
+      {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 32000,
+        "tie_word_embeddings": True,
+      }
+    )
+  )
+  config = resolve_model(str(tmp_path))
+  assert (config.num_kv_heads, config.head_dim, config.tie_embeddings) == (2, 64, True)
+
+
+# --- strategy=auto -------------------------------------------------------------------------
+
+
+def test_auto_strategy_picks_a_checked_placement(capsys):
+  config = from_config_dict(
+    {
+      "model": {"size": "tiny"},
+      "placement": {"strategy": "auto", "hardware": "h100"},
+      "reward": {"model_coef": 0.5},
+    }
+  )
+  spec = plan_placement(config, 8)
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[0].startswith(f"placement auto chosen: {spec.strategy}")
+  assert printed[1].startswith("placement auto runner-up: ")
+  assert sorted(spec.devices) == list(range(8))
+
+
+def test_auto_strategy_on_local_needs_a_calibration():
+  config = from_config_dict({"model": {"size": "tiny"}, "placement": {"strategy": "auto"}})
+  with pytest.raises(ValueError, match="run scripts/calibrate.py --out=FILE"):
+    plan_placement(config, 8)
+
+
+@pytest.mark.slow
+def test_auto_strategy_runs_on_the_local_calibration(tmp_path, capsys):
+  import dataclasses
+  import runpy
+
+  from rlhfjax.planner import calibrate
+  from rlhfjax.ppo.trainer import PPOTrainer
+
+  hw = calibrate.measure_hardware(matmul_size=128, copy_bytes=8 << 20, pair_bytes=1 << 20)
+  assert hw.host_shared and len(hw.pair_bw) == 8 and hw.float_flops > 0
+  path = tmp_path / "local.json"
+  path.write_text(
+    json.dumps({"hardware": hw.to_json(), "efficiency": dataclasses.asdict(calibrate.IDEAL)})
+  )
+  cd = runpy.run_path(str(REPO / "configs" / "ppo_tiny.py"))["get_config"]("colocated")
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  cd.placement.strategy = "auto"
+  cd.placement.efficiency = str(path)
+  trainer = PPOTrainer(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
+  chosen = capsys.readouterr().out.splitlines()[0]
+  assert chosen.startswith(f"placement auto chosen: {trainer.placement.strategy}")
+  rows = trainer.run().metrics
+  assert len(rows) == 2 and all(np.isfinite(r["loss/policy"]) for r in rows)
+
+
+def test_published_cases_are_predicted_with_fixed_profiles():
+  from rlhfjax.planner import validation
+
+  table = validation.load_table()
+  result = validation.validate(table)
+  cases = {c["name"] for c in table["cases"]}
+  assert {r["case"] for r in result["absolute"]} == cases
+  assert all(c["source"] and c["profile"] in efficiency.profile_names() for c in table["cases"])
+  # The whole-iteration targets: every time within 2x, every placement ratio within 25%.
+  iterations = [r for r in result["absolute"] if r["what"] == "iteration_s"]
+  assert len(iterations) == len(cases) and all(r["ok"] for r in iterations), iterations
+  ratios = [r for r in result["ratios"] if r["what"] == "iteration_s"]
+  assert len(ratios) == 2 and all(r["ok"] for r in ratios), ratios
