@@ -122,6 +122,8 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
       "num_processes": 0,
       "process_id": -1,
       "local_device_count": 0,
+      "start_timeout_s": 300,
+      "peer_timeout_s": 60,
     }
   )
 
