@@ -157,6 +157,9 @@ class RolloutSection:
   """Keep the smallest set of tokens with this much probability (1: all)."""
   slots: int = 0
   """Decode slots of the continuous-batching engine (0: one per prompt of the batch)."""
+  tail_threshold: float = 0.0
+  """Tail compaction: once at most this fraction of the slots still decode (and no prompt is
+  queued), they move into a smaller decode batch on fewer replicas. 0: off."""
 
   def __post_init__(self):
     for name in ("batch_size", "max_prompt_len", "max_new_tokens"):
@@ -166,6 +169,8 @@ class RolloutSection:
       raise ConfigError(
         "rollout sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, slots >= 0"
       )
+    if not 0 <= self.tail_threshold < 1:
+      raise ConfigError(f"'rollout.tail_threshold' must be in [0, 1), got {self.tail_threshold}")
 
   @property
   def max_seq_len(self) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlhfjax import algorithms, models, rollout
+from rlhfjax import algorithms, config, models, rollout
 from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import compaction, fused
@@ -103,6 +103,7 @@ def test_compacted_tail_gives_the_same_tokens_and_logprobs_and_compiles_once_per
   for size in (4, 2, 1):
     assert counts[f"compact[{size}]"] == counts[f"generate_steps[{size}]"] == 1
   assert counts["generate_steps"] == 1
+  assert compacting.warmup() == counts | {"init_decode_state": 1, "prefill": 2, "insert": 2}
 
 
 def test_compacted_cache_moves_to_fewer_replicas_with_the_rows_it_held(params):
@@ -217,6 +218,10 @@ def test_score_stream_rejects_a_stream_that_repeats_or_misses_samples():
 
 
 def test_tail_threshold_is_validated():
+  assert config.RolloutSection(tail_threshold=0.25).tail_threshold == 0.25
+  for bad in (1.0, -0.1):
+    with pytest.raises(config.ConfigError, match=r"'rollout.tail_threshold' must be in \[0, 1\)"):
+      config.RolloutSection(tail_threshold=bad)
   with pytest.raises(ValueError, match="tail_threshold"):
     rollout.EngineConfig(tail_threshold=1.0)
   with pytest.raises(ValueError, match="tail_threshold"):

@@ -434,7 +434,8 @@ class Engine:
     """Compiles every program the engine can need, so no later call compiles.
 
     Runs one prefill and insert for each (prefill batch size, prompt bucket) pair and a
-    zero-step decode. Returns `compilations`.
+    zero-step decode, and with tail compaction on, a compaction to every allowed size and a
+    zero-step decode there. Returns `compilations`.
     """
     setting = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=())
     state = self.init_decode_state()
@@ -443,6 +444,10 @@ class Engine:
         prefix = self.prefill([[self.config.pad_token_id] * bucket] * rows, setting)
         state = self.insert(prefix, state, range(rows))
     state, _ = self.generate_steps(state, max_steps=0)
+    if self.config.tail_threshold > 0:  # every compacted size: its gather and its decode loop
+      for size in self.compactor.sizes:
+        state = self.compactor.shrink(state, size, [])
+        state, _ = self.compactor.generate_steps(size, state, 0, size)
     jax.block_until_ready(state)
     return self.compilations
 
