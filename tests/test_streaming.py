@@ -4,9 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
-from rlhfjax import algorithms, config, models, rollout
+from rlhfjax import config, models, rollout
 from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import compaction, fused
@@ -141,40 +140,12 @@ def test_compacted_cache_moves_to_fewer_replicas_with_the_rows_it_held(params):
   np.testing.assert_array_equal(jax.device_get(tiny.out_tokens_br), before.out_tokens_br[[6, 3]])
 
 
-def _reference_scorer(params, mesh, prompts, width):
-  """Reference log-probs of each response under `params`, on `mesh` (rows over 'data')."""
-  p = max(len(q) for q in prompts)
-  over_data, whole = (
-    NamedSharding(mesh, PartitionSpec("data")),
-    NamedSharding(mesh, PartitionSpec()),
-  )
-  params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-
-  @jax.jit
-  def logprobs(tokens_bs, mask_bs):
-    logits = models.forward_logits(CONFIG, params, tokens_bs, mask_bs)[:, p - 1 : -1]
-    return algorithms.token_logprobs(logits, tokens_bs[:, p:]) * mask_bs[:, p:]
-
-  def score(batch):
-    n = len(batch.indices)
-    tokens = np.zeros((n, p + width), np.int32)
-    mask = np.zeros_like(tokens)
-    for row, (i, length) in enumerate(zip(batch.indices, batch.lengths, strict=True)):
-      q = prompts[i]
-      tokens[row, p - len(q) : p], mask[row, p - len(q) : p + length] = q, 1
-      tokens[row, p : p + length] = batch.tokens[row, :length]
-    rows = over_data if n % mesh.shape["data"] == 0 else whole
-    return logprobs(jax.device_put(tokens, rows), jax.device_put(mask, rows))
-
-  return score
-
-
 @pytest.mark.parametrize("placement", ["disaggregated", "co-located"])
 def test_fused_scoring_equals_scoring_the_batch_after_generation(compacting, params, placement):
   prompts = _prompts(3)
   devices = [4, 5, 6, 7] if placement == "disaggregated" else [0, 1, 2, 3]
   mesh = meshes.make_mesh(RoleSpec.generation(devices, data=4, tensor=1))
-  scorer = _reference_scorer(params, mesh, prompts, MAX_NEW)
+  scorer = fused.logprob_scorer(CONFIG, params, mesh, [np.asarray(q) for q in prompts], MAX_NEW)
   out = compacting.generate(prompts, sampling=SAMPLING, seed=9)
   whole = np.asarray(
     scorer(

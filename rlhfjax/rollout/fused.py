@@ -23,7 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlhfjax import algorithms, models
 from rlhfjax.rollout.streaming import Finished
 
 
@@ -44,7 +46,7 @@ class MicroBatch:
   num_real: int
 
 
-_FIELDS = ("indices", "tokens", "logprobs", "lengths", "stopped")
+FIELDS = ("indices", "tokens", "logprobs", "lengths", "stopped")
 
 
 @jax.jit
@@ -86,7 +88,7 @@ def score_stream(
   parts = []
 
   def flush(take: int):
-    joined = {f: np.concatenate([getattr(b, f) for b in buffered]) for f in _FIELDS}
+    joined = {f: np.concatenate([getattr(b, f) for b in buffered]) for f in FIELDS}
     rest = {f: v[take:] for f, v in joined.items()}
     pick = np.minimum(np.arange(micro_batch), take - 1)  # pad by repeating the last real row
     batch = MicroBatch(**{f: v[pick] for f, v in joined.items()}, num_real=take)
@@ -113,3 +115,39 @@ def score_stream(
   if not seen.all():
     raise ValueError(f"the stream never handed out samples {np.flatnonzero(~seen).tolist()}")
   return _in_order(tuple(parts), rows_n)
+
+
+def logprob_scorer(
+  model_config: models.ModelConfig,
+  params: Any,
+  mesh: Mesh,
+  prompts: list[np.ndarray],
+  width: int,
+) -> Callable[[MicroBatch], jax.Array]:
+  """A scorer of the log-prob of every response token under `params` (say the reference's).
+
+  Sequences are `[prompt left padded to the longest prompt | response right padded to width]`;
+  rows go over `mesh`'s 'data' axis when they divide it, else are replicated. The result is
+  `[rows, width]` float32 on `mesh`, 0 past each response. One compiled program per row count.
+  """
+  p = max(len(q) for q in prompts)
+  data = dict(mesh.shape).get("data", 1)
+  params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+
+  @jax.jit
+  def logprobs(tokens_bs, mask_bs):
+    logits_btv = models.forward_logits(model_config, params, tokens_bs, mask_bs)[:, p - 1 : -1]
+    return algorithms.token_logprobs(logits_btv, tokens_bs[:, p:]) * mask_bs[:, p:]
+
+  def score(batch: MicroBatch) -> jax.Array:
+    rows = len(batch.indices)
+    tokens = np.zeros((rows, p + width), np.int32)
+    mask = np.zeros_like(tokens)
+    for row, (i, n) in enumerate(zip(batch.indices, batch.lengths, strict=True)):
+      q = prompts[i]
+      tokens[row, p - len(q) : p], mask[row, p - len(q) : p + n] = q, 1
+      tokens[row, p : p + n] = batch.tokens[row, :n]
+    spec = PartitionSpec("data") if rows % data == 0 else PartitionSpec()
+    return logprobs(*jax.device_put((tokens, mask), NamedSharding(mesh, spec)))
+
+  return score
