@@ -1,5 +1,7 @@
 """Streaming rollout, tail compaction and fused scoring against the batch-at-a-time path."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +199,36 @@ def test_tail_threshold_is_validated():
     rollout.EngineConfig(tail_threshold=1.0)
   with pytest.raises(ValueError, match="tail_threshold"):
     rollout.EngineConfig(tail_threshold=-0.1)
+
+
+def test_bench_lengths_have_the_asked_tail_and_the_bench_reports_every_key():
+  from rlhfjax.rollout import fusion_benchmark as fb
+
+  big = fb.FusionBench(batch=20_000, mean_len=40.0, max_len=10**6, tail_ratio=8.0, seed=1)
+  stats = fb.length_stats(fb.tail_lengths(big), big.tail_ratio)
+  assert abs(stats["fraction_at_least_ratio_x_median"] - 0.1) < 0.01
+  assert abs(stats["mean"] / 40.0 - 1) < 0.1
+  capped = fb.tail_lengths(dataclasses.replace(big, max_len=50))
+  assert capped.max() == 50 and capped.min() >= 1
+  with pytest.raises(ValueError, match="unknown placements"):
+    fb.FusionBench(placements=("sideways",))
+
+  bench = fb.FusionBench(
+    size="tiny", batch=8, prompt_len=5, mean_len=4.0, max_len=24, micro_batch=4, repeats=1
+  )
+  records = fb.run(bench)
+  keys = {"placement", "fused", "iteration_s", "generate_s", "tail_s", "idle_fraction"}
+  rows = [r for r in records if "fused" in r]
+  assert [(r["placement"], r["fused"]) for r in rows] == [
+    (p, f) for p in fb.PLACEMENTS for f in (False, True)
+  ]
+  lengths = fb.tail_lengths(bench)
+  assert lengths.tolist() == [1, 1, 3, 1, 1, 2, 9, 5]
+  for r in rows:
+    assert keys | {"decode_steps_by_batch"} <= set(r)
+    steps = r["decode_steps_by_batch"]
+    assert sum(steps.values()) == lengths.max() - 1  # every request starts at step 0
+    # Lengths [1 1 3 1 1 2 9 5]: two requests left (<= 0.25 * 8) go onto 2 slots, then 1.
+    assert set(steps) == ({"8", "2", "1"} if r["fused"] else {"8"})
+    assert r["tail_s"] <= r["generate_s"] <= r["iteration_s"]
+  assert {r["placement"] for r in records if "speedup" in r} == set(fb.PLACEMENTS)
