@@ -1,7 +1,7 @@
 r"""Sample-level fusion on a long-tailed workload: one JSON line per (placement, fused on/off),
 then one summary line per placement with the speed-up of fused + compacted iterations.
 
-  python scripts/bench_fusion.py --batch=32 --mean_len=48 --max_len=384 --tail_ratio=8
+  python scripts/bench_fusion.py --batch=40 --mean_len=48 --max_len=384 --tail_ratio=8
   python scripts/bench_fusion.py --size=tiny --hidden_size=96 --placements=co-located
 
 Response lengths: log-normal with about --tail_fraction of the samples at least --tail_ratio
@@ -16,7 +16,7 @@ from absl import app, flags
 from rlhfjax import launch
 
 _SIZE = flags.DEFINE_string("size", "small", "Model size (registered sizes and 'small').")
-_BATCH = flags.DEFINE_integer("batch", 32, "Prompts per rollout batch (= decode slots).")
+_BATCH = flags.DEFINE_integer("batch", 40, "Prompts per rollout batch (= decode slots).")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt length.")
 _MEAN_LEN = flags.DEFINE_float("mean_len", 48.0, "Mean response length (before clipping).")
 _MAX_LEN = flags.DEFINE_integer("max_len", 384, "Longest response.")

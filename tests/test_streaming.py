@@ -223,12 +223,12 @@ def test_bench_lengths_have_the_asked_tail_and_the_bench_reports_every_key():
     (p, f) for p in fb.PLACEMENTS for f in (False, True)
   ]
   lengths = fb.tail_lengths(bench)
-  assert lengths.tolist() == [1, 1, 3, 1, 1, 2, 9, 5]
+  assert lengths.tolist() == [1, 2, 1, 5, 2, 1, 1, 7]
   for r in rows:
     assert keys | {"decode_steps_by_batch"} <= set(r)
     steps = r["decode_steps_by_batch"]
     assert sum(steps.values()) == lengths.max() - 1  # every request starts at step 0
-    # Lengths [1 1 3 1 1 2 9 5]: two requests left (<= 0.25 * 8) go onto 2 slots, then 1.
+    # Lengths [1 2 1 5 2 1 1 7]: two requests left (<= 0.25 * 8) go onto 2 slots, then 1.
     assert set(steps) == ({"8", "2", "1"} if r["fused"] else {"8"})
     assert r["tail_s"] <= r["generate_s"] <= r["iteration_s"]
   assert {r["placement"] for r in records if "speedup" in r} == set(fb.PLACEMENTS)

@@ -18,9 +18,10 @@ The scorer pads responses to a power-of-two bucket of the longest in its batch: 
 of early finishers is short, the whole batch is as long as its longest sample.
 
 Per-request stop lengths come from a log-normal whose `1 - tail_fraction` quantile is
-`tail_ratio` times its median (so about `tail_fraction` of the samples are at least
-`tail_ratio` times longer than the median), scaled to the mean `mean_len` and clipped to
-`[1, max_len]`; every response runs exactly to its length (greedy, no stop ids).
+`tail_ratio` times its median (so `tail_fraction` of the samples are at least `tail_ratio`
+times longer than the median; drawn stratified, see `tail_lengths`), scaled to the mean
+`mean_len` and clipped to `[1, max_len]`; every response runs exactly to its length (greedy,
+no stop ids).
 
 Placements over the devices: 'disaggregated' (rollout on the first half, scorer on the second,
 'data'-parallel each) and 'co-located' (both on all devices). The configurations run alternately,
@@ -57,7 +58,7 @@ class FusionBench:
 
   size: str = "small"
   model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  batch: int = 32
+  batch: int = 40
   prompt_len: int = 16
   mean_len: float = 48.0
   """Mean of the response-length distribution before clipping."""
@@ -83,11 +84,19 @@ class FusionBench:
 
 
 def tail_lengths(bench: FusionBench) -> np.ndarray:
-  """Seeded per-request response lengths (see the module docstring)."""
-  sigma = math.log(bench.tail_ratio) / statistics.NormalDist().inv_cdf(1 - bench.tail_fraction)
+  """Seeded per-request response lengths (see the module docstring).
+
+  Stratified: request `i` draws its quantile from its own slice `[j, j + 1) / batch` of [0, 1)
+  (`j` a seeded permutation of the requests), so the batch holds the distribution's tail in
+  proportion (a batch of 40 has exactly 4 draws above the 0.9 quantile) rather than by luck.
+  """
+  normal = statistics.NormalDist()
+  sigma = math.log(bench.tail_ratio) / normal.inv_cdf(1 - bench.tail_fraction)
   median = bench.mean_len / math.exp(sigma**2 / 2)
-  draws = np.random.default_rng(bench.seed).lognormal(math.log(median), sigma, bench.batch)
-  return np.clip(np.rint(draws), 1, bench.max_len).astype(np.int32)
+  rng = np.random.default_rng(bench.seed)
+  quantiles = (rng.permutation(bench.batch) + rng.uniform(size=bench.batch)) / bench.batch
+  z = np.array([normal.inv_cdf(min(max(q, 1e-12), 1 - 1e-12)) for q in quantiles])
+  return np.clip(np.rint(median * np.exp(sigma * z)), 1, bench.max_len).astype(np.int32)
 
 
 def length_stats(lengths: np.ndarray, tail_ratio: float) -> dict[str, float]:
