@@ -128,9 +128,6 @@ class Compactor:
   def mesh_of(self, size: int) -> Mesh:
     return self._engine.mesh if size == self._engine.config.num_slots else self.batch(size).mesh
 
-  def _state_shardings(self, rows: int, mesh: Mesh) -> DecodeState:
-    return self._engine.state_shardings_for(rows, mesh)
-
   def _build(self, size: int) -> TailBatch:
     engine = self._engine
     full = engine.config.num_slots
@@ -142,13 +139,13 @@ class Compactor:
     source_shardings = (
       engine.state_shardings if size * 2 == full else self.batch(size * 2).state_shardings
     )
-    gathered = self._state_shardings(size, source_mesh)
+    gathered = engine.state_shardings_for(size, source_mesh)
     replicated_src = NamedSharding(source_mesh, PartitionSpec())
     replicated = NamedSharding(mesh, PartitionSpec())
     param_shardings = rules.named_shardings(
       engine.param_logical_axes, engine.abstract_params, mesh, Layout.GENERATION
     )
-    state_shardings = self._state_shardings(size, mesh)
+    state_shardings = engine.state_shardings_for(size, mesh)
     traces = engine.traces
     return TailBatch(
       size=size,

@@ -9,7 +9,9 @@ The slot API follows JetStream's engine protocol:
     view = engine.read(state)                          # host: which slots are done, their tokens
 
 A finished slot is free: the next `insert` into it replaces its row. `generate` (continuous
-batching over this API, see `rlhfjax.rollout.batching`) is the call most users want.
+batching over this API, see `rlhfjax.rollout.batching`) is the call most users want;
+`rlhfjax.rollout.streaming.RolloutStream` hands samples out as they finish, and with
+`tail_threshold` moves the tail onto a smaller batch (`rlhfjax.rollout.compaction`).
 
 Compiled programs, each jitted once with explicit in/out shardings on the engine's mesh:
 `prefill` per (prefill batch size, prompt bucket), `insert` per (prefill batch size, bucket),
