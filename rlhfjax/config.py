@@ -175,6 +175,9 @@ class RolloutSection:
   """Keep the smallest set of tokens with this much probability (1: all)."""
   slots: int = 0
   """Decode slots of the continuous-batching engine (0: one per prompt of the batch)."""
+  tail_threshold: float = 0.0
+  """Tail compaction: once at most this fraction of the slots still decode (and no prompt is
+  queued), they move into a smaller decode batch on fewer replicas. 0: off."""
 
   def __post_init__(self):
     ranges.check(
@@ -187,6 +190,7 @@ class RolloutSection:
       top_k=ranges.NON_NEGATIVE,
       top_p=ranges.between(0, 1, low_open=True),
       slots=ranges.NON_NEGATIVE,
+      tail_threshold=ranges.between(0, 1, high_open=True),
     )
 
   @property

@@ -387,6 +387,7 @@ class PPOTrainer:
       prompt_buckets=(rollout.max_prompt_len,),
       max_new_tokens=rollout.max_new_tokens,
       pad_token_id=self.tokenizer.pad_id,
+      tail_threshold=rollout.tail_threshold,
     )
     rt = self.roles[Role.ROLLOUT]
     engine = Engine(rt.model, engine_cfg, rt.mesh)

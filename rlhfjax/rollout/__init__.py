@@ -4,16 +4,20 @@ from rlhfjax.rollout.batching import GenerateOutput, as_prompt_list, generate
 from rlhfjax.rollout.decode import DecodeState
 from rlhfjax.rollout.engine import Engine, EngineConfig, Prefix, SlotView
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams, sample, truncated_logits
+from rlhfjax.rollout.streaming import Finished, RolloutStream, StreamStats
 
 __all__ = [
   "GREEDY",
   "DecodeState",
   "Engine",
   "EngineConfig",
+  "Finished",
   "GenerateOutput",
   "Prefix",
+  "RolloutStream",
   "SamplingParams",
   "SlotView",
+  "StreamStats",
   "as_prompt_list",
   "generate",
   "sample",

@@ -9,7 +9,9 @@ The slot API follows JetStream's engine protocol:
     view = engine.read(state)                          # host: which slots are done, their tokens
 
 A finished slot is free: the next `insert` into it replaces its row. `generate` (continuous
-batching over this API, see `rlhfjax.rollout.batching`) is the call most users want.
+batching over this API, see `rlhfjax.rollout.batching`) is the call most users want;
+`rlhfjax.rollout.streaming.RolloutStream` hands samples out as they finish, and with
+`tail_threshold` moves the tail onto a smaller batch (`rlhfjax.rollout.compaction`).
 
 Compiled programs, each jitted once with explicit in/out shardings on the engine's mesh:
 `prefill` per (prefill batch size, prompt bucket), `insert` per (prefill batch size, bucket),
@@ -36,7 +38,7 @@ from rlhfjax import distributed, models
 from rlhfjax.mesh import meshes, rules, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
-from rlhfjax.rollout import batching, decode
+from rlhfjax.rollout import batching, compaction, decode
 from rlhfjax.rollout.decode import DecodeState
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 
@@ -59,6 +61,10 @@ class EngineConfig:
   """Most stop token ids one request may give."""
   pad_token_id: int = 0
   """Written into prompt padding and past the end of responses."""
+  tail_threshold: float = 0.0
+  """Tail compaction: once no prompt is queued and at most this fraction of `num_slots` is
+  still running, the running rows move into a smaller decode batch on fewer 'data' replicas
+  (`rlhfjax.rollout.compaction`). 0 turns it off."""
 
   def __post_init__(self):
     if self.num_slots < 1:
@@ -84,6 +90,8 @@ class EngineConfig:
         f"num_slots={self.num_slots}, got {self.prefill_batch_sizes}"
       )
     object.__setattr__(self, "prefill_batch_sizes", sizes)
+    if not 0.0 <= self.tail_threshold < 1.0:
+      raise ValueError(f"EngineConfig.tail_threshold must be in [0, 1), got {self.tail_threshold}")
 
   @property
   def cache_length(self) -> int:
@@ -168,21 +176,23 @@ class Engine:
     self.model_config = model_config
     self.config = config
     self.mesh = mesh
-    self._traces = TraceCounter()
+    self.traces = TraceCounter()
+    """Traces of every compiled program of the engine, by name."""
+    self.param_logical_axes = models.logical_axes(model_config, "lm")
+    self.abstract_params = models.abstract_params(model_config, "lm")
     self.param_shardings = rules.named_shardings(
-      models.logical_axes(model_config, "lm"),
-      models.abstract_params(model_config, "lm"),
-      mesh,
-      Layout.GENERATION,
+      self.param_logical_axes, self.abstract_params, mesh, Layout.GENERATION
     )
-    self.state_shardings = self._state_shardings(config.num_slots)
+    self.state_shardings = self.state_shardings_for(config.num_slots)
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
     self._owns_params = False
+    self.compactor = compaction.Compactor(self)
+    """The tail compaction programs (built and compiled on first use, once per size)."""
 
     r, cfg = config.max_new_tokens, model_config
     self._init_state = jax.jit(
-      self._traces.wrap(
+      self.traces.wrap(
         "init_decode_state",
         functools.partial(
           decode.empty_state, cfg, config.num_slots, config.cache_length, r, config.max_stop_tokens
@@ -191,7 +201,7 @@ class Engine:
       out_shardings=self.state_shardings,
     )
     self._generate_steps = jax.jit(
-      self._traces.wrap("generate_steps", functools.partial(decode.generate_steps, cfg)),
+      self.traces.wrap("generate_steps", functools.partial(decode.generate_steps, cfg)),
       in_shardings=(self.param_shardings, self.state_shardings, self._replicated, self._replicated),
       out_shardings=(self.state_shardings, self._replicated),
       donate_argnums=1,
@@ -202,15 +212,15 @@ class Engine:
     self.prefix_shardings: dict[int, DecodeState] = {}
     """Shardings of a prefill's output, by prefill batch size (rows over 'data' if they divide)."""
     for m in config.prefill_batch_sizes:
-      prefix_shardings = self.prefix_shardings[m] = self._state_shardings(m)
+      prefix_shardings = self.prefix_shardings[m] = self.state_shardings_for(m)
       self._request_shardings[m] = self._requests_shardings(m)
       self._prefill[m] = jax.jit(
-        self._traces.wrap("prefill", functools.partial(decode.prefill, cfg, r)),
+        self.traces.wrap("prefill", functools.partial(decode.prefill, cfg, r)),
         in_shardings=(self.param_shardings, self._request_shardings[m]),
         out_shardings=prefix_shardings,
       )
       self._insert[m] = jax.jit(
-        self._traces.wrap("insert", decode.insert),
+        self.traces.wrap("insert", decode.insert),
         in_shardings=(prefix_shardings, self.state_shardings, self._replicated),
         out_shardings=self.state_shardings,
         donate_argnums=1,
@@ -237,9 +247,10 @@ class Engine:
   @property
   def compilations(self) -> dict[str, int]:
     """Programs traced (and so compiled) so far, by entry point."""
-    return self._traces.counts
+    return self.traces.counts
 
-  def _state_shardings(self, rows: int) -> DecodeState:
+  def state_shardings_for(self, rows: int, mesh: Mesh | None = None) -> DecodeState:
+    """Shardings of a decode batch of `rows` rows on `mesh` (default: the engine's)."""
     cfg = self.config
     shapes = jax.eval_shape(
       functools.partial(
@@ -252,7 +263,7 @@ class Engine:
       )
     )
     return rules.named_shardings(
-      decode.logical_axes(rules.KV_CACHE_AXES), shapes, self.mesh, Layout.GENERATION
+      decode.logical_axes(rules.KV_CACHE_AXES), shapes, mesh or self.mesh, Layout.GENERATION
     )
 
   def _requests_shardings(self, rows: int) -> decode.Requests:
@@ -287,7 +298,7 @@ class Engine:
     are; `jax.Array`s elsewhere are moved device to device by `rlhfjax.mesh.transfer`; host
     arrays are uploaded. Shapes and dtypes must match the model config.
     """
-    expected = models.abstract_params(self.model_config, "lm")
+    expected = self.abstract_params
     try:
       pairs = jax.tree.map(lambda x, e: (x, e), params, expected)
     except ValueError as e:
@@ -425,7 +436,8 @@ class Engine:
     """Compiles every program the engine can need, so no later call compiles.
 
     Runs one prefill and insert for each (prefill batch size, prompt bucket) pair and a
-    zero-step decode. Returns `compilations`.
+    zero-step decode, and with tail compaction on, a compaction to every allowed size and a
+    zero-step decode there. Returns `compilations`.
     """
     setting = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=())
     state = self.init_decode_state()
@@ -434,6 +446,10 @@ class Engine:
         prefix = self.prefill([[self.config.pad_token_id] * bucket] * rows, setting)
         state = self.insert(prefix, state, range(rows))
     state, _ = self.generate_steps(state, max_steps=0)
+    if self.config.tail_threshold > 0:  # every compacted size: its gather and its decode loop
+      for size in self.compactor.sizes:
+        state = self.compactor.shrink(state, size, [])
+        state, _ = self.compactor.generate_steps(size, state, 0, size)
     jax.block_until_ready(state)
     return self.compilations
 
