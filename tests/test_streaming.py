@@ -195,7 +195,7 @@ def test_score_stream_rejects_a_stream_that_repeats_or_misses_samples():
 def test_tail_threshold_is_validated():
   assert config.RolloutSection(tail_threshold=0.25).tail_threshold == 0.25
   for bad in (1.0, -0.1):
-    with pytest.raises(config.ConfigError, match=r"'rollout.tail_threshold' must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"'rollout.tail_threshold' must be in \[0, 1\)"):
       config.RolloutSection(tail_threshold=bad)
   with pytest.raises(ValueError, match="tail_threshold"):
     rollout.EngineConfig(tail_threshold=1.0)
