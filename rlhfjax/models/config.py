@@ -104,6 +104,10 @@ class ModelConfig:
   attention: str = "auto"
   """Attention kernel: one of `ATTENTION_IMPLS`."""
   rope_scaling: RopeScaling | None = None
+  logprob_chunk_size: int | None = None
+  """Compute log-probs, entropy and the LM loss `logprob_chunk_size` tokens at a time from the
+  hidden states (the fp32 logits of one chunk live at once, recomputed in the backward pass);
+  None: the whole `[b, t, v]` logits at once."""
   qk_norm: bool = False
   """RMSNorm over the head dimension of queries and keys before the rotary (Qwen3)."""
   architecture: Architecture = "llama"
@@ -147,6 +151,10 @@ class ModelConfig:
     if self.attention not in ATTENTION_IMPLS:
       raise ValueError(
         f"ModelConfig.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}"
+      )
+    if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+      raise ValueError(
+        f"ModelConfig.logprob_chunk_size must be >= 1 or None, got {self.logprob_chunk_size}"
       )
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(

@@ -315,6 +315,9 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   head: HeadKind = "lm"
+  hidden_only: bool = False
+  """Return the final-normed hidden states `[b, t, d]` (compute dtype) instead of the head's
+  output; the head's parameters are then not touched (see `forward_hidden`)."""
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, cache_index_b=None):
@@ -341,6 +344,8 @@ class Transformer(nn.Module):
       x_btd, positions_bt, mask_bts, cache, cache_index_b
     )
     x_btd = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="final_norm")(x_btd)
+    if self.hidden_only:
+      return x_btd, new_cache
 
     if self.head == "value":
       w_d = _param(
@@ -452,6 +457,27 @@ def apply(
   return Transformer(config, head).apply(
     {"params": params}, tokens_bt, positions_bt, mask_bts, cache, cache_index_b
   )
+
+
+def forward_hidden(
+  config: ModelConfig, params: Params, tokens_bt, attention_mask_bt=None, head: HeadKind = "lm"
+) -> jax.Array:
+  """Final-normed hidden states `[b, t, d]` in the compute dtype: the input of the head."""
+  if attention_mask_bt is None:
+    attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+  positions_bt = positions_from_mask(attention_mask_bt)
+  mask_bts = causal_mask(attention_mask_bt, config.sliding_window)
+  x_btd, _ = Transformer(config, head, hidden_only=True).apply(
+    {"params": params}, tokens_bt, positions_bt, mask_bts
+  )
+  return x_btd
+
+
+def lm_head_vd(config: ModelConfig, params: Params) -> jax.Array:
+  """The LM head as a `[v, d]` matrix (the embedding itself when tied)."""
+  if config.tie_embeddings:
+    return params["embedding"]
+  return params["lm_head"]["kernel"].T
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:
