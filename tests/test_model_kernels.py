@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rlhfjax import models
+from rlhfjax.config import ConfigError, ModelSection, RoleModelSection
 from rlhfjax.models import transformer
 from rlhfjax.rollout import decode
 
@@ -133,3 +134,24 @@ def test_bf16_compute_with_fp32_master_parameters(params):
   real = np.asarray(mask).astype(bool)
   err = np.max(np.abs(np.asarray(lo)[real] - np.asarray(hi)[real]))
   assert 0 < err < 0.05 * float(np.max(np.abs(np.asarray(hi)[real])))
+
+
+def test_per_role_model_settings_and_their_checks():
+  section = ModelSection(
+    size="7b",
+    roles={
+      "reference": RoleModelSection(param_dtype="bfloat16", remat="none"),
+      "actor": RoleModelSection(remat="dots_saveable", logprob_chunk_size=512),
+    },
+  )
+  actor, reference = section.for_role("actor"), section.for_role("reference")
+  assert (actor.param_dtype, actor.dtype, actor.remat) == ("float32", "bfloat16", "dots_saveable")
+  assert actor.logprob_chunk_size == 512
+  assert (reference.param_dtype, reference.remat) == ("bfloat16", "none")
+  assert section.for_role("rollout").param_dtype == "float32"  # the real sizes' fp32 masters
+  with pytest.raises(ConfigError, match="the rollout's param_dtype must equal the actor's"):
+    ModelSection(size="7b", roles={"rollout": RoleModelSection(param_dtype="bfloat16")})
+  with pytest.raises(ConfigError, match=r"unknown role 'critc' in 'model\.roles'"):
+    ModelSection(size="7b", roles={"critc": RoleModelSection()})
+  with pytest.raises(ConfigError, match=r"^'remat' must be one of none, full"):
+    RoleModelSection(remat="half")
