@@ -33,11 +33,16 @@ def _loss(config, params, tokens, mask):
   return jnp.sum(logits * weights * mask[..., None])
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_dot_product_attention_equals_einsum_forward_and_gradients(params, window):
+def test_dot_product_attention_equals_einsum_forward_and_gradients(
+  params, window, impl, monkeypatch
+):
+  # 17 queries in blocks of 5: three full blocks and a padded one.
+  monkeypatch.setattr(transformer, "QUERY_CHUNK", 5)
   tokens, mask = _batch()
   plain = CONFIG.replace(sliding_window=window)
-  fused = plain.replace(attention="xla")
+  fused = plain.replace(attention=impl)
   a = models.forward_logits(plain, params, tokens, mask)
   b = models.forward_logits(fused, params, tokens, mask)
   assert np.all(np.isfinite(np.asarray(b)))
@@ -51,7 +56,10 @@ def test_dot_product_attention_equals_einsum_forward_and_gradients(params, windo
 
 def test_auto_attention_is_xla_on_cpu_and_names_are_checked():
   q = jnp.zeros((1, 4, CONFIG.num_heads, CONFIG.head_dim), jnp.bfloat16)
-  assert transformer.attention_implementation(CONFIG.replace(attention="auto"), q) == "xla"
+  auto = CONFIG.replace(attention="auto")
+  assert transformer.attention_implementation(auto, q) == "xla"
+  long_q = jnp.zeros((1, transformer.QUERY_CHUNK + 1, CONFIG.num_heads, CONFIG.head_dim))
+  assert transformer.attention_implementation(auto, long_q) == "xla_chunked"
   with pytest.raises(ValueError, match=r"^ModelConfig\.attention must be one of"):
     CONFIG.replace(attention="flash")
   with pytest.raises(ValueError, match=r"^ModelConfig\.remat must be one of"):

@@ -28,10 +28,11 @@ REMAT_POLICIES = (
 (the weight matmuls, not attention's: 'dots_with_no_batch_dims_saveable'), or keep each layer's
 attention output ('save_attention_out')."""
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum")
+ATTENTION_IMPLS = ("auto", "xla", "xla_chunked", "cudnn", "einsum")
 """Names of `ModelConfig.attention`: `jax.nn.dot_product_attention` with XLA's or cuDNN's
-(flash) kernel, 'auto' (cuDNN on a GPU when the shapes and dtype allow, XLA otherwise), or the
-plain einsum-softmax-einsum path."""
+(flash) kernel, XLA's in rematerialised query blocks ('xla_chunked': memory linear in the
+sequence), 'auto' (cuDNN on a GPU when the shapes and dtype allow; XLA elsewhere, chunked for
+long sequences), or the plain einsum-softmax-einsum path."""
 
 ROPE_TYPES = ("llama3", "linear", "dynamic")
 

@@ -149,12 +149,40 @@ def einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype) -> jax.Arr
   return out_btkgn.reshape(b, t, h, n)
 
 
+QUERY_CHUNK = 1024
+"""Queries per block of the 'xla_chunked' kernel."""
+
+
+def query_chunked_attention(q_bthn, keys_bskn, values_bskn, mask_bts) -> jax.Array:
+  """XLA's attention `QUERY_CHUNK` queries at a time, each block rematerialised.
+
+  Memory-efficient attention (Rabe & Staats): every block's softmax runs over all keys, so the
+  result is XLA's exactly, but only `[b, h, c, s]` scores are live at once, forward and
+  backward, instead of `[b, h, t, s]`: linear in the sequence length instead of quadratic.
+  """
+  b, t, h, n = q_bthn.shape
+  c = QUERY_CHUNK
+  m = -(-t // c)
+  pad = m * c - t
+  q_mbchn = jnp.pad(q_bthn, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, m, c, h, n)
+  mask_mbcs = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0))).reshape(b, m, c, -1)
+
+  @jax.checkpoint
+  def block(q_bchn, mask_bcs):
+    return jax.nn.dot_product_attention(
+      q_bchn, keys_bskn, values_bskn, mask=mask_bcs[:, None], implementation="xla"
+    )
+
+  out_mbchn = jax.lax.map(lambda x: block(*x), (q_mbchn.swapaxes(0, 1), mask_mbcs.swapaxes(0, 1)))
+  return out_mbchn.swapaxes(0, 1).reshape(b, m * c, h, n)[:, :t]
+
+
 def attention_implementation(config: ModelConfig, q_bthn: jax.Array) -> str:
   """The kernel `config.attention` resolves to for these queries on the default backend.
 
   'auto' takes cuDNN's flash attention on a GPU for half-precision prefill / training shapes
-  (head dim a multiple of 8 up to 128/256, more than one query), and XLA's otherwise (CPU,
-  fp32, single-token decode steps).
+  (head dim a multiple of 8 up to 128, more than one query); elsewhere XLA's, in query blocks
+  ('xla_chunked') once there are more than `QUERY_CHUNK` queries.
   """
   if config.attention != "auto":
     return config.attention
@@ -166,7 +194,9 @@ def attention_implementation(config: ModelConfig, q_bthn: jax.Array) -> str:
     and n <= 128
     and t > 1
   )
-  return "cudnn" if cudnn_ok else "xla"
+  if cudnn_ok:
+    return "cudnn"
+  return "xla_chunked" if t > QUERY_CHUNK else "xla"
 
 
 def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask_bts) -> jax.Array:
@@ -179,13 +209,11 @@ def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask_bts) -> jax
   dtype = config.jnp_dtype
   if impl == "einsum":
     return einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype)
-  q_bthn = q_bthn.astype(dtype)
+  q_bthn, keys_bskn, values_bskn = (x.astype(dtype) for x in (q_bthn, keys_bskn, values_bskn))
+  if impl == "xla_chunked":
+    return query_chunked_attention(q_bthn, keys_bskn, values_bskn, mask_bts)
   return jax.nn.dot_product_attention(
-    q_bthn,
-    keys_bskn.astype(dtype),
-    values_bskn.astype(dtype),
-    mask=mask_bts[:, None],
-    implementation=impl,
+    q_bthn, keys_bskn, values_bskn, mask=mask_bts[:, None], implementation=impl
   )
 
 
