@@ -299,6 +299,17 @@ class MLP(nn.Module):
     )
 
 
+ACTIVATION_AXES = ("batch", "length", "activation_embed")
+"""Logical axes of the residual stream `[b, t, d]`: sharded over the batch only."""
+
+
+def constrain_activations(x_btd: jax.Array) -> jax.Array:
+  """Pins the residual stream's layout to `ACTIVATION_AXES` under the caller's
+  `nn.logical_axis_rules` and mesh context (a no-op without one). Without it XLA's sharding
+  propagation may follow the FSDP-sharded weights and replicate the batch."""
+  return nn.with_logical_constraint(x_btd, ACTIVATION_AXES)
+
+
 class Block(nn.Module):
   """Pre-norm attention and SwiGLU MLP with residuals; one layer of the scanned stack."""
 
@@ -313,7 +324,7 @@ class Block(nn.Module):
     )
     x_btd = x_btd + attn_btd
     x_btd = x_btd + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x_btd))
-    return x_btd, new_cache
+    return constrain_activations(x_btd), new_cache
 
 
 def remat_policy(name: str):
@@ -358,7 +369,7 @@ class Transformer(nn.Module):
       nn.initializers.normal(_INIT_STD),
       cfg.jnp_param_dtype,
     )
-    x_btd = jnp.take(embedding_vd, tokens_bt, axis=0).astype(cfg.jnp_dtype)
+    x_btd = constrain_activations(jnp.take(embedding_vd, tokens_bt, axis=0).astype(cfg.jnp_dtype))
 
     stack = nn.scan(
       remat_block(cfg.remat),

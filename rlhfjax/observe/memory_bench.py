@@ -22,10 +22,12 @@ import math
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from rlhfjax import models
+from rlhfjax.mesh import rules
 from rlhfjax.models import ModelConfig
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
@@ -114,7 +116,11 @@ def actor_step_memory(
     donate_argnums=0,
   )
   start = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
+  with (
+    jax.set_mesh(actor.mesh),
+    nn.logical_axis_rules(rules.flax_rules(actor.spec.layout, actor.mesh)),
+  ):
+    compiled = step.lower(state, batch).compile()
   return compiled.memory_analysis(), time.perf_counter() - start
 
 
