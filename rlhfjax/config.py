@@ -33,6 +33,46 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleModelSection:
+  """Numerics and memory settings of one role's model; None: the size's own (or the section's)."""
+
+  dtype: str | None = None
+  """Compute dtype ('float32' or 'bfloat16')."""
+  param_dtype: str | None = None
+  """Parameter dtype: the trained roles keep fp32 masters, frozen roles may store bf16."""
+  remat: str | None = None
+  """Rematerialisation policy (`models.config.REMAT_POLICIES`)."""
+  attention: str | None = None
+  """Attention kernel (`models.config.ATTENTION_IMPLS`)."""
+  logprob_chunk_size: int | None = None
+  """Tokens per chunk of the log-prob / entropy / LM-loss computation."""
+
+  def __post_init__(self):
+    choices = {
+      "dtype": _DTYPES,
+      "param_dtype": _DTYPES,
+      "remat": model_config.REMAT_POLICIES,
+      "attention": model_config.ATTENTION_IMPLS,
+    }
+    for name, known in choices.items():
+      value = getattr(self, name)
+      if value is not None and value not in known:
+        raise ConfigError(f"'{name}' must be one of {', '.join(known)}, got {value!r}")
+    if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+      raise ConfigError(f"'logprob_chunk_size' must be >= 1, got {self.logprob_chunk_size}")
+
+  def overrides(self) -> dict[str, Any]:
+    return {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if getattr(self, f.name) is not None
+    }
+
+
+_ROLES = ("actor", "critic", "reference", "reward", "rollout")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
   """Which registered model each role runs."""
 
@@ -48,6 +88,9 @@ class ModelSection:
   """Parameter dtype override for every model; None: the size's own."""
   overrides: dict[str, int] = dataclasses.field(default_factory=dict)
   """Integer `ModelConfig` fields changed for every model, e.g. {'num_layers': 4}."""
+  roles: dict[str, RoleModelSection] = dataclasses.field(default_factory=dict)
+  """Per-role settings over the above, e.g. {'reference': {'param_dtype': 'bfloat16'},
+  'actor': {'remat': 'dots_with_no_batch_dims_saveable', 'logprob_chunk_size': 1024}}."""
 
   def __post_init__(self):
     known = model_config.model_sizes()
@@ -65,6 +108,17 @@ class ModelSection:
       value = getattr(self, name)
       if value is not None and value not in _DTYPES:
         raise ConfigError(f"'model.{name}' must be one of {', '.join(_DTYPES)}, got {value!r}")
+
+    for role in self.roles:
+      if role not in _ROLES:
+        raise ConfigError(f"unknown role {role!r} in 'model.roles'; roles: {', '.join(_ROLES)}")
+    # The sync copies the actor's parameters to the rollout as they are (no cast).
+    dtypes = {self.for_role(r).param_dtype for r in ("actor", "rollout")}
+    if len(dtypes) > 1:
+      raise ConfigError(
+        "'model.roles': the rollout's param_dtype must equal the actor's (the weight sync "
+        f"does not cast), got {sorted(dtypes)}"
+      )
 
   def size_for(self, role: str) -> str:
     """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs."""
@@ -84,7 +138,10 @@ class ModelSection:
       if getattr(self, name) is not None
     }
     try:
-      return model_config.get_model_config(self.size_for(role), **overrides, **self.overrides)
+      role_section = self.roles.get(role, RoleModelSection())
+      return model_config.get_model_config(
+        self.size_for(role), **{**overrides, **self.overrides, **role_section.overrides()}
+      )
     except ValueError as e:
       raise ConfigError(f"model: {e}") from None
 
@@ -373,6 +430,22 @@ class EvalSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadSection:
+  """Idle roles' state parked in host memory between their stages (`rlhfjax.mesh.offload`)."""
+
+  params: tuple[str, ...] = ()
+  """Roles whose parameters live in host memory outside their scoring: 'reference', 'reward'."""
+  optimizer: tuple[str, ...] = ()
+  """Roles whose optimizer state lives in host memory outside their update: 'actor', 'critic'."""
+
+  def __post_init__(self):
+    for name, allowed in (("params", ("reference", "reward")), ("optimizer", ("actor", "critic"))):
+      for role in getattr(self, name):
+        if role not in allowed:
+          raise ConfigError(f"'offload.{name}' may name {' and '.join(allowed)}, got {role!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
   """The whole experiment; each field is one section of the config file."""
 
@@ -399,6 +472,7 @@ class ExperimentConfig:
   init: RoleInitSection = dataclasses.field(default_factory=RoleInitSection)
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
   distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+  offload: OffloadSection = dataclasses.field(default_factory=OffloadSection)
 
   def __post_init__(self):
     ranges.check("", self, seed=ranges.SEED, total_steps=ranges.COUNT, log_every=ranges.COUNT)

@@ -35,7 +35,11 @@ def main(argv: list[str]) -> None:
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
   estimates = placement.estimate_placement_memory(
-    spec, config.model, config.rollout, train_rows=placement.train_rows(config)
+    spec,
+    config.model,
+    config.rollout,
+    train_rows=placement.train_rows(config),
+    options=placement.memory_options(config),
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))

@@ -38,15 +38,41 @@ _FAMILIES = {
   "qwen2": (transformers.Qwen2Config, dict(rope_theta=1_000_000.0)),
   "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
   "mistral_window": (transformers.MistralConfig, dict(sliding_window=5)),
+  # Llama 3.1-style scaling with the band edges inside head_dim 12's wavelengths (6.3 .. 13.5k):
+  # one frequency kept, one blended, the rest divided by the factor.
+  "llama_rope_llama3": (
+    transformers.LlamaConfig,
+    dict(
+      rope_parameters=dict(
+        rope_type="llama3",
+        factor=4.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+      )
+    ),
+  ),
+  "llama_rope_linear": (
+    transformers.LlamaConfig,
+    dict(rope_parameters=dict(rope_type="linear", factor=3.0)),
+  ),
+  # 13 tokens run past max_position_embeddings=8, so the dynamic base grows.
+  "llama_rope_dynamic": (
+    transformers.LlamaConfig,
+    dict(max_position_embeddings=8, rope_parameters=dict(rope_type="dynamic", factor=2.0)),
+  ),
+  "qwen3": (transformers.Qwen3Config, dict(rope_theta=1_000_000.0)),
+  "qwen3_bias": (transformers.Qwen3Config, dict(attention_bias=True, tie_word_embeddings=True)),
 }
 
 
 def _hf_model(family: str, cls=transformers.AutoModelForCausalLM, **extra):
   config_cls, overrides = _FAMILIES[family]
   kwargs = {**_DIMS, **overrides, **extra}
-  rope_theta = kwargs.pop("rope_theta", 10_000.0)
+  rope = {"rope_theta": kwargs.pop("rope_theta", 10_000.0), "rope_type": "default"}
+  rope.update(kwargs.pop("rope_parameters", {}))
   hf_config = config_cls(**kwargs)
-  hf_config.rope_parameters = {"rope_theta": rope_theta, "rope_type": "default"}
+  hf_config.rope_parameters = rope
   torch.manual_seed(sum(map(ord, family)))
   model = cls.from_config(hf_config, dtype=torch.float32).eval()
   with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping cannot pass
@@ -96,7 +122,9 @@ def test_logits_match_transformers(family, left_pad, tmp_path):
   _assert_close_on_real_tokens(ours, _hf_logits(hf_model, tokens, mask), mask)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "mistral_window"])
+@pytest.mark.parametrize(
+  "family", ["llama", "qwen2_tied", "mistral_window", "llama_rope_llama3", "qwen3_bias"]
+)
 def test_export_reloads_in_transformers(family, tmp_path):
   hf_model = _hf_model(family)
   hf_model.save_pretrained(tmp_path / "src")

@@ -16,6 +16,7 @@ from rlhfjax.config import from_config_dict
 from rlhfjax.models.config import get_model_config
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement import plan_placement
+from rlhfjax.placement.memory import model_options
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.planner import efficiency, hardware, memory, search
 from rlhfjax.planner.replay import StageCost, replay
@@ -72,7 +73,10 @@ def test_train_step_memory_matches_xla(size):
     memory.Sharding(param_shards=8, batch_shards=8),
     micro_batch=rows // 8,
     seq_len=prompt_len + response_len,
-    options=memory.Options(native_half=jax.default_backend() != "cpu"),
+    # The real sizes' own settings: fp32 masters, bf16 compute, full remat.
+    options=model_options(
+      get_model_config(size), memory.Options(native_half=jax.default_backend() != "cpu")
+    ),
   )
   assert estimate.total == pytest.approx(xla, rel=0.20), (size, estimate, xla / 2**30)
 

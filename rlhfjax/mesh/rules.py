@@ -213,3 +213,13 @@ def named_shardings(
   return jax.tree_util.tree_map_with_path(
     one, logical_axes_tree, shapes_tree, is_leaf=_is_axes_leaf
   )
+
+
+def flax_rules(layout: Layout | str, mesh: Mesh) -> tuple[tuple[str, MeshAxes | None], ...]:
+  """The layout's table as `flax.linen.logical_axis_rules` (mesh axes `mesh` lacks dropped),
+  for the activation constraints the model places (`models.transformer.ACTIVATION_AXES`)."""
+  sizes = dict(mesh.shape)
+  return tuple(
+    (name, tuple(a for a in axes if sizes.get(a, 1) > 1) or None)
+    for name, axes in rules_table(layout).items()
+  )

@@ -13,11 +13,13 @@ from rlhfjax.models.hf import (
   load_hf_checkpoint,
   save_hf_checkpoint,
 )
+from rlhfjax.models.logprobs import TokenStats, chunked_stats, token_stats
 from rlhfjax.models.transformer import (
   Transformer,
   abstract_params,
   apply,
   causal_mask,
+  forward_hidden,
   forward_logits,
   forward_values,
   init_cache,
@@ -29,6 +31,10 @@ from rlhfjax.models.transformer import (
 
 __all__ = [
   "CheckpointError",
+  "TokenStats",
+  "chunked_stats",
+  "forward_hidden",
+  "token_stats",
   "ModelConfig",
   "Transformer",
   "abstract_params",

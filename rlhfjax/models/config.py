@@ -11,10 +11,62 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-Architecture = Literal["llama", "mistral", "qwen2"]
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3"]
 HeadKind = Literal["lm", "value"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+REMAT_POLICIES = (
+  "none",
+  "full",
+  "dots_saveable",
+  "dots_with_no_batch_dims_saveable",
+  "save_attention_out",
+)
+"""Names of `ModelConfig.remat`: keep every activation ('none'), keep only each layer's input
+('full'), keep matmul outputs ('dots_saveable'), keep matmul outputs without batch dimensions
+(the weight matmuls, not attention's: 'dots_with_no_batch_dims_saveable'), or keep each layer's
+attention output ('save_attention_out')."""
+
+ATTENTION_IMPLS = ("auto", "xla", "xla_chunked", "cudnn", "einsum")
+"""Names of `ModelConfig.attention`: `jax.nn.dot_product_attention` with XLA's or cuDNN's
+(flash) kernel, XLA's in rematerialised query blocks ('xla_chunked': memory linear in the
+sequence), 'auto' (cuDNN on a GPU when the shapes and dtype allow; XLA elsewhere, chunked for
+long sequences), or the plain einsum-softmax-einsum path."""
+
+ROPE_TYPES = ("llama3", "linear", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Rotary frequency scaling, as Hugging Face's `rope_parameters` / `rope_scaling`.
+
+  * 'linear': every inverse frequency divided by `factor` (positions interpolated);
+  * 'dynamic': NTK scaling of the base when a batch runs past `max_position_embeddings`:
+    `theta * (factor * L / max_pos - (factor - 1)) ** (n / (n - 2))`, `L` = the batch's
+    largest position + 1 (stateless: Hugging Face's model keeps a grown base afterwards);
+  * 'llama3': low frequencies divided by `factor`, high ones kept, a smooth blend between
+    (Llama 3.1 / 3.2 / 3.3).
+  """
+
+  type: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.type not in ROPE_TYPES:
+      raise ValueError(
+        f"RopeScaling.type must be one of {', '.join(ROPE_TYPES)}, got {self.type!r}"
+      )
+    if self.factor < 1:
+      raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor}")
+    if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(
+        "RopeScaling needs high_freq_factor > low_freq_factor > 0 for 'llama3', got "
+        f"{self.high_freq_factor} and {self.low_freq_factor}"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +100,17 @@ class ModelConfig:
   """Storage dtype of parameters: 'float32' or 'bfloat16'."""
   dtype: str = "float32"
   """Compute dtype of activations and matmuls: 'float32' or 'bfloat16'."""
+  remat: str = "none"
+  """Rematerialisation of each scanned layer in the backward pass: one of `REMAT_POLICIES`."""
+  attention: str = "auto"
+  """Attention kernel: one of `ATTENTION_IMPLS`."""
+  rope_scaling: RopeScaling | None = None
+  logprob_chunk_size: int | None = None
+  """Compute log-probs, entropy and the LM loss `logprob_chunk_size` tokens at a time from the
+  hidden states (the fp32 logits of one chunk live at once, recomputed in the backward pass);
+  None: the whole `[b, t, v]` logits at once."""
+  qk_norm: bool = False
+  """RMSNorm over the head dimension of queries and keys before the rotary (Qwen3)."""
   architecture: Architecture = "llama"
   """Hugging Face family used when exporting."""
   bos_token_id: int | None = None
@@ -77,9 +140,26 @@ class ModelConfig:
         raise ValueError(
           f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
         )
-    if self.architecture not in ("llama", "mistral", "qwen2"):
+    if self.architecture not in ("llama", "mistral", "qwen2", "qwen3"):
       raise ValueError(
-        f"ModelConfig.architecture must be llama, mistral or qwen2, got {self.architecture!r}"
+        "ModelConfig.architecture must be llama, mistral, qwen2 or qwen3, got "
+        f"{self.architecture!r}"
+      )
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(
+        f"ModelConfig.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}"
+      )
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(
+        f"ModelConfig.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}"
+      )
+    if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+      raise ValueError(
+        f"ModelConfig.logprob_chunk_size must be >= 1 or None, got {self.logprob_chunk_size}"
+      )
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(
+        f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
       )
 
   @property
@@ -113,7 +193,7 @@ def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
   if config.o_bias:
     attn += d
   mlp = 3 * d * f
-  norms = 2 * d
+  norms = 2 * d + (2 * hd if config.qk_norm else 0)
   per_layer = attn + mlp + norms
   embed = config.vocab_size * d
   if head == "lm":
@@ -129,9 +209,14 @@ def kv_cache_bytes_per_token(config: ModelConfig) -> int:
   return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 
 
+# The real sizes train in mixed precision: fp32 master parameters (and so fp32 Adam moments),
+# bf16 activations and matmuls, and every layer rematerialised in the backward pass.
+_REAL_SIZE_DEFAULTS = dict(param_dtype="float32", dtype="bfloat16", remat="full")
+
 # Named sizes. `tiny` uses distinct dimensions (so a transposed axis cannot pass a test) that
 # still divide 2, 4 and 8 where they get sharded. The real shapes follow the public configs of
-# Llama-2 (7B, 13B, 70B) and Llama-3.2-1B, and an OPT-125m-sized Llama.
+# Llama-2 (7B, 13B, 70B) and Llama-3.2-1B (with its llama3 rope scaling), and an OPT-125m-sized
+# Llama.
 _SIZES: dict[str, ModelConfig] = {
   "tiny": ModelConfig(
     vocab_size=328,
@@ -162,9 +247,16 @@ _SIZES: dict[str, ModelConfig] = {
     head_dim=64,
     rope_theta=500_000.0,
     tie_embeddings=True,
-    param_dtype="bfloat16",
-    dtype="bfloat16",
     rms_norm_eps=1e-5,
+    rope_scaling=RopeScaling(
+      type="llama3",
+      factor=32.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=8192,
+    ),
+    max_position_embeddings=131_072,
+    **_REAL_SIZE_DEFAULTS,
   ),
   "7b": ModelConfig(
     vocab_size=32_000,
@@ -174,9 +266,8 @@ _SIZES: dict[str, ModelConfig] = {
     num_heads=32,
     num_kv_heads=32,
     head_dim=128,
-    param_dtype="bfloat16",
-    dtype="bfloat16",
     rms_norm_eps=1e-5,
+    **_REAL_SIZE_DEFAULTS,
   ),
   "13b": ModelConfig(
     vocab_size=32_000,
@@ -186,9 +277,8 @@ _SIZES: dict[str, ModelConfig] = {
     num_heads=40,
     num_kv_heads=40,
     head_dim=128,
-    param_dtype="bfloat16",
-    dtype="bfloat16",
     rms_norm_eps=1e-5,
+    **_REAL_SIZE_DEFAULTS,
   ),
   "70b": ModelConfig(
     vocab_size=32_000,
@@ -198,9 +288,8 @@ _SIZES: dict[str, ModelConfig] = {
     num_heads=64,
     num_kv_heads=8,
     head_dim=128,
-    param_dtype="bfloat16",
-    dtype="bfloat16",
     rms_norm_eps=1e-5,
+    **_REAL_SIZE_DEFAULTS,
   ),
 }
 

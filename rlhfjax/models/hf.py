@@ -23,10 +23,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rlhfjax.models.config import HeadKind, ModelConfig
+from rlhfjax.models.config import ROPE_TYPES, HeadKind, ModelConfig, RopeScaling
 
-_FAMILIES = ("llama", "mistral", "qwen2")
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 _INDEX = "model.safetensors.index.json"
 
 
@@ -38,21 +38,57 @@ class CheckpointError(ValueError):
 # config.json <-> ModelConfig
 
 
-def _rope_theta(hf: Mapping[str, Any], path: str) -> float:
-  rope = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-  if rope_type not in (None, "default"):
+def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """`rope_parameters` (transformers >= 5) merged over the older `rope_scaling`."""
+  return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+  return float(_rope_parameters(hf).get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def _rope_scaling(hf: Mapping[str, Any], path: str) -> RopeScaling | None:
+  rope = _rope_parameters(hf)
+  rope_type = rope.get("rope_type") or rope.get("type")
+  if rope_type in (None, "default"):
+    return None
+  if rope_type not in ROPE_TYPES:
     raise CheckpointError(
-      f"{path}: rope type {rope_type!r} is not supported (only default rotary embeddings)"
+      f"{path}: rope type {rope_type!r} is not supported (default, {', '.join(ROPE_TYPES)})"
     )
-  return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    raise CheckpointError(f"{path}: partial_rotary_factor != 1 is not supported")
+  extra = {}
+  if rope_type == "llama3":
+    names = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [name for name in names if name not in rope]
+    if missing:
+      raise CheckpointError(f"{path}: llama3 rope scaling lacks {', '.join(missing)}")
+    extra = {name: rope[name] for name in names}
+  try:
+    return RopeScaling(type=rope_type, factor=float(rope["factor"]), **extra)
+  except (KeyError, ValueError) as e:
+    raise CheckpointError(f"{path}: invalid rope scaling {rope!r} ({e})") from None
+
+
+def _rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+  rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+  scaling = config.rope_scaling
+  if scaling is not None:
+    rope.update(rope_type=scaling.type, factor=scaling.factor)
+    if scaling.type == "llama3":
+      rope.update(
+        low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings,
+      )
+  return rope
 
 
 def _sliding_window(hf: Mapping[str, Any], family: str, path: str) -> int | None:
   if family == "mistral":
     return hf.get("sliding_window")
-  if family == "qwen2" and hf.get("use_sliding_window"):
+  if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
     kinds = set(hf.get("layer_types") or [])
     if kinds != {"sliding_attention"}:
       raise CheckpointError(
@@ -94,10 +130,12 @@ def config_from_hf(
     num_heads=heads,
     num_kv_heads=hf.get("num_key_value_heads") or heads,
     head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-    rope_theta=_rope_theta(hf, path),
+    rope_theta=_rope_theta(hf),
+    rope_scaling=_rope_scaling(hf, path),
+    qk_norm=family == "qwen3",
     rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
     qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-    o_bias=family == "llama" and bool(hf.get("attention_bias", False)),
+    o_bias=family in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     sliding_window=_sliding_window(hf, family, path),
     max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -136,7 +174,7 @@ def config_to_hf(config: ModelConfig, head: HeadKind = "lm") -> dict[str, Any]:
     "hidden_act": "silu",
     "max_position_embeddings": config.max_position_embeddings,
     "rms_norm_eps": config.rms_norm_eps,
-    "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+    "rope_parameters": _rope_to_hf(config),
     "rope_theta": config.rope_theta,
     "tie_word_embeddings": config.tie_embeddings,
     "torch_dtype": config.param_dtype,
@@ -153,11 +191,17 @@ def config_to_hf(config: ModelConfig, head: HeadKind = "lm") -> dict[str, Any]:
       raise CheckpointError("a Llama export needs qkv_bias == o_bias (one attention_bias flag)")
     hf["attention_bias"] = config.qkv_bias
     hf["mlp_bias"] = False
-  elif config.qkv_bias and family == "mistral" or config.o_bias:
+  elif family != "qwen3" and (config.qkv_bias and family == "mistral" or config.o_bias):
     raise CheckpointError(f"a {family} export cannot carry these attention biases")
   if family == "mistral":
     hf["sliding_window"] = config.sliding_window
-  if family == "qwen2":
+  if family == "qwen3":
+    if not config.qk_norm or config.qkv_bias != config.o_bias:
+      raise CheckpointError("a Qwen3 export needs qk_norm=True and qkv_bias == o_bias")
+    hf["attention_bias"] = config.qkv_bias
+  elif config.qk_norm:
+    raise CheckpointError(f"a {family} export cannot carry q/k norms (only qwen3)")
+  if family in ("qwen2", "qwen3"):
     hf["use_sliding_window"] = config.sliding_window is not None
     hf["sliding_window"] = config.sliding_window
     kind = "sliding_attention" if config.sliding_window else "full_attention"
@@ -215,6 +259,9 @@ def _layer_tensors(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Any,
         lambda b: b.reshape(k, n),
         lambda b: b.reshape(k * n),
       )
+  if config.qk_norm:
+    for name in ("q_norm", "k_norm"):
+      table[f"self_attn.{name}.weight"] = (("attn", name, "scale"), lambda w: w, lambda w: w)
   if config.o_bias:
     table["self_attn.o_proj.bias"] = (("attn", "o_proj", "bias"), lambda b: b, lambda b: b)
   return table

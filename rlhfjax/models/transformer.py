@@ -17,13 +17,15 @@ batching slots and sliding windows are all just masks.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from rlhfjax.models.config import HeadKind, ModelConfig
+from rlhfjax.models.config import HeadKind, ModelConfig, RopeScaling
 
 Params = Any
 Cache = dict[str, jax.Array]  # {'k': [l, b, s, k, n], 'v': [l, b, s, k, n]}
@@ -83,11 +85,45 @@ class RMSNorm(nn.Module):
     return (scale_d.astype(jnp.float32) * x32).astype(self.dtype)
 
 
-def rotary(x_btxn: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+def rope_inverse_frequencies(
+  head_dim: int,
+  theta: float,
+  scaling: RopeScaling | None = None,
+  *,
+  max_positions=None,
+  positions_bt: jax.Array | None = None,
+) -> jax.Array:
+  """Float32 inverse frequencies `[n / 2]` of the rotary embedding, with `scaling` applied.
+
+  'dynamic' scaling depends on the batch's largest position (`positions_bt`) and on the
+  model's `max_positions`; the other kinds depend on neither.
+  """
+  n = head_dim
+  exponents = jnp.arange(0, n, 2, dtype=jnp.float32) / n
+  if scaling is None:
+    return 1.0 / (theta**exponents)
+  if scaling.type == "linear":
+    return 1.0 / (theta**exponents) / scaling.factor
+  if scaling.type == "dynamic":
+    length = jnp.maximum(jnp.max(positions_bt) + 1, max_positions).astype(jnp.float32)
+    ratio = scaling.factor * length / max_positions - (scaling.factor - 1)
+    return 1.0 / ((theta * ratio ** (n / (n - 2))) ** exponents)
+  # 'llama3': wavelengths longer than the original context / low_freq_factor are divided by
+  # `factor`, those shorter than it / high_freq_factor kept, and the band between blended.
+  inv_freq = 1.0 / (theta**exponents)
+  old = scaling.original_max_position_embeddings
+  low, high = scaling.low_freq_factor, scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old / low, inv_freq / scaling.factor, inv_freq)
+  smooth = (old / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= old / high) & (wavelen <= old / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def rotary(x_btxn: jax.Array, positions_bt: jax.Array, inv_freq_m: jax.Array) -> jax.Array:
   """Rotary embedding in the 'rotate half' convention of Llama: pairs (i, i + n/2)."""
-  n = x_btxn.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, n, 2, dtype=jnp.float32) / n))
-  angles_bt1m = (positions_bt.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+  angles_bt1m = (positions_bt.astype(jnp.float32)[..., None] * inv_freq_m)[:, :, None, :]
   cos, sin = jnp.cos(angles_bt1m), jnp.sin(angles_bt1m)
   x1, x2 = jnp.split(x_btxn.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -98,6 +134,87 @@ def _write_cache(cache_bskn: jax.Array, new_btkn: jax.Array, index_b: jax.Array)
   """Writes each row's `t` new entries at its own offset `index_b[row]`."""
   write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i, axis=0)
   return jax.vmap(write)(cache_bskn, new_btkn, index_b)
+
+
+def einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype) -> jax.Array:
+  """Softmax attention as two einsums over an fp32 `[b, k, g, t, s]` score tensor."""
+  b, t, h, n = q_bthn.shape
+  k = keys_bskn.shape[2]
+  q_btkgn = q_bthn.reshape(b, t, k, h // k, n)  # query head j uses kv head j // g
+  scores_bkgts = jnp.einsum("btkgn,bskn->bkgts", q_btkgn, keys_bskn.astype(q_btkgn.dtype))
+  scores_bkgts = scores_bkgts.astype(jnp.float32) * (n**-0.5)
+  scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASKED)
+  probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
+  out_btkgn = jnp.einsum("bkgts,bskn->btkgn", probs_bkgts, values_bskn.astype(dtype))
+  return out_btkgn.reshape(b, t, h, n)
+
+
+QUERY_CHUNK = 1024
+"""Queries per block of the 'xla_chunked' kernel."""
+
+
+def query_chunked_attention(q_bthn, keys_bskn, values_bskn, mask_bts) -> jax.Array:
+  """XLA's attention `QUERY_CHUNK` queries at a time, each block rematerialised.
+
+  Memory-efficient attention (Rabe & Staats): every block's softmax runs over all keys, so the
+  result is XLA's exactly, but only `[b, h, c, s]` scores are live at once, forward and
+  backward, instead of `[b, h, t, s]`: linear in the sequence length instead of quadratic.
+  """
+  b, t, h, n = q_bthn.shape
+  c = QUERY_CHUNK
+  m = -(-t // c)
+  pad = m * c - t
+  q_mbchn = jnp.pad(q_bthn, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, m, c, h, n)
+  mask_mbcs = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0))).reshape(b, m, c, -1)
+
+  @jax.checkpoint
+  def block(q_bchn, mask_bcs):
+    return jax.nn.dot_product_attention(
+      q_bchn, keys_bskn, values_bskn, mask=mask_bcs[:, None], implementation="xla"
+    )
+
+  out_mbchn = jax.lax.map(lambda x: block(*x), (q_mbchn.swapaxes(0, 1), mask_mbcs.swapaxes(0, 1)))
+  return out_mbchn.swapaxes(0, 1).reshape(b, m * c, h, n)[:, :t]
+
+
+def attention_implementation(config: ModelConfig, q_bthn: jax.Array) -> str:
+  """The kernel `config.attention` resolves to for these queries on the default backend.
+
+  'auto' takes cuDNN's flash attention on a GPU for half-precision prefill / training shapes
+  (head dim a multiple of 8 up to 128, more than one query); elsewhere XLA's, in query blocks
+  ('xla_chunked') once there are more than `QUERY_CHUNK` queries.
+  """
+  if config.attention != "auto":
+    return config.attention
+  t, n = q_bthn.shape[1], q_bthn.shape[-1]
+  cudnn_ok = (
+    jax.default_backend() == "gpu"
+    and q_bthn.dtype in (jnp.bfloat16, jnp.float16)
+    and n % 8 == 0
+    and n <= 128
+    and t > 1
+  )
+  if cudnn_ok:
+    return "cudnn"
+  return "xla_chunked" if t > QUERY_CHUNK else "xla"
+
+
+def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask_bts) -> jax.Array:
+  """Grouped-query attention of `q` over keys/values under boolean `mask_bts`, `[b, t, h, n]`.
+
+  A query row whose mask is all False attends uniformly (finite large negative scores in every
+  implementation), so left-padding rows stay finite.
+  """
+  impl = attention_implementation(config, q_bthn)
+  dtype = config.jnp_dtype
+  if impl == "einsum":
+    return einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype)
+  q_bthn, keys_bskn, values_bskn = (x.astype(dtype) for x in (q_bthn, keys_bskn, values_bskn))
+  if impl == "xla_chunked":
+    return query_chunked_attention(q_bthn, keys_bskn, values_bskn, mask_bts)
+  return jax.nn.dot_product_attention(
+    q_bthn, keys_bskn, values_bskn, mask=mask_bts[:, None], implementation=impl
+  )
 
 
 class Attention(nn.Module):
@@ -133,8 +250,19 @@ class Attention(nn.Module):
       name="v_proj",
       **kw,
     )(x_btd)
-    q_bthn = rotary(q_bthn, positions_bt, cfg.rope_theta)
-    k_btkn = rotary(k_btkn, positions_bt, cfg.rope_theta)
+    if cfg.qk_norm:
+      norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
+      q_bthn = norm(name="q_norm")(q_bthn)
+      k_btkn = norm(name="k_norm")(k_btkn)
+    inv_freq_m = rope_inverse_frequencies(
+      n,
+      cfg.rope_theta,
+      cfg.rope_scaling,
+      max_positions=cfg.max_position_embeddings,
+      positions_bt=positions_bt,
+    )
+    q_bthn = rotary(q_bthn, positions_bt, inv_freq_m)
+    k_btkn = rotary(k_btkn, positions_bt, inv_freq_m)
 
     if cache is None:
       keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
@@ -143,14 +271,8 @@ class Attention(nn.Module):
       values_bskn = _write_cache(cache["v"], v_btkn, cache_index_b)
       new_cache = {"k": keys_bskn, "v": values_bskn}
 
-    b, t = x_btd.shape[:2]
-    q_btkgn = q_bthn.reshape(b, t, k, h // k, n)  # query head j uses kv head j // g
-    scores_bkgts = jnp.einsum("btkgn,bskn->bkgts", q_btkgn, keys_bskn.astype(q_btkgn.dtype))
-    scores_bkgts = scores_bkgts.astype(jnp.float32) * (n**-0.5)
-    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASKED)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cfg.jnp_dtype)
-    out_btkgn = jnp.einsum("bkgts,bskn->btkgn", probs_bkgts, values_bskn.astype(cfg.jnp_dtype))
-    out_bthn = out_btkgn.reshape(b, t, h, n)
+    out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask_bts)
+    out_bthn = checkpoint_name(out_bthn, "attention_out")
     out_btd = Linear(
       "bthn,hnd->btd",
       (h, n, d),
@@ -177,6 +299,17 @@ class MLP(nn.Module):
     )
 
 
+ACTIVATION_AXES = ("batch", "length", "activation_embed")
+"""Logical axes of the residual stream `[b, t, d]`: sharded over the batch only."""
+
+
+def constrain_activations(x_btd: jax.Array) -> jax.Array:
+  """Pins the residual stream's layout to `ACTIVATION_AXES` under the caller's
+  `nn.logical_axis_rules` and mesh context (a no-op without one). Without it XLA's sharding
+  propagation may follow the FSDP-sharded weights and replicate the batch."""
+  return nn.with_logical_constraint(x_btd, ACTIVATION_AXES)
+
+
 class Block(nn.Module):
   """Pre-norm attention and SwiGLU MLP with residuals; one layer of the scanned stack."""
 
@@ -191,7 +324,25 @@ class Block(nn.Module):
     )
     x_btd = x_btd + attn_btd
     x_btd = x_btd + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x_btd))
-    return x_btd, new_cache
+    return constrain_activations(x_btd), new_cache
+
+
+def remat_policy(name: str):
+  """The `jax.checkpoint` policy called `name` (see `config.REMAT_POLICIES`)."""
+  policies = jax.checkpoint_policies
+  return {
+    "full": policies.nothing_saveable,
+    "dots_saveable": policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable,
+    "save_attention_out": policies.save_only_these_names("attention_out"),
+  }[name]
+
+
+def remat_block(name: str):
+  """`Block`, rematerialised under policy `name` ('none': as is), for the layer scan."""
+  if name == "none":
+    return Block
+  return nn.remat(Block, policy=remat_policy(name), prevent_cse=False)
 
 
 class Transformer(nn.Module):
@@ -203,6 +354,9 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   head: HeadKind = "lm"
+  hidden_only: bool = False
+  """Return the final-normed hidden states `[b, t, d]` (compute dtype) instead of the head's
+  output; the head's parameters are then not touched (see `forward_hidden`)."""
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, cache_index_b=None):
@@ -215,10 +369,10 @@ class Transformer(nn.Module):
       nn.initializers.normal(_INIT_STD),
       cfg.jnp_param_dtype,
     )
-    x_btd = jnp.take(embedding_vd, tokens_bt, axis=0).astype(cfg.jnp_dtype)
+    x_btd = constrain_activations(jnp.take(embedding_vd, tokens_bt, axis=0).astype(cfg.jnp_dtype))
 
     stack = nn.scan(
-      Block,
+      remat_block(cfg.remat),
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
@@ -229,6 +383,8 @@ class Transformer(nn.Module):
       x_btd, positions_bt, mask_bts, cache, cache_index_b
     )
     x_btd = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="final_norm")(x_btd)
+    if self.hidden_only:
+      return x_btd, new_cache
 
     if self.head == "value":
       w_d = _param(
@@ -340,6 +496,27 @@ def apply(
   return Transformer(config, head).apply(
     {"params": params}, tokens_bt, positions_bt, mask_bts, cache, cache_index_b
   )
+
+
+def forward_hidden(
+  config: ModelConfig, params: Params, tokens_bt, attention_mask_bt=None, head: HeadKind = "lm"
+) -> jax.Array:
+  """Final-normed hidden states `[b, t, d]` in the compute dtype: the input of the head."""
+  if attention_mask_bt is None:
+    attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+  positions_bt = positions_from_mask(attention_mask_bt)
+  mask_bts = causal_mask(attention_mask_bt, config.sliding_window)
+  x_btd, _ = Transformer(config, head, hidden_only=True).apply(
+    {"params": params}, tokens_bt, positions_bt, mask_bts
+  )
+  return x_btd
+
+
+def lm_head_vd(config: ModelConfig, params: Params) -> jax.Array:
+  """The LM head as a `[v, d]` matrix (the embedding itself when tied)."""
+  if config.tie_embeddings:
+    return params["embedding"]
+  return params["lm_head"]["kernel"].T
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:

@@ -9,6 +9,7 @@ from rlhfjax.placement.strategies import (
   disaggregated,
   from_explicit,
   interleaved,
+  memory_options,
   plan_placement,
   register_strategy,
   strategy_names,
@@ -35,5 +36,6 @@ __all__ = [
   "plan_placement",
   "register_strategy",
   "strategy_names",
+  "memory_options",
   "train_rows",
 ]

@@ -17,6 +17,7 @@ the weight sync's temporary buffer from the shapes alone. This module feeds it a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -87,10 +88,11 @@ def estimate_memory(
     rollout: the rollout batch shape (sequence length; slots of the rollout).
     train_rows: sequences per micro-step of a trained role (default: the whole batch).
     receives_sync: the rollout gets the actor's weights from other devices.
-    options: remat, logits chunk, offload flags and backend numerics.
+    options: offload flags and backend numerics; remat, the logits chunk and fused attention
+      are always the role's model's own.
   """
   role = Role(role)
-  options = options or Options()
+  options = model_options(model, options)
   sharding = sharding_of(spec)
   seq_len = rollout.max_seq_len
   if role == Role.ROLLOUT:
@@ -102,6 +104,17 @@ def estimate_memory(
   micro_batch = math.ceil(rows / sharding.batch_shards)
   fn = train_memory if role in TRAINED_ROLES else forward_memory
   return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
+
+
+def model_options(model: ModelConfig, options: Options | None = None) -> Options:
+  """`options` with the memory settings `model` itself carries (remat, log-prob chunks,
+  flash attention)."""
+  return dataclasses.replace(
+    options or Options(),
+    remat=model.remat,
+    logits_chunk=model.logprob_chunk_size or 0,
+    fused_attention=model.attention == "cudnn",
+  )
 
 
 def estimate_placement_memory(

@@ -122,7 +122,7 @@ def fit_efficiency(
   measured: Mapping[str, float],
   *,
   counts: Mapping[str, int],
-  replicated_activations: bool = True,
+  replicated_activations: bool = False,
 ) -> Efficiency:
   """Factors that make the ideal stage times of one run match its measured ones.
 

@@ -39,7 +39,7 @@ class Efficiency:
   """Fixed cost of dispatching one stage (a jitted call and its wait)."""
   optimizer_bw: float = 0.5
   """Fraction of memory bandwidth the optimizer update reaches (reads and writes its state)."""
-  replicated_activations: bool = True
+  replicated_activations: bool = False
   """The engine's train step keeps SwiGLU intermediates and logits whole on every FSDP device
   (the current rlhfjax step, see `memory`); False where activations split over the batch."""
   fused_attention: bool = False

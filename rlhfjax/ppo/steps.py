@@ -57,10 +57,9 @@ def response_logprobs(
   temperature: float = 1.0,
 ) -> jax.Array:
   """`log pi(token_j | prefix)` for every response token `j`, `[b, t]`."""
-  logits_btv = response_logits(
+  return models.token_stats(
     config, params, tokens_bs, attention_mask_bs, prompt_len, temperature
-  )
-  return alg.token_logprobs(logits_btv, tokens_bs[:, prompt_len:])
+  ).logp_bt
 
 
 def response_values(
@@ -98,10 +97,11 @@ def actor_loss(
   temperature: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens."""
-  logits_btv = response_logits(
+  # Chunked over the sequence when `config.logprob_chunk_size` is set (no [b, t, v] logits).
+  token = models.token_stats(
     config, params, batch["tokens"], batch["attention_mask"], prompt_len, temperature
   )
-  logp_bt = alg.token_logprobs(logits_btv, batch["tokens"][:, prompt_len:])
+  logp_bt = token.logp_bt
   mask_bt = batch["response_mask"]
   policy_loss, stats = alg.clipped_policy_loss(
     logp_bt,
@@ -111,7 +111,7 @@ def actor_loss(
     clip_eps=clip_eps,
     behaviour_logp_bt=batch.get("behaviour_logprobs"),
   )
-  entropy = alg.entropy_bonus(logits_btv, mask_bt)
+  entropy = alg.masked_mean(token.entropy_bt, mask_bt)
   metrics = {
     "loss/policy": policy_loss,
     "policy/entropy": entropy,

@@ -33,10 +33,17 @@ def sft_loss(
   params: Any, batch: dict[str, jax.Array], *, config: ModelConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Mean NLL of the response tokens (`loss_mask`) of one micro-batch, and token accuracy."""
-  logits_bsv = models.forward_logits(config, params, batch["tokens"], batch["attention_mask"])
-  loss = alg.masked_token_nll(logits_bsv, batch["tokens"], batch["loss_mask"])
-  accuracy = alg.token_accuracy(logits_bsv, batch["tokens"], batch["loss_mask"])
+  loss, accuracy = _nll_and_accuracy(params, batch, config)
   return loss, {"loss": loss, "token_accuracy": accuracy}
+
+
+def _nll_and_accuracy(params, batch, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """Token-level mean NLL and accuracy of the `loss_mask` tokens (chunked over the sequence
+  when `config.logprob_chunk_size` is set)."""
+  stats = models.token_stats(config, params, batch["tokens"], batch["attention_mask"], 1)
+  mask_bt = batch["loss_mask"][:, 1:].astype(jnp.float32)
+  correct_bt = (stats.argmax_bt == batch["tokens"][:, 1:]).astype(jnp.float32)
+  return alg.masked_mean(-stats.logp_bt, mask_bt), alg.masked_mean(correct_bt, mask_bt)
 
 
 def sft_eval_sums(
@@ -44,10 +51,8 @@ def sft_eval_sums(
 ) -> dict[str, jax.Array]:
   """Summed NLL and correct predictions over the response tokens of one eval batch, and their
   count: the split's token-level means are the sums over batches divided by the count."""
-  logits_bsv = models.forward_logits(config, params, batch["tokens"], batch["attention_mask"])
   count = jnp.sum(batch["loss_mask"][:, 1:].astype(jnp.float32))
-  loss = alg.masked_token_nll(logits_bsv, batch["tokens"], batch["loss_mask"])
-  accuracy = alg.token_accuracy(logits_bsv, batch["tokens"], batch["loss_mask"])
+  loss, accuracy = _nll_and_accuracy(params, batch, config)
   return {"loss": loss * count, "token_accuracy": accuracy * count, "count": count}
 
 

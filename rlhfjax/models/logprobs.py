@@ -1,0 +1,112 @@
+"""Token log-probs, entropies and argmaxes of the LM head, whole or in sequence chunks.
+
+Letters: b batch, s sequence length, t predicted tokens, c tokens per chunk, m chunks,
+d hidden, v vocab.
+
+With 128k-token vocabularies the float32 logits of one 4k-token sequence take 2 GB, and the
+backward pass of a softmax keeps them. The chunked path never builds them: a `lax.scan` over
+chunks of `c` tokens computes one chunk's logits from the hidden states, reduces them to the
+three per-token statistics, and is rematerialised (`jax.checkpoint`), so the backward pass
+recomputes a chunk's logits instead of storing them. Only `[b, c, v]` logits are live at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rlhfjax.models import transformer
+from rlhfjax.models.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenStats:
+  """Per-token statistics of the model's distribution at each predicted position."""
+
+  logp_bt: jax.Array
+  """`log softmax(logits / T)[target]`, float32."""
+  entropy_bt: jax.Array
+  """Entropy of `softmax(logits / T)`, float32."""
+  argmax_bt: jax.Array
+  """Most likely token, int32."""
+
+
+def stats_from_logits(logits_btv: jax.Array, targets_bt: jax.Array) -> TokenStats:
+  """The statistics of already computed logits (float32 math)."""
+  logits_btv = logits_btv.astype(jnp.float32)
+  lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+  logp_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0] - lse_bt
+  probs_btv = jnp.exp(logits_btv - lse_bt[..., None])
+  entropy_bt = lse_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
+  argmax_bt = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)
+  return TokenStats(logp_bt=logp_bt, entropy_bt=entropy_bt, argmax_bt=argmax_bt)
+
+
+def chunked_stats(
+  hidden_btd: jax.Array,
+  head_vd: jax.Array,
+  targets_bt: jax.Array,
+  *,
+  chunk_size: int,
+  temperature: float = 1.0,
+  dtype=jnp.float32,
+) -> TokenStats:
+  """`stats_from_logits(hidden @ head.T / temperature, targets)`, `chunk_size` tokens at a time.
+
+  The matmul runs in `dtype` with float32 accumulation, like the model's own head.
+  """
+  b, t, d = hidden_btd.shape
+  c = min(chunk_size, t)
+  m = -(-t // c)
+  pad = m * c - t
+  hidden_mbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, m, c, d)
+  hidden_mbcd = hidden_mbcd.swapaxes(0, 1)
+  targets_mbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, m, c).swapaxes(0, 1)
+  head_vd = head_vd.astype(dtype)
+
+  @jax.checkpoint
+  def one_chunk(hidden_bcd, targets_bc):
+    logits_bcv = jnp.einsum(
+      "bcd,vd->bcv", hidden_bcd.astype(dtype), head_vd, preferred_element_type=jnp.float32
+    )
+    if temperature != 1.0:
+      logits_bcv = logits_bcv / temperature
+    return stats_from_logits(logits_bcv, targets_bc)
+
+  _, stats_m = jax.lax.scan(lambda _, x: (None, one_chunk(*x)), None, (hidden_mbcd, targets_mbc))
+  return jax.tree.map(lambda x_mbc: x_mbc.swapaxes(0, 1).reshape(b, m * c)[:, :t], stats_m)
+
+
+def token_stats(
+  config: ModelConfig,
+  params,
+  tokens_bs: jax.Array,
+  attention_mask_bs: jax.Array,
+  first: int,
+  temperature: float = 1.0,
+) -> TokenStats:
+  """Statistics of predicting tokens `first .. s-1` (from columns `first-1 .. s-2`), `[b, s-first]`.
+
+  Chunked when `config.logprob_chunk_size` is set, from the whole logits otherwise. A
+  temperature of 0 (greedy) is scored as 1.
+  """
+  temperature = 1.0 if temperature in (0.0, 1.0) else temperature
+  targets_bt = tokens_bs[:, first:]
+  if config.logprob_chunk_size is None:
+    logits_bsv = transformer.forward_logits(config, params, tokens_bs, attention_mask_bs)
+    logits_btv = logits_bsv[:, first - 1 : -1]
+    if temperature != 1.0:
+      logits_btv = logits_btv / temperature
+    return stats_from_logits(logits_btv, targets_bt)
+  hidden_bsd = transformer.forward_hidden(config, params, tokens_bs, attention_mask_bs)
+  return chunked_stats(
+    hidden_bsd[:, first - 1 : -1],
+    transformer.lm_head_vd(config, params),
+    targets_bt,
+    chunk_size=config.logprob_chunk_size,
+    temperature=temperature,
+    dtype=config.jnp_dtype,
+  )

@@ -1,0 +1,197 @@
+"""Single-device efficiency of the hot paths: train-step MFU, decode bandwidth, kernel checks.
+
+* `train_step`: the PPO actor step (`ppo.steps.accumulate_and_apply` of `actor_loss`: AdamW,
+  fp32 master weights, bf16 compute, the size's remat, chunked log-probs) on one device.
+  Model FLOPs per step = 6 x (non-embedding parameters + LM head) x tokens + causal attention
+  (3 x 2 x b x layers x heads x head_dim x t^2: forward QK^T and PV over half the square, twice
+  that backward); recomputation by remat is not counted (MFU, not hardware FLOPs utilisation).
+* `decode_step`: `rollout.decode.generate_steps` over a full batch of slots with bf16 weights;
+  the bytes one step must read are all weights plus the KV cache it attends over (every slot
+  of each row's cache, since attention runs over the cache's whole length).
+* `attention_check`: logits and gradients of each attention kernel against the einsum path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhfjax import models
+from rlhfjax.models import ModelConfig
+from rlhfjax.ppo import steps
+from rlhfjax.rollout import decode
+from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+from rlhfjax.training.state import init_train_state
+
+H100_BF16_FLOPS = 989e12
+"""Dense bf16 tensor-core peak of an H100 SXM."""
+H100_HBM_BYTES_PER_S = 3.35e12
+
+
+def _timed(fn, *args, repeats: int) -> float:
+  """Median seconds of `fn(*args)` after one warm-up call (which also compiles)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def train_flops(config: ModelConfig, batch: int, seq_len: int) -> float:
+  """Model FLOPs of one training step (forward + backward) over `batch` x `seq_len` tokens."""
+  n_embed = config.vocab_size * config.hidden_size
+  n_dense = models.param_count(config) - n_embed - (0 if config.tie_embeddings else n_embed)
+  head = config.vocab_size * config.hidden_size
+  tokens = batch * seq_len
+  attention = 6 * batch * config.num_layers * config.num_heads * config.head_dim * seq_len**2
+  return 6 * (n_dense + head) * tokens + attention
+
+
+def train_step(
+  config: ModelConfig, batch: int, seq_len: int, prompt_len: int, repeats: int = 5
+) -> dict[str, Any]:
+  """Time the actor step on the default device; MFU against the H100's bf16 peak."""
+  tx = make_optimizer(OptimizerConfig(), 1000)
+  params = models.init_params(config, "lm", jax.random.key(0))
+  state = jax.jit(init_train_state, static_argnums=1)(params, tx)
+  rng = np.random.default_rng(0)
+  t = seq_len - prompt_len
+  data = {
+    "tokens": rng.integers(0, config.vocab_size, (1, batch, seq_len)).astype(np.int32),
+    "attention_mask": np.ones((1, batch, seq_len), np.int32),
+    "response_mask": np.ones((1, batch, t), np.float32),
+    "old_logprobs": np.full((1, batch, t), -3.0, np.float32),
+    "advantages": rng.normal(size=(1, batch, t)).astype(np.float32),
+  }
+  data = jax.device_put(data)
+  loss = functools.partial(
+    steps.actor_loss, config=config, prompt_len=prompt_len, clip_eps=0.2, entropy_coef=0.01
+  )
+  step = jax.jit(functools.partial(steps.accumulate_and_apply, loss, tx), donate_argnums=0)
+  holder = [state]
+
+  def run(batch_):
+    holder[0], metrics = step(holder[0], batch_)
+    return metrics["grad_norm"]
+
+  seconds = _timed(run, data, repeats=repeats)
+  flops = train_flops(config, batch, seq_len)
+  return {
+    "bench": "train_step",
+    "attention": models.transformer.attention_implementation(
+      config, jnp.zeros((1, seq_len, config.num_heads, config.head_dim), config.jnp_dtype)
+    ),
+    "remat": config.remat,
+    "logprob_chunk_size": config.logprob_chunk_size,
+    "batch": batch,
+    "seq_len": seq_len,
+    "step_s": round(seconds, 4),
+    "tokens_per_s": round(batch * seq_len / seconds, 1),
+    "model_tflops_per_step": round(flops / 1e12, 2),
+    "mfu": round(flops / seconds / H100_BF16_FLOPS, 4),
+  }
+
+
+def decode_step(
+  config: ModelConfig, batch: int, cache_len: int, steps_per_call: int = 64, repeats: int = 5
+) -> dict[str, Any]:
+  """Time decode steps of a full batch; the fraction of HBM bandwidth the bytes read reach."""
+  params = models.init_params(config, "lm", jax.random.key(0))
+  state = decode_state(config, batch, cache_len, steps_per_call)
+  run = jax.jit(
+    lambda p, s: decode.generate_steps(
+      config, p, s, jnp.int32(steps_per_call), jnp.int32(batch + 1)
+    )
+  )
+  seconds = _timed(lambda p, s: run(p, s)[1], params, state, repeats=repeats) / steps_per_call
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(state.cache))
+  read = weight_bytes + cache_bytes
+  return {
+    "bench": "decode_step",
+    "batch": batch,
+    "cache_len": cache_len,
+    "step_ms": round(seconds * 1e3, 3),
+    "tokens_per_s": round(batch / seconds, 1),
+    "gb_read_per_step": round(read / 1e9, 3),
+    "bandwidth_fraction": round(read / seconds / H100_HBM_BYTES_PER_S, 4),
+  }
+
+
+def decode_state(config: ModelConfig, batch: int, cache_len: int, new_tokens: int):
+  """Every slot busy with a prompt filling the cache up to `cache_len - new_tokens`."""
+  state = decode.empty_state(config, batch, cache_len, new_tokens + 1, 1)
+  start = cache_len - new_tokens - 1
+  full = lambda v, dtype=jnp.int32: jnp.full((batch,), v, dtype)
+  return dataclasses.replace(
+    state,
+    done_b=full(False, bool),
+    index_b=full(start),
+    positions_b=full(start),
+    max_new_b=full(new_tokens + 1),
+    temperature_b=full(1.0, jnp.float32),
+  )
+
+
+def attention_check(dtype: str = "bfloat16") -> list[dict[str, Any]]:
+  """Each available kernel against the einsum path on a padded, windowed batch: the largest
+  logits and gradient differences relative to the largest magnitude."""
+  base = models.get_model_config(
+    "tiny",
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    hidden_size=256,
+    dtype=dtype,
+    attention="einsum",
+  )
+  params = models.init_params(base, "lm", jax.random.key(0))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (4, 128)), jnp.int32)
+  mask = np.ones((4, 128), np.int32)
+  mask[1, :37] = 0
+  mask[3, :90] = 0
+  mask = jnp.asarray(mask)
+  real = np.asarray(mask).astype(bool)
+
+  def loss(config, p):
+    return jnp.sum(models.forward_logits(config, p, tokens, mask) * mask[..., None])
+
+  rows = []
+  for window in (None, 24):
+    ref_cfg = base.replace(sliding_window=window)
+    ref = np.asarray(models.forward_logits(ref_cfg, params, tokens, mask))
+    ref_grad = jax.grad(loss, argnums=1)(ref_cfg, params)
+    for impl in ("xla", "cudnn"):
+      cfg = ref_cfg.replace(attention=impl)
+      try:
+        out = np.asarray(models.forward_logits(cfg, params, tokens, mask))
+        grad = jax.grad(loss, argnums=1)(cfg, params)
+      except Exception as e:  # noqa: BLE001 - reported, e.g. cuDNN missing on this backend
+        rows.append({"bench": "attention_check", "impl": impl, "error": str(e)[:200]})
+        continue
+      g_err = max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        / float(jnp.max(jnp.abs(a.astype(jnp.float32))))
+        for a, b in zip(jax.tree.leaves(ref_grad), jax.tree.leaves(grad), strict=True)
+      )
+      rows.append(
+        {
+          "bench": "attention_check",
+          "impl": impl,
+          "dtype": dtype,
+          "sliding_window": window,
+          "finite": bool(np.all(np.isfinite(out))),
+          "logits_rel_err": float(np.max(np.abs(out[real] - ref[real])) / np.max(np.abs(ref))),
+          "grad_rel_err": g_err,
+        }
+      )
+  return rows

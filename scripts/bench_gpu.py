@@ -1,0 +1,46 @@
+r"""Single-GPU efficiency of a 1B PPO actor: train-step MFU and decode bandwidth, JSON lines.
+
+  python scripts/bench_gpu.py [--batch=8 --seq_len=2048 --decode_batch=64 --cache_len=2048]
+
+The train step keeps fp32 master weights and trains in bf16 with the size's remat, chunked
+log-probs and cuDNN flash attention ('auto' picks it on a GPU); decode runs bf16 weights.
+First prints the attention kernels' agreement with the einsum path (`--check`).
+See `rlhfjax.observe.step_bench` for what is counted.
+"""
+
+import json
+
+from absl import app, flags
+
+from rlhfjax import models
+from rlhfjax.observe import step_bench
+
+_SIZE = flags.DEFINE_string("size", "1b", "Model size.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per train step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence (a quarter prompt).")
+_REMAT = flags.DEFINE_list("remat", ["full"], "Remat policies to time.")
+_CHUNK = flags.DEFINE_integer("chunk", 1024, "Log-prob chunk (0: whole logits).")
+_DECODE_BATCH = flags.DEFINE_list("decode_batch", ["64"], "Decode slots.")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 2048, "KV cache length of a decode slot.")
+_CHECK = flags.DEFINE_bool("check", True, "Compare attention kernels with the einsum path.")
+
+
+def main(argv):
+  del argv
+  if _CHECK.value:
+    for row in step_bench.attention_check():
+      print(json.dumps(row), flush=True)
+  for remat in _REMAT.value:
+    config = models.get_model_config(
+      _SIZE.value, remat=remat, logprob_chunk_size=_CHUNK.value or None
+    )
+    row = step_bench.train_step(config, _BATCH.value, _SEQ_LEN.value, _SEQ_LEN.value // 4)
+    print(json.dumps({"size": _SIZE.value, **row}), flush=True)
+  rollout = models.get_model_config(_SIZE.value, param_dtype="bfloat16")
+  for batch in map(int, _DECODE_BATCH.value):
+    row = step_bench.decode_step(rollout, batch, _CACHE_LEN.value)
+    print(json.dumps({"size": _SIZE.value, **row}), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,51 @@
+r"""Peak memory per device of the PPO actor train step, from XLA's analysis: one JSON line each.
+
+  python scripts/bench_memory.py
+  python scripts/bench_memory.py --sizes=7b --seq_lens=4096 --remats=full --chunked=true
+
+For each size x sequence length x remat policy x chunked/whole log-probs the step is compiled
+ahead of time on abstract inputs for 8 (virtual) devices, nothing allocated; each compile gives
+two lines, without and with offload of the co-located roles (`rlhfjax.observe.memory_bench`).
+A final line per size checks the targets: 4k tokens fit `--budget_gb` with remat, and the
+8k peak is at most twice the 4k peak.
+"""
+
+import json
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+from absl import app, flags  # noqa: E402
+
+from rlhfjax.observe import memory_bench  # noqa: E402
+
+_SIZES = flags.DEFINE_list("sizes", ["1b", "7b"], "Model sizes.")
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096", "8192"], "Tokens per sequence.")
+_REMATS = flags.DEFINE_list(
+  "remats", ["none", "full", "dots_with_no_batch_dims_saveable"], "Remat policies."
+)
+_CHUNKED = flags.DEFINE_list("chunked", ["false", "true"], "Chunked log-probs (true/false).")
+_CHUNK_SIZE = flags.DEFINE_integer("chunk_size", 1024, "Tokens per log-prob chunk.")
+_BUDGET_GB = flags.DEFINE_float("budget_gb", 80.0, "Device memory the targets check against.")
+
+
+def main(argv):
+  del argv
+  points = []
+  for size in _SIZES.value:
+    for seq_len in map(int, _SEQ_LENS.value):
+      for remat in _REMATS.value:
+        for chunked in (c.lower() == "true" for c in _CHUNKED.value):
+          for point in memory_bench.measure(
+            size, seq_len, remat, chunked, chunk_size=_CHUNK_SIZE.value
+          ):
+            points.append(point)
+            print(json.dumps(point.as_row()), flush=True)
+  for size in _SIZES.value:
+    print(json.dumps(memory_bench.targets(points, size, _BUDGET_GB.value)), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

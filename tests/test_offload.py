@@ -1,0 +1,165 @@
+"""Idle roles' parameters and optimizer state parked in host memory between their stages."""
+
+import functools
+import pathlib
+import runpy
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from rlhfjax import models
+from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.mesh import offload
+from rlhfjax.placement.spec import Layout, Role, RoleSpec
+from rlhfjax.ppo import steps
+from rlhfjax.ppo.runtime import RoleRuntime
+from rlhfjax.ppo.trainer import PPOTrainer
+
+CONFIG = models.get_model_config("tiny", attention="xla")
+SPEC = RoleSpec(
+  devices=tuple(range(8)), axes=(("data", 1), ("fsdp", 4), ("tensor", 2)), layout=Layout.TRAINING
+)
+
+
+def test_cpu_backend_has_host_memory_spaces_and_moves_keep_the_partitioning():
+  assert offload.host_memory_supported(jax.devices())
+  rt = RoleRuntime.create(Role.REFERENCE, SPEC, CONFIG, "lm")
+  params = rt.init_params(jax.random.key(0))
+  expected = jax.tree.map(np.asarray, params)
+  host = offload.to_host(params)
+  assert offload.memory_kinds(host) == {"pinned_host"}
+  for leaf, sharding in zip(
+    jax.tree.leaves(host), jax.tree.leaves(rt.param_shardings), strict=True
+  ):
+    assert leaf.sharding.spec == sharding.spec
+    assert {s.device for s in leaf.addressable_shards} == set(sharding.device_set)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # donated: freed
+  back = offload.to_device(host)
+  assert offload.memory_kinds(back) == {"device"}
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def _batch(m=2, b=4, p=5, t=6, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, CONFIG.vocab_size, size=(m, b, p + t)).astype(np.int32)
+  return {
+    "tokens": tokens,
+    "attention_mask": np.ones_like(tokens),
+    "response_mask": np.ones((m, b, t), np.float32),
+    "old_logprobs": rng.normal(size=(m, b, t)).astype(np.float32) - 5,
+    "advantages": rng.normal(size=(m, b, t)).astype(np.float32),
+  }
+
+
+def _run(policy_reference: offload.OffloadPolicy, policy_actor: offload.OffloadPolicy):
+  """Three iterations of score (reference) then update (actor) on one shared mesh, parking each
+  role's idle parts; returns the results, the memory kinds seen and the compile counts."""
+  actor = RoleRuntime.create(Role.ACTOR, SPEC, CONFIG, "lm")
+  reference = RoleRuntime.create(Role.REFERENCE, SPEC, CONFIG, "lm", mesh=actor.mesh)
+  tx = optax.adam(1e-2)
+  state, state_sh = actor.train_state(actor.init_params(jax.random.key(1)), tx)
+  ref_params = reference.init_params(jax.random.key(2))
+  loss = functools.partial(
+    steps.actor_loss, config=CONFIG, prompt_len=5, clip_eps=0.2, entropy_coef=0.01
+  )
+  probe = _batch()
+  batch_sh = actor.batch_shardings(probe, leading=1)
+  train = jax.jit(
+    functools.partial(steps.accumulate_and_apply, loss, tx),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, actor.replicated),
+    donate_argnums=0,
+  )
+  score = jax.jit(
+    functools.partial(steps.response_logprobs, CONFIG, prompt_len=5),
+    in_shardings=(reference.param_shardings, *[actor.batch_sharding((4, 11))] * 2),
+  )
+  kinds, scores = [], []
+  ref_params, _ = offload.park(policy_reference, ref_params)
+  _, opt = offload.park(policy_actor, opt_state=state.opt_state)
+  state = state.replace(opt_state=opt)
+  for it in range(3):
+    host_batch = _batch(seed=it)
+    batch = actor.put_batch(host_batch, leading=1)
+    rows = actor.put_batch((host_batch["tokens"][0], host_batch["attention_mask"][0]))
+    # Score: the reference comes back, the actor's moments stay parked.
+    ref_params, _ = offload.unpark(ref_params)
+    kinds.append(("score", offload.memory_kinds(ref_params), offload.memory_kinds(state.opt_state)))
+    scores.append(np.asarray(score(ref_params, *rows)))
+    ref_params, _ = offload.park(policy_reference, ref_params)
+    # Update: the moments come back for the step, the reference stays parked.
+    _, opt = offload.unpark(opt_state=state.opt_state)
+    state = state.replace(opt_state=opt)
+    kinds.append(
+      ("update", offload.memory_kinds(ref_params), offload.memory_kinds(state.opt_state))
+    )
+    state, _ = train(state, batch)
+    _, opt = offload.park(policy_actor, opt_state=state.opt_state)
+    state = state.replace(opt_state=opt)
+    kinds.append(("idle", offload.memory_kinds(ref_params), offload.memory_kinds(state.opt_state)))
+  final = jax.tree.map(np.asarray, offload.unpark(state.params, state.opt_state))
+  return final, scores, kinds, (train._cache_size(), score._cache_size())
+
+
+def test_offloaded_run_equals_resident_run_exactly_without_recompiles():
+  on = offload.OffloadPolicy(params=True, optimizer=True)
+  off = offload.OffloadPolicy()
+  final, scores, kinds, compiles = _run(on, on)
+  final_ref, scores_ref, kinds_ref, _ = _run(off, off)
+  device, host = {"device"}, {"pinned_host"}
+  assert kinds == [("score", device, host), ("update", host, device), ("idle", host, host)] * 3
+  assert {k for _, a, b in kinds_ref for k in (*a, *b)} == device
+  assert compiles == (1, 1)
+  for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(final_ref), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(scores, scores_ref, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def _ppo_config(**offload_section):
+  cd = runpy.run_path(str(pathlib.Path(__file__).parent.parent / "configs" / "ppo_tiny.py"))[
+    "get_config"
+  ]("colocated")
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.reward.model_coef = 0.5  # the reward model scores too
+  cd.eval.num_prompts = 0
+  cd.offload = offload_section
+  return from_config_dict(cd)
+
+
+@pytest.mark.slow
+def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
+  runs = {}
+  for name, section in (
+    ("resident", {}),
+    ("offload", {"params": ("reference", "reward"), "optimizer": ("actor", "critic")}),
+  ):
+    trainer = PPOTrainer(_ppo_config(**section), str(tmp_path / name), show_progress=False)
+    runs[name] = (trainer, trainer.run())
+  trainer, result = runs["offload"]
+  base = runs["resident"][1]
+  assert len(result.metrics) == 2
+  for a, b in zip(result.metrics, base.metrics, strict=True):
+    for key in ("reward/mean", "kl/mean", "loss/policy", "loss/value", "actor/grad_norm"):
+      assert a[key] == b[key], key
+  assert set(result.compilations.values()) == {1}, result.compilations
+  # Between stages the idle parts live in host memory, the rest on device.
+  host, device = {"pinned_host"}, {"device"}
+  assert offload.memory_kinds(trainer.reference_params) == host
+  assert offload.memory_kinds(trainer.reward_params) == host
+  assert offload.memory_kinds(trainer.actor_state.opt_state) == host
+  assert offload.memory_kinds(trainer.critic_state.opt_state) == host
+  assert offload.memory_kinds(trainer.actor_state.params) == device
+  assert offload.memory_kinds(runs["resident"][0].reference_params) == device
+
+
+def test_offload_section_names_only_roles_it_can_park():
+  with pytest.raises(ConfigError, match=r"'offload\.params' may name reference and reward"):
+    _ppo_config(params=("actor",))
+  with pytest.raises(ConfigError, match=r"'offload\.optimizer' may name actor and critic"):
+    _ppo_config(optimizer=("reference",))
