@@ -238,6 +238,21 @@ class PPOSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmSection:
+  """Which flow runs the iterations (see `rlhfjax.flows`)."""
+
+  name: str = "ppo"
+  """A registered flow (`rlhfjax.flows.registry`): 'ppo' (its critic-free variants through
+  `ppo.advantage`)."""
+  flow: str = ""
+  """A user's flow factory 'module:function' (`make_flow(ctx) -> flow`); overrides `name`."""
+
+  def __post_init__(self):
+    if self.flow and ":" not in self.flow:
+      raise ConfigError(f"'algorithm.flow' must be 'module:function', got {self.flow!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSection:
   """Where the sequence score comes from: `model_coef * reward model + fn_coef * fn`."""
 
@@ -350,6 +365,7 @@ class ExperimentConfig:
   total_steps: int = 20
   """PPO iterations (rollout, score, update, sync)."""
   ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
+  algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
   reward: RewardSection = dataclasses.field(
     default_factory=lambda: RewardSection(fn="rlhfjax.tasks:vowel_reward")
   )
