@@ -209,9 +209,14 @@ class Cluster:
     device to device, without a copy where it already lies as asked."""
     return self.roles[role].put_batch(tree, leading)
 
-  def upload(self, role: Role, tree: Any, name: str, leading: int = 0) -> Any:
-    """Host arrays onto `role`'s mesh: a named host transfer (see `host`)."""
+  def upload(
+    self, role: Role, tree: Any, name: str, leading: int = 0, *, replicated: bool = False
+  ) -> Any:
+    """Host arrays onto `role`'s mesh (rows split, or `replicated`): a named host transfer
+    (see `host`)."""
     with self.host(name):
+      if replicated:
+        return jax.device_put(tree, self.roles[role].replicated)
       return self.roles[role].put_batch(tree, leading)
 
   @contextlib.contextmanager

@@ -291,8 +291,7 @@ class PPOFlow:
     cluster = self.ctx.cluster
     if exp.values_bt is None:
       exp = exp.replace(values_bt=jnp.zeros_like(exp.old_logprobs_bt))
-    with cluster.host("kl_coef"):
-      coef = jnp.float32(self.kl_state.coef)
+    coef = cluster.upload(Role.ACTOR, np.float32(self.kl_state.coef), "kl_coef", replicated=True)
     with cluster.timeline.stage(
       iteration, "actor", "advantages", cluster.roles[Role.ACTOR].devices
     ):
