@@ -76,6 +76,8 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.reward.fn_coef = 1.0
   config.reward.model_coef = 0.0
 
+  config.algorithm = ml_collections.ConfigDict({"name": "ppo", "flow": ""})
+
   config.ppo = ml_collections.ConfigDict()
   config.ppo.ppo_epochs = 2
   config.ppo.mini_batches = 2
@@ -90,6 +92,10 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.ppo.whiten_advantages = True
   config.ppo.kl_estimator = "k1"
   config.ppo.kl_coef = 0.01
+  config.ppo.kl_loss_coef = 0.0
+  config.ppo.loss_agg = "token_mean"
+  config.ppo.clip_eps_high = 0.0
+  config.ppo.normalize_group_std = True
   config.ppo.kl_controller = "fixed"
   config.ppo.kl_target = 6.0
   config.ppo.kl_horizon = 10_000

@@ -187,7 +187,8 @@ class PPOSection:
   value_clip_eps: float = 0.2
   entropy_coef: float = 0.0
   advantage: str = "gae"
-  """'gae' (with the critic) or 'group_relative' (critic-free, GRPO-style)."""
+  """PPO's estimator: 'gae' (with the critic) or a critic-free one: 'group_relative' (GRPO),
+  'rloo', 'reinforce_pp'. The flows of those names fix it."""
   group_size: int = 1
   """Samples per prompt; 'group_relative' compares the samples of one prompt."""
   gamma: float = 1.0
@@ -196,7 +197,18 @@ class PPOSection:
   kl_estimator: str = "k1"
   """Per-token KL estimator against the reference: 'k1', 'k2' or 'k3'."""
   kl_coef: float = 0.05
-  """Initial coefficient of the KL penalty in the shaped reward."""
+  """Initial coefficient of the KL penalty in the shaped reward (0: no KL in the reward)."""
+  kl_loss_coef: float = 0.0
+  """Coefficient of the KL to the reference as a loss term (GRPO's way; `kl_estimator`
+  per token, aggregated as `loss_agg`); 0: none."""
+  loss_agg: str = "token_mean"
+  """How per-token policy losses reduce: 'token_mean', 'seq_mean_token_mean' (mean over
+  sequences of their token means) or 'seq_mean_token_sum_norm' (Dr. GRPO: token sums over the
+  response capacity, mean over sequences)."""
+  clip_eps_high: float = 0.0
+  """Upper clip of the importance ratio, `1 + clip_eps_high` (DAPO's clip-higher); 0: `clip_eps`."""
+  normalize_group_std: bool = True
+  """Group-relative advantages divide by the group's standard deviation (False: Dr. GRPO)."""
   kl_controller: str = "fixed"
   """'fixed' or 'adaptive' (proportional controller towards `kl_target`)."""
   kl_target: float = 6.0
@@ -221,6 +233,13 @@ class PPOSection:
         f"'ppo.kl_estimator' must be one of "
         f"{', '.join(algorithms.KL_ESTIMATORS)}, got {self.kl_estimator!r}"
       )
+    if self.loss_agg not in algorithms.LOSS_AGGREGATIONS:
+      raise ConfigError(
+        f"'ppo.loss_agg' must be one of "
+        f"{', '.join(algorithms.LOSS_AGGREGATIONS)}, got {self.loss_agg!r}"
+      )
+    if self.kl_loss_coef < 0 or self.clip_eps_high < 0:
+      raise ConfigError("'ppo.kl_loss_coef' and 'ppo.clip_eps_high' must be >= 0")
     if self.kl_controller not in algorithms.KL_CONTROLLERS:
       raise ConfigError(
         f"'ppo.kl_controller' must be one of "

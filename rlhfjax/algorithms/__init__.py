@@ -2,9 +2,14 @@
 
 from rlhfjax.algorithms.advantages import (
   ADVANTAGE_ESTIMATORS,
+  CRITIC_ESTIMATORS,
+  EstimatorSettings,
+  discounted_returns,
   gae,
   group_relative,
   last_token_onehot,
+  leave_one_out,
+  reinforce_pp,
   shape_rewards,
   whiten_advantages,
 )
@@ -20,11 +25,15 @@ from rlhfjax.algorithms.kl import (
   kl_k3,
 )
 from rlhfjax.algorithms.losses import (
+  LOSS_AGGREGATIONS,
   clipped_policy_loss,
   clipped_value_loss,
   entropy_bonus,
   entropy_from_logits,
+  seq_mean_token_mean,
+  seq_mean_token_sum_norm,
   token_logprobs,
+  token_mean,
 )
 from rlhfjax.algorithms.masked import masked_mean, masked_var, masked_whiten
 from rlhfjax.algorithms.objectives import (
@@ -36,6 +45,15 @@ from rlhfjax.algorithms.objectives import (
 
 __all__ = [
   "ADVANTAGE_ESTIMATORS",
+  "CRITIC_ESTIMATORS",
+  "LOSS_AGGREGATIONS",
+  "EstimatorSettings",
+  "discounted_returns",
+  "leave_one_out",
+  "reinforce_pp",
+  "seq_mean_token_mean",
+  "seq_mean_token_sum_norm",
+  "token_mean",
   "KL_CONTROLLERS",
   "KL_ESTIMATORS",
   "KLControllerState",

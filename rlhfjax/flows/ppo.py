@@ -31,6 +31,7 @@ import numpy as np
 from rlhfjax import algorithms as alg
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.config import ConfigError
 from rlhfjax.flows import stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import register
@@ -46,32 +47,27 @@ class AdvantageSettings:
 
   kl_estimator: str
   estimator: str
-  gamma: float
-  lam: float
-  group_size: int
+  """A name in `alg.ADVANTAGE_ESTIMATORS`."""
+  settings: alg.EstimatorSettings
   whiten: bool
 
 
 def compute_advantages(
   settings: AdvantageSettings, exp: Experience, kl_coef: jax.Array
 ) -> tuple[Experience, dict[str, jax.Array]]:
-  """KL-shaped rewards, then advantages and returns, masked to response tokens.
+  """KL to the reference, then advantages and returns, masked to response tokens.
 
     kl_t = estimator(logp_t, logp_ref_t);  r_t = -beta * kl_t + score * [t last]
-  then GAE over `r` with the critic's values, or group-relative advantages of the scores.
-  Also the batch statistics the metrics report (reductions on the devices).
+  then the named estimator (`alg.ADVANTAGE_ESTIMATORS`: GAE over `r` with the critic's values,
+  or a critic-free baseline). Also the batch statistics the metrics report (reductions on the
+  devices).
   """
   mask_bt, old_bt = exp.response_mask_bt, exp.old_logprobs_bt
   kl_bt = alg.get_kl_estimator(settings.kl_estimator)(old_bt, exp.ref_logprobs_bt) * mask_bt
   rewards_bt = alg.shape_rewards(exp.scores_b, kl_bt, mask_bt, kl_coef)
-  if settings.estimator == "gae":
-    advantages_bt, returns_bt = alg.gae(
-      rewards_bt, exp.values_bt, mask_bt, gamma=settings.gamma, lam=settings.lam
-    )
-  else:
-    # Critic-free: the KL penalty enters each sample's score as its sum over tokens.
-    total_b = exp.scores_b - kl_coef * jnp.sum(kl_bt, axis=-1)
-    advantages_bt, returns_bt = alg.group_relative(total_b, mask_bt, group_size=settings.group_size)
+  advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator](
+    exp.scores_b, kl_bt, exp.values_bt, mask_bt, kl_coef, settings.settings
+  )
   if settings.whiten:
     advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
   mismatch_bt = jnp.abs(old_bt - exp.rollout_logprobs_bt)
@@ -102,16 +98,28 @@ def check_batch(cfg, group_size: int, mini_batches: int, micro_batches: int) -> 
 class PPOFlow:
   """PPO iterations on a cluster; see the module docstring."""
 
-  def __init__(self, ctx: FlowContext):
+  def __init__(self, ctx: FlowContext, estimator: str | None = None):
     self.ctx = ctx
     cfg, ppo, cluster = ctx.cfg, ctx.cfg.ppo, ctx.cluster
+    name = cfg.algorithm.name
+    if estimator is not None and ppo.advantage not in ("gae", estimator):
+      raise ConfigError(
+        f"'ppo.advantage'={ppo.advantage!r} is PPO's choice; algorithm {name!r} estimates "
+        f"advantages with {estimator!r}"
+      )
+    self.estimator = estimator or ppo.advantage
+    if self.estimator in ("group_relative", "rloo") and ppo.group_size < 2:
+      raise ConfigError(
+        f"{self.estimator!r} advantages compare the samples of a prompt: 'ppo.group_size' must "
+        f"be >= 2, got {ppo.group_size}"
+      )
     check_batch(cfg, ppo.group_size, ppo.mini_batches, ppo.micro_batches)
     if ppo.async_rollout and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
       raise ValueError(
         "ppo.async_rollout needs the rollout on its own devices "
         "(placement.strategy='disaggregated')"
       )
-    self.use_critic = ppo.advantage == "gae"
+    self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
     rngs = initial_rngs(cfg.seed)
     updates = cfg.total_steps * ppo.ppo_epochs * ppo.mini_batches
     init = cfg.init
@@ -151,10 +159,13 @@ class PPOFlow:
       self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values")
     settings = AdvantageSettings(
       kl_estimator=ppo.kl_estimator,
-      estimator=ppo.advantage,
-      gamma=ppo.gamma,
-      lam=ppo.lam,
-      group_size=ppo.group_size,
+      estimator=self.estimator,
+      settings=alg.EstimatorSettings(
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        group_size=ppo.group_size,
+        normalize_std=ppo.normalize_group_std,
+      ),
       whiten=ppo.whiten_advantages,
     )
     self._advantages = cluster.compile(
@@ -169,6 +180,8 @@ class PPOFlow:
     actor_shapes = {**shapes, "old_logprobs": (b, t), "advantages": (b, t)}
     if ppo.async_rollout:
       actor_shapes["behaviour_logprobs"] = (b, t)
+    if ppo.kl_loss_coef:
+      actor_shapes["ref_logprobs"] = (b, t)
     self._actor_split = split(Role.ACTOR, "actor_minibatches", actor_shapes)
     actor_loss = functools.partial(
       steps.actor_loss,
@@ -177,6 +190,10 @@ class PPOFlow:
       clip_eps=ppo.clip_eps,
       entropy_coef=ppo.entropy_coef,
       temperature=cfg.rollout.temperature,
+      clip_eps_high=ppo.clip_eps_high or None,
+      loss_agg=ppo.loss_agg,
+      kl_loss_coef=ppo.kl_loss_coef,
+      kl_estimator=ppo.kl_estimator,
     )
     self._actor_step = cluster.train_step("actor_step", Role.ACTOR, actor_loss)
     if self.use_critic:
@@ -307,6 +324,8 @@ class PPOFlow:
     actor_batch = {**common, "old_logprobs": exp.old_logprobs_bt, "advantages": exp.advantages_bt}
     if ppo.async_rollout:
       actor_batch["behaviour_logprobs"] = exp.rollout_logprobs_bt
+    if ppo.kl_loss_coef:
+      actor_batch["ref_logprobs"] = exp.ref_logprobs_bt
     critic_batch = None
     if self.use_critic:
       critic_batch = cluster.move(
@@ -376,4 +395,24 @@ class PPOFlow:
 
 @register("ppo")
 def make_flow(ctx: FlowContext) -> PPOFlow:
+  """PPO with `ppo.advantage`'s estimator (GAE and a critic by default)."""
   return PPOFlow(ctx)
+
+
+@register("grpo")
+def make_grpo(ctx: FlowContext) -> PPOFlow:
+  """GRPO: group-normalised advantages, no critic; KL in the loss (`ppo.kl_loss_coef`) or in
+  the reward (`ppo.kl_coef`); `ppo.loss_agg` and `ppo.normalize_group_std` select Dr. GRPO."""
+  return PPOFlow(ctx, estimator="group_relative")
+
+
+@register("rloo")
+def make_rloo(ctx: FlowContext) -> PPOFlow:
+  """RLOO: leave-one-out baselines within each prompt's group, no critic."""
+  return PPOFlow(ctx, estimator="rloo")
+
+
+@register("reinforce_pp")
+def make_reinforce_pp(ctx: FlowContext) -> PPOFlow:
+  """REINFORCE++: batch-whitened returns of KL-shaped token rewards, no critic."""
+  return PPOFlow(ctx, estimator="reinforce_pp")

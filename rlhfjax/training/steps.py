@@ -96,8 +96,16 @@ def actor_loss(
   clip_eps: float,
   entropy_coef: float,
   temperature: float = 1.0,
+  clip_eps_high: float | None = None,
+  loss_agg: str = "token_mean",
+  kl_loss_coef: float = 0.0,
+  kl_estimator: str = "k3",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens."""
+  """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens,
+  plus `kl_loss_coef` times the KL to the reference (`batch['ref_logprobs']`) when non-zero.
+
+  The policy and KL terms reduce over tokens as `loss_agg` says (`alg.LOSS_AGGREGATIONS`).
+  """
   logits_btv = response_logits(
     config, params, batch["tokens"], batch["attention_mask"], prompt_len, temperature
   )
@@ -110,6 +118,8 @@ def actor_loss(
     mask_bt,
     clip_eps=clip_eps,
     behaviour_logp_bt=batch.get("behaviour_logprobs"),
+    clip_eps_high=clip_eps_high,
+    aggregation=loss_agg,
   )
   entropy = alg.entropy_bonus(logits_btv, mask_bt)
   metrics = {
@@ -118,7 +128,13 @@ def actor_loss(
     "policy/clipfrac": stats["clipfrac"],
     "policy/approx_kl": stats["approx_kl"],
   }
-  return policy_loss - entropy_coef * entropy, metrics
+  loss = policy_loss - entropy_coef * entropy
+  if kl_loss_coef:
+    kl_bt = alg.get_kl_estimator(kl_estimator)(logp_bt, batch["ref_logprobs"])
+    kl = alg.LOSS_AGGREGATIONS[loss_agg](kl_bt, mask_bt)
+    metrics["loss/kl"] = kl
+    loss = loss + kl_loss_coef * kl
+  return loss, metrics
 
 
 def critic_loss(
