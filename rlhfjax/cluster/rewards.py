@@ -76,6 +76,12 @@ class Rewards:
       )
     return out
 
+  def score(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
+    """`stages` run on their own, then `combine`d: the score `[b]` on the actor's mesh."""
+    todo = self.stages(tokens_bs, attention_bs, seqs, iteration)
+    results = self.cluster.run(todo, iteration)
+    return self.combine(dict(zip([s.role for s in todo], results, strict=True)))
+
   def combine(self, results: dict[str, Any]) -> jax.Array:
     """The combined score `[b]` on the actor's mesh, from the results of `stages` by role."""
     parts = []
