@@ -271,6 +271,28 @@ class AlgorithmSection:
       raise ConfigError(f"'algorithm.flow' must be 'module:function', got {self.flow!r}")
 
 
+_DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOSection:
+  """Direct preference optimisation (algorithm 'dpo' on `data.preferences`; 'online_dpo' on
+  pairs sampled by the rollout and ranked by the reward)."""
+
+  beta: float = 0.1
+  """Scale of the implicit reward `beta * (log pi - log pi_ref)`."""
+  loss: str = "sigmoid"
+  """'sigmoid' (DPO; conservative DPO with `label_smoothing` > 0) or 'ipo'."""
+  label_smoothing: float = 0.0
+  """Probability that a preference label is flipped (conservative DPO); 'sigmoid' only."""
+
+  def __post_init__(self):
+    if self.loss not in _DPO_LOSSES:
+      raise ConfigError(f"'dpo.loss' must be one of {', '.join(_DPO_LOSSES)}, got {self.loss!r}")
+    if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5:
+      raise ConfigError("'dpo' needs beta > 0 and 0 <= label_smoothing < 0.5")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSection:
   """Where the sequence score comes from: `model_coef * reward model + fn_coef * fn`."""
@@ -385,6 +407,7 @@ class ExperimentConfig:
   """PPO iterations (rollout, score, update, sync)."""
   ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
   algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
+  dpo: DPOSection = dataclasses.field(default_factory=DPOSection)
   reward: RewardSection = dataclasses.field(
     default_factory=lambda: RewardSection(fn="rlhfjax.tasks:vowel_reward")
   )

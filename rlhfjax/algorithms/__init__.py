@@ -42,8 +42,20 @@ from rlhfjax.algorithms.objectives import (
   preference_accuracy,
   token_accuracy,
 )
+from rlhfjax.algorithms.preference import (
+  DPO_LOSSES,
+  dpo_ipo,
+  dpo_loss,
+  dpo_sigmoid,
+  sequence_logprobs,
+)
 
 __all__ = [
+  "DPO_LOSSES",
+  "dpo_ipo",
+  "dpo_loss",
+  "dpo_sigmoid",
+  "sequence_logprobs",
   "ADVANTAGE_ESTIMATORS",
   "CRITIC_ESTIMATORS",
   "LOSS_AGGREGATIONS",

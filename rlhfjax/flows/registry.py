@@ -21,7 +21,7 @@ from rlhfjax import tasks
 FLOWS: dict[str, Callable[..., Any]] = {}
 """Registered flow factories by name."""
 
-_BUILTIN = ("ppo",)
+_BUILTIN = ("ppo", "dpo")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 

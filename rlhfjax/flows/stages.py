@@ -32,6 +32,8 @@ class FlowContext:
   tokenizer: Any
   prompts: Any
   """The endless, checkpointed prompt iterator (`take(n)`)."""
+  workdir: str
+  """The run's directory (prepared datasets go to WORKDIR/data unless `data.data_dir`)."""
 
 
 def sampling(cfg: ExperimentConfig, tokenizer: Any, **changes: Any) -> SamplingParams:

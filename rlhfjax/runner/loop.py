@@ -33,7 +33,7 @@ from rlhfjax.flows.stages import FlowContext
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import plot_gantt
 from rlhfjax.placement import plan_placement
-from rlhfjax.placement.spec import PlacementSpec
+from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.runner import evaluation as evaluation_lib
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
@@ -83,8 +83,12 @@ class Runner:
       rewards=Rewards(cfg, self.cluster, self.tokenizer),
       tokenizer=self.tokenizer,
       prompts=self.prompts,
+      workdir=workdir,
     )
     self.flow = factory(self.ctx)
+    if not self.cluster.uses(Role.ROLLOUT):
+      self.eval_prompts = []  # the held-out evaluation samples responses: a flow without a
+      # rollout (offline DPO) reports its own held-out metrics
     self.checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
     resume_step = self.checkpointer.latest_step() if cfg.checkpoint.resume else None
     self.start_step = 0 if resume_step is None else resume_step
