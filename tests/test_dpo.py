@@ -100,3 +100,55 @@ def test_dpo_learns_and_compiles_once(runs):
 def test_dpo_options_are_checked():
   with pytest.raises(ConfigError, match="'dpo.loss' must be one of sigmoid, ipo"):
     _config("colocated", loss="hinge")
+
+
+def _online(variant, **changes):
+  cd = runpy.run_path(str(_ROOT / "configs" / "online_dpo_tiny.py"))["get_config"](variant)
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  cd.reward.model_coef = 0.5  # continuous scores: no tied pairs
+  for dotted, value in changes.items():
+    section, _, field = dotted.rpartition("__")
+    (cd[section] if section else cd)[field] = value
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory):
+  return {
+    variant: Runner(
+      _online(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False
+    ).run()
+    for variant in ("colocated", "disaggregated")
+  }
+
+
+def test_online_dpo_same_numbers_on_two_placements(online):
+  base, other = online["colocated"].metrics, online["disaggregated"].metrics
+  assert base[0]["pairs/valid"] == 1.0
+  assert base[0]["loss/dpo"] == pytest.approx(np.log(2), abs=1e-5)
+  for a, b in zip(base, other, strict=True):
+    for key in ("reward/mean", "loss/dpo", "dpo/margin", "actor/grad_norm"):
+      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+  assert base[1]["loss/dpo"] != base[0]["loss/dpo"]
+  assert set(online["disaggregated"].compilations.values()) == {1}
+  assert online["disaggregated"].metrics[0]["sync/bytes"] > 0
+
+
+def test_online_dpo_needs_pairs(tmp_path):
+  with pytest.raises(ConfigError, match="'ppo.group_size' must be 2"):
+    Runner(_online("colocated", ppo__group_size=4), str(tmp_path), show_progress=False)
+
+
+@pytest.mark.slow
+def test_online_dpo_reward_rises(tmp_path):
+  cfg = _online(
+    "colocated", total_steps=30, rollout__batch_size=16, reward__model_coef=0.0, dpo__beta=0.5
+  )
+  rewards = [
+    r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
+  ]
+  first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+  assert last > first + 0.05 and last > 2 * first, rewards

@@ -21,7 +21,7 @@ from rlhfjax import tasks
 FLOWS: dict[str, Callable[..., Any]] = {}
 """Registered flow factories by name."""
 
-_BUILTIN = ("ppo", "dpo")
+_BUILTIN = ("ppo", "dpo", "online_dpo")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 
