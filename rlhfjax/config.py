@@ -209,6 +209,12 @@ class PPOSection:
   """Upper clip of the importance ratio, `1 + clip_eps_high` (DAPO's clip-higher); 0: `clip_eps`."""
   normalize_group_std: bool = True
   """Group-relative advantages divide by the group's standard deviation (False: Dr. GRPO)."""
+  overlong_buffer: int = 0
+  """DAPO's soft overlong punishment: responses longer than `rollout.max_new_tokens -
+  overlong_buffer` lose up to 1 of their score, linearly; 0: none."""
+  dynamic_sampling_rounds: int = 0
+  """DAPO's dynamic sampling: drop groups whose scores are all equal and generate more, up to
+  this many extra rounds, to fill the batch with groups that carry a signal; 0: off."""
   kl_controller: str = "fixed"
   """'fixed' or 'adaptive' (proportional controller towards `kl_target`)."""
   kl_target: float = 6.0
@@ -238,8 +244,10 @@ class PPOSection:
         f"'ppo.loss_agg' must be one of "
         f"{', '.join(algorithms.LOSS_AGGREGATIONS)}, got {self.loss_agg!r}"
       )
-    if self.kl_loss_coef < 0 or self.clip_eps_high < 0:
+    if min(self.kl_loss_coef, self.clip_eps_high) < 0:
       raise ConfigError("'ppo.kl_loss_coef' and 'ppo.clip_eps_high' must be >= 0")
+    if self.overlong_buffer < 0 or self.dynamic_sampling_rounds < 0:
+      raise ConfigError("'ppo.overlong_buffer' and 'ppo.dynamic_sampling_rounds' must be >= 0")
     if self.kl_controller not in algorithms.KL_CONTROLLERS:
       raise ConfigError(
         f"'ppo.kl_controller' must be one of "

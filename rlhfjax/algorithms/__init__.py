@@ -13,6 +13,7 @@ from rlhfjax.algorithms.advantages import (
   shape_rewards,
   whiten_advantages,
 )
+from rlhfjax.algorithms.dapo import groups_with_signal, overlong_penalty
 from rlhfjax.algorithms.kl import (
   KL_CONTROLLERS,
   KL_ESTIMATORS,
@@ -51,6 +52,8 @@ from rlhfjax.algorithms.preference import (
 )
 
 __all__ = [
+  "groups_with_signal",
+  "overlong_penalty",
   "DPO_LOSSES",
   "dpo_ipo",
   "dpo_loss",

@@ -89,6 +89,19 @@ def assemble(
   )
 
 
+def take_rows(parts: Sequence[tuple[Sequences, Sequence[int]]]) -> Sequences:
+  """One batch of the given rows of several batches, in order."""
+  pick = lambda name: np.concatenate([getattr(s, name)[list(rows)] for s, rows in parts])
+  return Sequences(
+    prompts=[s.prompts[i] for s, rows in parts for i in rows],
+    responses=[s.responses[i] for s, rows in parts for i in rows],
+    tokens_bs=pick("tokens_bs"),
+    attention_mask_bs=pick("attention_mask_bs"),
+    response_mask_bt=pick("response_mask_bt"),
+    rollout_logprobs_bt=pick("rollout_logprobs_bt"),
+  )
+
+
 @flax.struct.dataclass
 class Experience:
   """One batch of experience on the devices (a pytree; absent parts are None).

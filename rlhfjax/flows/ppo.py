@@ -32,7 +32,7 @@ from rlhfjax import algorithms as alg
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
-from rlhfjax.flows import stages
+from rlhfjax.flows import experience, stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import register
 from rlhfjax.flows.stages import FlowContext
@@ -50,6 +50,8 @@ class AdvantageSettings:
   """A name in `alg.ADVANTAGE_ESTIMATORS`."""
   settings: alg.EstimatorSettings
   whiten: bool
+  overlong_buffer: int = 0
+  """DAPO's soft overlong punishment added to the scores (0: none)."""
 
 
 def compute_advantages(
@@ -63,10 +65,15 @@ def compute_advantages(
   devices).
   """
   mask_bt, old_bt = exp.response_mask_bt, exp.old_logprobs_bt
+  scores_b = exp.scores_b
+  if settings.overlong_buffer:
+    scores_b = scores_b + alg.overlong_penalty(
+      jnp.sum(mask_bt, -1), max_len=mask_bt.shape[-1], buffer=settings.overlong_buffer
+    )
   kl_bt = alg.get_kl_estimator(settings.kl_estimator)(old_bt, exp.ref_logprobs_bt) * mask_bt
-  rewards_bt = alg.shape_rewards(exp.scores_b, kl_bt, mask_bt, kl_coef)
+  rewards_bt = alg.shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
   advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator](
-    exp.scores_b, kl_bt, exp.values_bt, mask_bt, kl_coef, settings.settings
+    scores_b, kl_bt, exp.values_bt, mask_bt, kl_coef, settings.settings
   )
   if settings.whiten:
     advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
@@ -77,6 +84,7 @@ def compute_advantages(
     "kl/mean": jnp.sum(kl_bt) / jnp.maximum(jnp.sum(mask_bt[:, :1]), 1.0),
     "kl/per_token": masked_mean(kl_bt, mask_bt),
     "reward/shaped_mean": jnp.mean(jnp.sum(rewards_bt, axis=-1)),
+    "reward/overlong_mean": jnp.mean(scores_b - exp.scores_b),
     "logprob_mismatch/max": jnp.max(jnp.where(mask_bt > 0, mismatch_bt, 0.0)),
     "logprob_mismatch/mean": masked_mean(mismatch_bt, mask_bt),
   }
@@ -114,6 +122,13 @@ class PPOFlow:
         f"be >= 2, got {ppo.group_size}"
       )
     check_batch(cfg, ppo.group_size, ppo.mini_batches, ppo.micro_batches)
+    if ppo.dynamic_sampling_rounds and ppo.async_rollout:
+      raise ConfigError("'ppo.dynamic_sampling_rounds' needs a synchronous rollout")
+    if ppo.overlong_buffer >= cfg.rollout.max_new_tokens:
+      raise ConfigError(
+        f"'ppo.overlong_buffer'={ppo.overlong_buffer} must be below "
+        f"'rollout.max_new_tokens'={cfg.rollout.max_new_tokens}"
+      )
     if ppo.async_rollout and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
       raise ValueError(
         "ppo.async_rollout needs the rollout on its own devices "
@@ -167,6 +182,7 @@ class PPOFlow:
         normalize_std=ppo.normalize_group_std,
       ),
       whiten=ppo.whiten_advantages,
+      overlong_buffer=ppo.overlong_buffer,
     )
     self._advantages = cluster.compile(
       "advantages", functools.partial(compute_advantages, settings)
@@ -245,10 +261,13 @@ class PPOFlow:
     """One PPO iteration; returns its metrics row."""
     ctx, cfg, cluster = self.ctx, self.ctx.cfg, self.ctx.cluster
     start = cluster.timeline.now()
+    sampled: dict[str, float] = {}
     if self._pending is None:
       prompts = self.pending_prompts or stages.grouped_prompts(ctx, cfg.ppo.group_size)
       self.pending_prompts = None
       seqs = stages.generate_stage(ctx, iteration, prompts)
+      if cfg.ppo.dynamic_sampling_rounds:
+        seqs, sampled = self._dynamic_sampling(iteration, seqs)
     else:
       seqs = self._pending.result()
     bytes_synced = 0
@@ -270,6 +289,9 @@ class PPOFlow:
     elapsed = cluster.timeline.now() - start
     stats = cluster.fetch(stats)
     row = self._row(iteration, seqs, stats, update_metrics, elapsed, bytes_synced)
+    row.update(sampled)
+    if cfg.ppo.overlong_buffer:
+      row["reward/overlong_mean"] = float(stats["reward/overlong_mean"])
     ppo = cfg.ppo
     self.kl_state = alg.KL_CONTROLLERS[ppo.kl_controller](
       self.kl_state,
@@ -279,6 +301,39 @@ class PPOFlow:
       horizon=ppo.kl_horizon,
     )
     return row
+
+  def _dynamic_sampling(self, iteration: int, seqs: Sequences):
+    """DAPO's dynamic sampling: keeps the groups whose scores differ and generates more groups
+    (up to `ppo.dynamic_sampling_rounds` extra batches) until the batch is full of them; a batch
+    still short is topped up with dropped groups (`dapo/filled`)."""
+    ctx, cluster, cfg = self.ctx, self.ctx.cluster, self.ctx.cfg
+    k, b = cfg.ppo.group_size, cfg.rollout.batch_size
+    kept: list[tuple[Sequences, list[int]]] = []
+    dropped: list[tuple[Sequences, list[int]]] = []
+    count, rounds = 0, 0
+    for attempt in range(cfg.ppo.dynamic_sampling_rounds + 1):
+      if attempt:
+        prompts = stages.grouped_prompts(ctx, k)
+        seqs = stages.generate_stage(ctx, iteration, prompts, attempt=attempt)
+      rounds = attempt + 1
+      tokens = cluster.upload(Role.ACTOR, (seqs.tokens_bs, seqs.attention_mask_bs), "rollout")
+      scores = cluster.fetch(ctx.rewards.score(*tokens, seqs, iteration), "dynamic sampling")
+      signal = alg.groups_with_signal(scores, k)
+      for g, keep in enumerate(signal):
+        rows = list(range(g * k, (g + 1) * k))
+        if keep and count < b:
+          kept.append((seqs, rows))
+          count += k
+        else:
+          dropped.append((seqs, rows))
+      if count >= b:
+        break
+    filled = 0
+    while count < b:
+      kept.append(dropped.pop(0))
+      count, filled = count + k, filled + 1
+    out = experience.take_rows(kept)
+    return out, {"dapo/rounds": float(rounds), "dapo/filled_groups": float(filled)}
 
   def _score(self, iteration: int, seqs: Sequences) -> Experience:
     """The rollout batch on the actor's mesh, scored by every role (on their meshes)."""
@@ -403,6 +458,14 @@ def make_flow(ctx: FlowContext) -> PPOFlow:
 def make_grpo(ctx: FlowContext) -> PPOFlow:
   """GRPO: group-normalised advantages, no critic; KL in the loss (`ppo.kl_loss_coef`) or in
   the reward (`ppo.kl_coef`); `ppo.loss_agg` and `ppo.normalize_group_std` select Dr. GRPO."""
+  return PPOFlow(ctx, estimator="group_relative")
+
+
+@register("dapo")
+def make_dapo(ctx: FlowContext) -> PPOFlow:
+  """DAPO: GRPO's group-relative advantages with decoupled clipping (`ppo.clip_eps_high`),
+  dynamic sampling (`ppo.dynamic_sampling_rounds`) and soft overlong punishment
+  (`ppo.overlong_buffer`), token-mean loss, no KL."""
   return PPOFlow(ctx, estimator="group_relative")
 
 

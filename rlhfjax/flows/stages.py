@@ -75,15 +75,17 @@ def generate(
   )
 
 
-def generate_stage(ctx: FlowContext, iteration: int, prompts: list[list[int]]) -> Sequences:
-  """`generate` at the rollout's settings, recorded on the timeline."""
+def generate_stage(
+  ctx: FlowContext, iteration: int, prompts: list[list[int]], attempt: int = 0
+) -> Sequences:
+  """`generate` at the rollout's settings, recorded on the timeline (`attempt` > 0: another
+  batch of the same iteration, with its own randomness)."""
   cluster = ctx.cluster
   with cluster.timeline.stage(
     iteration, "rollout", "generate", cluster.roles[Role.ROLLOUT].devices
   ):
-    return generate(
-      ctx, prompts, sampling(ctx.cfg, ctx.tokenizer), rollout_seed(ctx.cfg, iteration)
-    )
+    seed = (rollout_seed(ctx.cfg, iteration) + 104_729 * attempt) % 2**31
+    return generate(ctx, prompts, sampling(ctx.cfg, ctx.tokenizer), seed)
 
 
 def grouped_prompts(ctx: FlowContext, group_size: int) -> list[list[int]]:
