@@ -124,7 +124,7 @@ def test_train_script_runs_grpo_from_its_config(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _ALGORITHMS)
 def test_reward_rises(name, tmp_path):
-  cfg = _config(name, total_steps=25, rollout__batch_size=16)
+  cfg = _config(name, total_steps=40, rollout__batch_size=16)
   rewards = [
     r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   ]
