@@ -87,6 +87,8 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.reward.fn_coef = 1.0
   config.reward.model_coef = 0.0
 
+  config.algorithm = ml_collections.ConfigDict({"name": "ppo", "flow": ""})
+
   config.ppo = ml_collections.ConfigDict()
   config.ppo.ppo_epochs = 2
   config.ppo.mini_batches = 2
@@ -101,6 +103,12 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.ppo.whiten_advantages = True
   config.ppo.kl_estimator = "k1"
   config.ppo.kl_coef = 0.01
+  config.ppo.kl_loss_coef = 0.0
+  config.ppo.loss_agg = "token_mean"
+  config.ppo.clip_eps_high = 0.0
+  config.ppo.normalize_group_std = True
+  config.ppo.overlong_buffer = 0
+  config.ppo.dynamic_sampling_rounds = 0
   config.ppo.kl_controller = "fixed"
   config.ppo.kl_target = 6.0
   config.ppo.kl_horizon = 10_000

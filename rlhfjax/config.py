@@ -270,7 +270,8 @@ class PPOSection:
   value_clip_eps: float = 0.2
   entropy_coef: float = 0.0
   advantage: str = "gae"
-  """'gae' (with the critic) or 'group_relative' (critic-free, GRPO-style)."""
+  """PPO's estimator: 'gae' (with the critic) or a critic-free one: 'group_relative' (GRPO),
+  'rloo', 'reinforce_pp'. The flows of those names fix it."""
   group_size: int = 1
   """Samples per prompt; 'group_relative' compares the samples of one prompt."""
   gamma: float = 1.0
@@ -279,7 +280,24 @@ class PPOSection:
   kl_estimator: str = "k1"
   """Per-token KL estimator against the reference: 'k1', 'k2' or 'k3'."""
   kl_coef: float = 0.05
-  """Initial coefficient of the KL penalty in the shaped reward."""
+  """Initial coefficient of the KL penalty in the shaped reward (0: no KL in the reward)."""
+  kl_loss_coef: float = 0.0
+  """Coefficient of the KL to the reference as a loss term (GRPO's way; `kl_estimator`
+  per token, aggregated as `loss_agg`); 0: none."""
+  loss_agg: str = "token_mean"
+  """How per-token policy losses reduce: 'token_mean', 'seq_mean_token_mean' (mean over
+  sequences of their token means) or 'seq_mean_token_sum_norm' (Dr. GRPO: token sums over the
+  response capacity, mean over sequences)."""
+  clip_eps_high: float = 0.0
+  """Upper clip of the importance ratio, `1 + clip_eps_high` (DAPO's clip-higher); 0: `clip_eps`."""
+  normalize_group_std: bool = True
+  """Group-relative advantages divide by the group's standard deviation (False: Dr. GRPO)."""
+  overlong_buffer: int = 0
+  """DAPO's soft overlong punishment: responses longer than `rollout.max_new_tokens -
+  overlong_buffer` lose up to 1 of their score, linearly; 0: none."""
+  dynamic_sampling_rounds: int = 0
+  """DAPO's dynamic sampling: drop groups whose scores are all equal and generate more, up to
+  this many extra rounds, to fill the batch with groups that carry a signal; 0: off."""
   kl_controller: str = "fixed"
   """'fixed' or 'adaptive' (proportional controller towards `kl_target`)."""
   kl_target: float = 6.0
@@ -304,6 +322,15 @@ class PPOSection:
         f"'ppo.kl_estimator' must be one of "
         f"{', '.join(algorithms.KL_ESTIMATORS)}, got {self.kl_estimator!r}"
       )
+    if self.loss_agg not in algorithms.LOSS_AGGREGATIONS:
+      raise ConfigError(
+        f"'ppo.loss_agg' must be one of "
+        f"{', '.join(algorithms.LOSS_AGGREGATIONS)}, got {self.loss_agg!r}"
+      )
+    if min(self.kl_loss_coef, self.clip_eps_high) < 0:
+      raise ConfigError("'ppo.kl_loss_coef' and 'ppo.clip_eps_high' must be >= 0")
+    if self.overlong_buffer < 0 or self.dynamic_sampling_rounds < 0:
+      raise ConfigError("'ppo.overlong_buffer' and 'ppo.dynamic_sampling_rounds' must be >= 0")
     if self.kl_controller not in algorithms.KL_CONTROLLERS:
       raise ConfigError(
         f"'ppo.kl_controller' must be one of "
@@ -326,6 +353,43 @@ class PPOSection:
       kl_target=ranges.POSITIVE,
       kl_horizon=ranges.COUNT,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmSection:
+  """Which flow runs the iterations (see `rlhfjax.flows`)."""
+
+  name: str = "ppo"
+  """A registered flow (`rlhfjax.flows.registry`): 'ppo' (its critic-free variants through
+  `ppo.advantage`)."""
+  flow: str = ""
+  """A user's flow factory 'module:function' (`make_flow(ctx) -> flow`); overrides `name`."""
+
+  def __post_init__(self):
+    if self.flow and ":" not in self.flow:
+      raise ConfigError(f"'algorithm.flow' must be 'module:function', got {self.flow!r}")
+
+
+_DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOSection:
+  """Direct preference optimisation (algorithm 'dpo' on `data.preferences`; 'online_dpo' on
+  pairs sampled by the rollout and ranked by the reward)."""
+
+  beta: float = 0.1
+  """Scale of the implicit reward `beta * (log pi - log pi_ref)`."""
+  loss: str = "sigmoid"
+  """'sigmoid' (DPO; conservative DPO with `label_smoothing` > 0) or 'ipo'."""
+  label_smoothing: float = 0.0
+  """Probability that a preference label is flipped (conservative DPO); 'sigmoid' only."""
+
+  def __post_init__(self):
+    if self.loss not in _DPO_LOSSES:
+      raise ConfigError(f"'dpo.loss' must be one of {', '.join(_DPO_LOSSES)}, got {self.loss!r}")
+    if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5:
+      raise ConfigError("'dpo' needs beta > 0 and 0 <= label_smoothing < 0.5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -456,6 +520,8 @@ class ExperimentConfig:
   total_steps: int = 20
   """PPO iterations (rollout, score, update, sync)."""
   ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
+  algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
+  dpo: DPOSection = dataclasses.field(default_factory=DPOSection)
   reward: RewardSection = dataclasses.field(
     default_factory=lambda: RewardSection(fn="rlhfjax.tasks:vowel_reward")
   )

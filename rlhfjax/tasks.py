@@ -73,13 +73,19 @@ TASK_REWARDS: dict[str, RewardFn] = {"vowels": vowel_reward}
 (a reward model trained on preferences only approximates it)."""
 
 
-def load_reward_fn(path: str) -> RewardFn:
-  """Imports 'module:function' (e.g. 'rlhfjax.tasks:vowel_reward') with a clear error."""
+def load_callable(path: str, what: str) -> Callable:
+  """Imports 'module:function' with a clear error naming `what` it is for."""
   module_name, _, attr = path.partition(":")
   try:
     fn = getattr(importlib.import_module(module_name), attr)
   except (ImportError, AttributeError) as e:
-    raise ValueError(f"cannot import reward function {path!r}: {e}") from None
+    raise ValueError(f"cannot import {what} {path!r}: {e}") from None
   if not callable(fn):
-    raise ValueError(f"reward function {path!r} is not callable")
-  return reward_fn_check.checked(path, fn)
+    raise ValueError(f"{what} {path!r} is not callable")
+  return fn
+
+
+def load_reward_fn(path: str) -> RewardFn:
+  """Imports 'module:function' (e.g. 'rlhfjax.tasks:vowel_reward') with a clear error; the
+  function's signature and results are checked (`reward_fn_check`)."""
+  return reward_fn_check.checked(path, load_callable(path, "reward function"))

@@ -55,11 +55,11 @@ def main(argv):
   launch.emulate_host_devices(_DEVICES.value)
   import numpy as np
 
-  from rlhfjax.ppo.trainer import PPOTrainer
+  from rlhfjax.runner import Runner
 
   for variant in _PLACEMENTS.value:
     start = time.perf_counter()
-    trainer = PPOTrainer(_config(variant), tempfile.mkdtemp(), show_progress=False)
+    trainer = Runner(_config(variant), tempfile.mkdtemp(), show_progress=False)
     setup = time.perf_counter() - start
     rows = trainer.run().metrics
     steady = rows[1:]

@@ -34,14 +34,14 @@ def main(argv):
   import numpy as np
 
   from rlhfjax.planner import calibrate, localcheck
-  from rlhfjax.ppo.trainer import PPOTrainer
+  from rlhfjax.runner import Runner
 
   devices = jax.devices()[: _DEVICES.value]
   hw = calibrate.measure_hardware(devices)
   config = localcheck.bench_config(
     _VARIANT.value, iterations=_ITERATIONS.value, devices=_DEVICES.value
   )
-  rows = PPOTrainer(config, tempfile.mkdtemp(), show_progress=False).run().metrics[1:]
+  rows = Runner(config, tempfile.mkdtemp(), show_progress=False).run().metrics[1:]
   measured = {
     key[len("time/") :]: float(np.median([r[key] for r in rows]))
     for key in rows[0]

@@ -43,8 +43,8 @@ def main(argv: list[str]) -> None:
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib
+  from rlhfjax import runner as ppo_runner
   from rlhfjax.observe.metrics import MetricsWriter
-  from rlhfjax.ppo import trainer as ppo_trainer
   from rlhfjax.training import reward_model, sft
 
   workdir = launch.open_run(config, _WORKDIR.value)
@@ -62,12 +62,12 @@ def main(argv: list[str]) -> None:
   if reward_model.RewardModelTrainer(rm_cfg, dirs["rm"]).run().stopped:
     return _stopped("reward model")
   print("stage 3/3: PPO", flush=True)
-  result = ppo_trainer.PPOTrainer(ppo_cfg, dirs["ppo"]).run()
+  result = ppo_runner.Runner(ppo_cfg, dirs["ppo"]).run()
   if result.preempted:
     return _stopped("PPO")
 
   rows = {name: MetricsWriter.read(os.path.join(dirs[name], "metrics.jsonl")) for name in dirs}
-  summary = _summary(rows, result.evaluation, ppo_trainer.format_evaluation)
+  summary = _summary(rows, result.evaluation, ppo_runner.format_evaluation)
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write(summary)
   for name in _COPIED:

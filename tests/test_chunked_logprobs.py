@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from rlhfjax import models
-from rlhfjax.ppo import steps
-from rlhfjax.training import sft
+from rlhfjax.training import sft, steps
 
 CONFIG = models.get_model_config("tiny", attention="xla")
 

@@ -10,12 +10,12 @@ import optax
 import pytest
 
 from rlhfjax import models
+from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.mesh import offload
 from rlhfjax.placement.spec import Layout, Role, RoleSpec
-from rlhfjax.ppo import steps
-from rlhfjax.ppo.runtime import RoleRuntime
-from rlhfjax.ppo.trainer import PPOTrainer
+from rlhfjax.runner import Runner
+from rlhfjax.training import steps
 
 CONFIG = models.get_model_config("tiny", attention="xla")
 SPEC = RoleSpec(
@@ -139,7 +139,7 @@ def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
     ("resident", {}),
     ("offload", {"params": ("reference", "reward"), "optimizer": ("actor", "critic")}),
   ):
-    trainer = PPOTrainer(_ppo_config(**section), str(tmp_path / name), show_progress=False)
+    trainer = Runner(_ppo_config(**section), str(tmp_path / name), show_progress=False)
     runs[name] = (trainer, trainer.run())
   trainer, result = runs["offload"]
   base = runs["resident"][1]
@@ -150,12 +150,13 @@ def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
   assert set(result.compilations.values()) == {1}, result.compilations
   # Between stages the idle parts live in host memory, the rest on device.
   host, device = {"pinned_host"}, {"device"}
-  assert offload.memory_kinds(trainer.reference_params) == host
-  assert offload.memory_kinds(trainer.reward_params) == host
-  assert offload.memory_kinds(trainer.actor_state.opt_state) == host
-  assert offload.memory_kinds(trainer.critic_state.opt_state) == host
-  assert offload.memory_kinds(trainer.actor_state.params) == device
-  assert offload.memory_kinds(runs["resident"][0].reference_params) == device
+  cluster = trainer.cluster
+  assert offload.memory_kinds(cluster.params[Role.REFERENCE]) == host
+  assert offload.memory_kinds(cluster.params[Role.REWARD]) == host
+  assert offload.memory_kinds(cluster.states[Role.ACTOR].opt_state) == host
+  assert offload.memory_kinds(cluster.states[Role.CRITIC].opt_state) == host
+  assert offload.memory_kinds(cluster.states[Role.ACTOR].params) == device
+  assert offload.memory_kinds(runs["resident"][0].cluster.params[Role.REFERENCE]) == device
 
 
 def test_offload_section_names_only_roles_it_can_park():

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import from_config_dict
 from rlhfjax.models.config import get_model_config
 from rlhfjax.observe.timeline import Timeline
@@ -21,8 +22,7 @@ from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.planner import efficiency, hardware, memory, search
 from rlhfjax.planner.replay import StageCost, replay
 from rlhfjax.planner.workload import Workload, resolve_model
-from rlhfjax.ppo import steps
-from rlhfjax.ppo.runtime import RoleRuntime
+from rlhfjax.training import steps
 from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -282,7 +282,7 @@ def test_auto_strategy_runs_on_the_local_calibration(tmp_path, capsys):
   import runpy
 
   from rlhfjax.planner import calibrate
-  from rlhfjax.ppo.trainer import PPOTrainer
+  from rlhfjax.runner import Runner
 
   hw = calibrate.measure_hardware(matmul_size=128, copy_bytes=8 << 20, pair_bytes=1 << 20)
   assert hw.host_shared and len(hw.pair_bw) == 8 and hw.float_flops > 0
@@ -297,7 +297,7 @@ def test_auto_strategy_runs_on_the_local_calibration(tmp_path, capsys):
   cd.eval.num_prompts = 0
   cd.placement.strategy = "auto"
   cd.placement.efficiency = str(path)
-  trainer = PPOTrainer(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
+  trainer = Runner(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
   chosen = capsys.readouterr().out.splitlines()[0]
   assert chosen.startswith(f"placement auto chosen: {trainer.placement.strategy}")
   rows = trainer.run().metrics

@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
+from rlhfjax.cluster import dispatch
 from rlhfjax.config import from_config_dict
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import Role
-from rlhfjax.ppo import dispatch
-from rlhfjax.ppo.trainer import PPOTrainer
+from rlhfjax.runner import Runner
 
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 _VARIANTS = ("colocated", "interleaved_split", "disaggregated")
@@ -40,9 +40,7 @@ def _config(variant: str, **changes):
 def runs(tmp_path_factory):
   out = {}
   for variant in _VARIANTS:
-    trainer = PPOTrainer(
-      _config(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False
-    )
+    trainer = Runner(_config(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False)
     out[variant] = (trainer, trainer.run())
   return out
 
@@ -83,7 +81,9 @@ def test_each_program_compiles_once(runs, variant):
     "reward_scores",
     "advantages",
   } <= set(result.compilations)
-  assert set(trainer.engine.compilations.values()) == {1}, trainer.engine.compilations
+  assert set(trainer.cluster.engine.compilations.values()) == {1}, (
+    trainer.cluster.engine.compilations
+  )
 
 
 def _devices_of(tree):
@@ -95,15 +95,17 @@ def test_weights_live_on_their_roles_devices(runs, variant):
   trainer, _ = runs[variant]
   ids = [d.id for d in jax.devices()]
   want = lambda role: {ids[i] for i in trainer.placement[role].devices}
-  assert _devices_of(trainer.actor_state.params) == want(Role.ACTOR)
-  assert _devices_of(trainer.actor_state.opt_state) == want(Role.ACTOR)
-  assert _devices_of(trainer.critic_state.params) == want(Role.CRITIC)
-  assert _devices_of(trainer.reference_params) == want(Role.REFERENCE)
-  assert _devices_of(trainer.reward_params) == want(Role.REWARD)
-  assert _devices_of(trainer.engine.params) == want(Role.ROLLOUT)
+  assert _devices_of(trainer.cluster.states[Role.ACTOR].params) == want(Role.ACTOR)
+  assert _devices_of(trainer.cluster.states[Role.ACTOR].opt_state) == want(Role.ACTOR)
+  assert _devices_of(trainer.cluster.states[Role.CRITIC].params) == want(Role.CRITIC)
+  assert _devices_of(trainer.cluster.params[Role.REFERENCE]) == want(Role.REFERENCE)
+  assert _devices_of(trainer.cluster.params[Role.REWARD]) == want(Role.REWARD)
+  assert _devices_of(trainer.cluster.engine.params) == want(Role.ROLLOUT)
   # After the last sync the rollout holds exactly the trained actor weights.
   for a, b in zip(
-    jax.tree.leaves(trainer.actor_state.params), jax.tree.leaves(trainer.engine.params), strict=True
+    jax.tree.leaves(trainer.cluster.states[Role.ACTOR].params),
+    jax.tree.leaves(trainer.cluster.engine.params),
+    strict=True,
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -153,7 +155,7 @@ def test_outputs_metrics_timeline_and_plots(runs):
 
 
 def test_async_rollout_overlaps_generation_with_training(tmp_path):
-  trainer = PPOTrainer(
+  trainer = Runner(
     _config("disaggregated_async", total_steps=3), str(tmp_path), show_progress=False
   )
   result = trainer.run()
@@ -171,7 +173,7 @@ def test_async_rollout_overlaps_generation_with_training(tmp_path):
 
 def test_async_rollout_needs_its_own_devices(tmp_path):
   with pytest.raises(ValueError, match="async_rollout needs the rollout on its own devices"):
-    PPOTrainer(_config("colocated", ppo__async_rollout=True), str(tmp_path))
+    Runner(_config("colocated", ppo__async_rollout=True), str(tmp_path))
 
 
 def _stage(role, devices, fn):
@@ -217,7 +219,7 @@ def test_colocated_stages_run_one_after_another():
 def test_reward_rises(variant, tmp_path):
   cfg = _config(variant, total_steps=30, rollout__batch_size=16, reward__model_coef=0.0)
   rewards = [
-    r["reward/mean"] for r in PPOTrainer(cfg, str(tmp_path), show_progress=False).run().metrics
+    r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   ]
   first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
   assert last > first + 0.05 and last > 2 * first, rewards
@@ -225,9 +227,9 @@ def test_reward_rises(variant, tmp_path):
 
 def test_group_relative_runs_without_a_critic(tmp_path):
   cfg = _config("interleaved", ppo__advantage="group_relative", ppo__group_size=4)
-  trainer = PPOTrainer(cfg, str(tmp_path), show_progress=False)
+  trainer = Runner(cfg, str(tmp_path), show_progress=False)
   result = trainer.run()
-  assert trainer.critic_state is None
+  assert Role.CRITIC not in trainer.cluster.states
   stages = {(r.role, r.stage) for r in trainer.timeline.records}
   assert ("critic", "score") not in stages and ("critic", "update") not in stages
   assert "critic_step" not in result.compilations

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from rlhfjax import models
-from rlhfjax.ppo import steps
+from rlhfjax.training import steps
 from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
 from rlhfjax.training.state import init_train_state
 

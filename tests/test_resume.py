@@ -16,8 +16,8 @@ import pytest
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import config as config_lib
+from rlhfjax import runner as trainer_lib
 from rlhfjax.placement.spec import Role
-from rlhfjax.ppo import trainer as trainer_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train_ppo.py")
@@ -195,24 +195,24 @@ def _config(strategy: str, steps: int, reward=None, **ppo) -> config_lib.Experim
 @pytest.mark.slow
 def test_saved_under_colocated_resumes_under_disaggregated(tmp_path):
   workdir = str(tmp_path)
-  first = trainer_lib.PPOTrainer(_config("colocated", 2), workdir, show_progress=False)
+  first = trainer_lib.Runner(_config("colocated", 2), workdir, show_progress=False)
   first.run()
-  saved = jax.device_get(first.actor_state.params)
-  saved_critic = jax.device_get(first.critic_state.params)
+  saved = jax.device_get(first.cluster.states[Role.ACTOR].params)
+  saved_critic = jax.device_get(first.cluster.states[Role.CRITIC].params)
 
-  second = trainer_lib.PPOTrainer(_config("disaggregated", 3), workdir, show_progress=False)
+  second = trainer_lib.Runner(_config("disaggregated", 3), workdir, show_progress=False)
   assert second.start_step == 2
   actor_devices = {jax.devices()[i] for i in second.placement[Role.ACTOR].devices}
   assert actor_devices != set(jax.devices())  # the actor really moved to a sub-mesh
   for state, want, role in (
-    (second.actor_state, saved, Role.ACTOR),
-    (second.critic_state, saved_critic, Role.CRITIC),
+    (second.cluster.states[Role.ACTOR], saved, Role.ACTOR),
+    (second.cluster.states[Role.CRITIC], saved_critic, Role.CRITIC),
   ):
     devices = {jax.devices()[i] for i in second.placement[role].devices}
     for leaf, expected, sharding in zip(
       jax.tree.leaves(state.params),
       jax.tree.leaves(want),
-      jax.tree.leaves(second.roles[role].param_shardings),
+      jax.tree.leaves(second.cluster.roles[role].param_shardings),
       strict=True,
     ):
       assert leaf.sharding == sharding
@@ -225,22 +225,24 @@ def test_saved_under_colocated_resumes_under_disaggregated(tmp_path):
   assert [r["step"] for r in _rows(workdir)] == [0, 1, 2]
 
 
-def nan_reward(prompts, responses, metadata):
+def huge_reward(prompts, responses, metadata):
+  """Finite scores (a NaN one is refused when the reward function returns it) whose sums
+  overflow float32: the advantages and the value loss become non-finite."""
   del responses, metadata
-  return np.full(len(prompts), np.nan, np.float32)
+  return np.full(len(prompts), 3e38, np.float32)
 
 
 @pytest.mark.slow
 def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path):
-  cfg = _config("colocated", 4, reward={"fn": "test_resume:nan_reward"}, max_skipped_updates=3)
-  trainer = trainer_lib.PPOTrainer(cfg, str(tmp_path), show_progress=False)
-  before = jax.device_get(trainer.actor_state.params)
+  cfg = _config("colocated", 4, reward={"fn": "test_resume:huge_reward"}, max_skipped_updates=3)
+  trainer = trainer_lib.Runner(cfg, str(tmp_path), show_progress=False)
+  before = jax.device_get(trainer.cluster.states[Role.ACTOR].params)
   with pytest.raises(trainer_lib.TooManySkippedUpdates, match="non-finite"):
     trainer.run()
   rows = _rows(str(tmp_path))
   # Two updates per iteration (mini_batches=2): the limit of 3 is reached in iteration 1.
   assert [r["step"] for r in rows] == [0, 1]
   assert rows[0]["update/skipped"] == 2 and rows[1]["update/skipped_in_row"] == 4
-  after = jax.device_get(trainer.actor_state.params)
+  after = jax.device_get(trainer.cluster.states[Role.ACTOR].params)
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
     np.testing.assert_array_equal(a, b)

@@ -18,8 +18,8 @@ import pytest
 from rlhfjax import algorithms as alg
 from rlhfjax import config as config_lib
 from rlhfjax import models
+from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.ppo.runtime import RoleRuntime
 from rlhfjax.training import reward_model, sft, supervised
 from rlhfjax.training.state import init_train_state
 

@@ -11,9 +11,9 @@ import pytest
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import models
+from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.models import config as model_config
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.ppo.runtime import RoleRuntime
 from rlhfjax.training import weights
 
 MODEL = model_config.get_model_config("tiny")

@@ -2,12 +2,18 @@
 
 from rlhfjax.algorithms.advantages import (
   ADVANTAGE_ESTIMATORS,
+  CRITIC_ESTIMATORS,
+  EstimatorSettings,
+  discounted_returns,
   gae,
   group_relative,
   last_token_onehot,
+  leave_one_out,
+  reinforce_pp,
   shape_rewards,
   whiten_advantages,
 )
+from rlhfjax.algorithms.dapo import groups_with_signal, overlong_penalty
 from rlhfjax.algorithms.kl import (
   KL_CONTROLLERS,
   KL_ESTIMATORS,
@@ -20,11 +26,15 @@ from rlhfjax.algorithms.kl import (
   kl_k3,
 )
 from rlhfjax.algorithms.losses import (
+  LOSS_AGGREGATIONS,
   clipped_policy_loss,
   clipped_value_loss,
   entropy_bonus,
   entropy_from_logits,
+  seq_mean_token_mean,
+  seq_mean_token_sum_norm,
   token_logprobs,
+  token_mean,
 )
 from rlhfjax.algorithms.masked import masked_mean, masked_var, masked_whiten
 from rlhfjax.algorithms.objectives import (
@@ -33,9 +43,32 @@ from rlhfjax.algorithms.objectives import (
   preference_accuracy,
   token_accuracy,
 )
+from rlhfjax.algorithms.preference import (
+  DPO_LOSSES,
+  dpo_ipo,
+  dpo_loss,
+  dpo_sigmoid,
+  sequence_logprobs,
+)
 
 __all__ = [
+  "groups_with_signal",
+  "overlong_penalty",
+  "DPO_LOSSES",
+  "dpo_ipo",
+  "dpo_loss",
+  "dpo_sigmoid",
+  "sequence_logprobs",
   "ADVANTAGE_ESTIMATORS",
+  "CRITIC_ESTIMATORS",
+  "LOSS_AGGREGATIONS",
+  "EstimatorSettings",
+  "discounted_returns",
+  "leave_one_out",
+  "reinforce_pp",
+  "seq_mean_token_mean",
+  "seq_mean_token_sum_norm",
+  "token_mean",
   "KL_CONTROLLERS",
   "KL_ESTIMATORS",
   "KLControllerState",

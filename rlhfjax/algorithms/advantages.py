@@ -1,4 +1,5 @@
-"""Reward shaping and advantage estimators (GAE; group-relative baselines without a critic).
+"""Reward shaping and advantage estimators: GAE with a critic; critic-free GRPO, RLOO and
+REINFORCE++.
 
 Letters: b batch, t response length. Responses are right-aligned to position 0: token t of a
 response sits at column t and `mask_bt` is 1 on the first `length` columns.
@@ -6,6 +7,7 @@ response sits at column t and `mask_bt` is 1 on the first `length` columns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -57,21 +59,79 @@ def gae(
   return advantages_bt, (advantages_bt + values_bt) * mask_bt
 
 
-def group_relative(
-  scores_b: jax.Array, mask_bt: jax.Array, *, group_size: int, eps: float = 1e-6
-) -> tuple[jax.Array, jax.Array]:
-  """Critic-free advantages (GRPO, Shao et al., 2024): each prompt's `group_size` samples are
-  consecutive rows; `A_i = (s_i - mean(s_group)) / (std(s_group) + eps)` on every token.
-
-  Returns `(advantages_bt, returns_bt)`; returns are the raw scores broadcast to tokens.
-  """
+def _groups(scores_b: jax.Array, group_size: int) -> jax.Array:
   b = scores_b.shape[0]
   if b % group_size:
     raise ValueError(f"batch {b} is not a multiple of group_size {group_size}")
-  groups = scores_b.reshape(b // group_size, group_size)
-  normalised = (groups - groups.mean(-1, keepdims=True)) / (groups.std(-1, keepdims=True) + eps)
-  advantages_bt = normalised.reshape(b)[:, None] * mask_bt
+  return scores_b.reshape(b // group_size, group_size)
+
+
+def group_relative(
+  scores_b: jax.Array,
+  mask_bt: jax.Array,
+  *,
+  group_size: int,
+  eps: float = 1e-6,
+  normalize_std: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+  """Critic-free advantages (GRPO, Shao et al., 2024): each prompt's `group_size` samples are
+  consecutive rows; `A_i = (s_i - mean(s_group)) / (std(s_group) + eps)` on every token.
+  `normalize_std=False` keeps `A_i = s_i - mean(s_group)` (Dr. GRPO, Liu et al., 2025).
+
+  Returns `(advantages_bt, returns_bt)`; returns are the raw scores broadcast to tokens.
+  """
+  groups = _groups(scores_b, group_size)
+  centred = groups - groups.mean(-1, keepdims=True)
+  if normalize_std:
+    centred = centred / (groups.std(-1, keepdims=True) + eps)
+  advantages_bt = centred.reshape(-1)[:, None] * mask_bt
   return advantages_bt, scores_b[:, None] * mask_bt
+
+
+def leave_one_out(
+  scores_b: jax.Array, mask_bt: jax.Array, *, group_size: int
+) -> tuple[jax.Array, jax.Array]:
+  """RLOO (Ahmadian et al., 2024): each sample's baseline is the mean score of the other
+  `k - 1` samples of its prompt,
+
+    A_i = s_i - 1/(k-1) sum_{j != i} s_j = k/(k-1) (s_i - mean(s_group)),
+
+  on every token. Needs `group_size` >= 2. Returns `(advantages_bt, returns_bt)`.
+  """
+  if group_size < 2:
+    raise ValueError(f"leave-one-out baselines need group_size >= 2, got {group_size}")
+  groups = _groups(scores_b, group_size)
+  others = (groups.sum(-1, keepdims=True) - groups) / (group_size - 1)
+  advantages_bt = (groups - others).reshape(-1)[:, None] * mask_bt
+  return advantages_bt, scores_b[:, None] * mask_bt
+
+
+def discounted_returns(rewards_bt: jax.Array, mask_bt: jax.Array, *, gamma: float) -> jax.Array:
+  """`R_t = sum_{k >= t} gamma^(k - t) r_k` over each row's response tokens."""
+
+  def step(next_b, xs):
+    r_b, m_b = xs
+    ret_b = (r_b + gamma * next_b) * m_b
+    return ret_b, ret_b
+
+  _, ret_tb = jax.lax.scan(
+    step, jnp.zeros_like(rewards_bt[:, 0]), ((rewards_bt * mask_bt).T, mask_bt.T), reverse=True
+  )
+  return ret_tb.T * mask_bt
+
+
+def reinforce_pp(
+  rewards_bt: jax.Array, mask_bt: jax.Array, *, gamma: float
+) -> tuple[jax.Array, jax.Array]:
+  """REINFORCE++ (Hu, 2025): returns of the KL-shaped token rewards, whitened over every
+  response token of the batch (the baseline is the batch, not a critic or a group),
+
+    R_t = sum_{k >= t} gamma^(k-t) r_k;   A_t = (R_t - mean_batch R) / std_batch R.
+
+  Returns `(advantages_bt, returns_bt)`.
+  """
+  returns_bt = discounted_returns(rewards_bt, mask_bt, gamma=gamma)
+  return masked_whiten(returns_bt, mask_bt), returns_bt
 
 
 def whiten_advantages(advantages_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
@@ -79,7 +139,51 @@ def whiten_advantages(advantages_bt: jax.Array, mask_bt: jax.Array) -> jax.Array
   return masked_whiten(advantages_bt, mask_bt, shift_mean=True)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
-  "gae": gae,
-  "group_relative": group_relative,
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EstimatorSettings:
+  """Static settings of the estimators (hashable: part of a compiled program)."""
+
+  gamma: float = 1.0
+  lam: float = 0.95
+  group_size: int = 1
+  normalize_std: bool = True
+
+
+def _gae_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
+  rewards_bt = shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
+  return gae(rewards_bt, values_bt, mask_bt, gamma=s.gamma, lam=s.lam)
+
+
+def _grpo_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
+  del values_bt
+  total_b = scores_b - kl_coef * jnp.sum(kl_bt, axis=-1)
+  return group_relative(total_b, mask_bt, group_size=s.group_size, normalize_std=s.normalize_std)
+
+
+def _rloo_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
+  del values_bt
+  total_b = scores_b - kl_coef * jnp.sum(kl_bt, axis=-1)
+  return leave_one_out(total_b, mask_bt, group_size=s.group_size)
+
+
+def _reinforce_pp_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
+  del values_bt
+  rewards_bt = shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
+  return reinforce_pp(rewards_bt, mask_bt, gamma=s.gamma)
+
+
+Estimator = Callable[..., tuple[jax.Array, jax.Array]]
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+  "gae": _gae_of_scores,
+  "group_relative": _grpo_of_scores,
+  "rloo": _rloo_of_scores,
+  "reinforce_pp": _reinforce_pp_of_scores,
 }
+"""`fn(scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings) -> (advantages_bt, returns_bt)`
+by name. The KL to the reference enters as a reward (`kl_coef`, 0 when it is a loss term):
+per token for the token-level estimators (GAE, REINFORCE++), summed per sample for the
+sample-level ones (GRPO, RLOO). Only 'gae' reads the critic's values."""
+
+CRITIC_ESTIMATORS = frozenset({"gae"})
+"""Estimators that need a critic."""

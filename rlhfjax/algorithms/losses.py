@@ -11,6 +11,32 @@ import jax.numpy as jnp
 from rlhfjax.algorithms.masked import masked_mean
 
 
+def token_mean(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+  """`sum_{i,t} x_it m_it / sum_{i,t} m_it`: every token of the batch weighs the same."""
+  return masked_mean(x_bt, mask_bt)
+
+
+def seq_mean_token_mean(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+  """`1/B sum_i (sum_t x_it m_it / sum_t m_it)`: every sequence weighs the same (GRPO's
+  original aggregation; short responses' tokens weigh more)."""
+  per_seq_b = jnp.sum(x_bt * mask_bt, -1) / jnp.maximum(jnp.sum(mask_bt, -1), 1.0)
+  return jnp.mean(per_seq_b)
+
+
+def seq_mean_token_sum_norm(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+  """`1/B sum_i sum_t x_it m_it / T` with `T` the response capacity (Dr. GRPO, Liu et al.,
+  2025): no length normalisation per sequence, so no bias towards long wrong answers."""
+  return jnp.mean(jnp.sum(x_bt * mask_bt, -1)) / x_bt.shape[-1]
+
+
+LOSS_AGGREGATIONS = {
+  "token_mean": token_mean,
+  "seq_mean_token_mean": seq_mean_token_mean,
+  "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+}
+"""How per-token losses reduce to one number, by name: `fn(x_bt, mask_bt) -> scalar`."""
+
+
 def clipped_policy_loss(
   logp_bt: jax.Array,
   old_logp_bt: jax.Array,
@@ -19,11 +45,16 @@ def clipped_policy_loss(
   *,
   clip_eps: float,
   behaviour_logp_bt: jax.Array | None = None,
+  clip_eps_high: float | None = None,
+  aggregation: str = "token_mean",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO-clip (Schulman et al., 2017):
 
     rho_t = exp(logp_t - old_logp_t)
-    L     = mean_t max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps, 1 + eps))
+    L     = agg_t max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 + eps_high))
+
+  `eps_low = clip_eps`; `eps_high = clip_eps_high` when given (DAPO's decoupled clip, Yu et al.,
+  2025), else `clip_eps`. `agg` is one of `LOSS_AGGREGATIONS` (default: mean over tokens).
 
   With `behaviour_logp_bt` (the log-probs of the policy that actually generated the tokens,
   e.g. one step stale in asynchronous rollout), each token is also weighted by the truncated
@@ -34,7 +65,8 @@ def clipped_policy_loss(
   log_ratio_bt = logp_bt - old_logp_bt
   ratio_bt = jnp.exp(log_ratio_bt)
   unclipped_bt = -advantages_bt * ratio_bt
-  clipped_bt = -advantages_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps)
+  high = clip_eps if clip_eps_high is None else clip_eps_high
+  clipped_bt = -advantages_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + high)
   per_token_bt = jnp.maximum(unclipped_bt, clipped_bt)
   if behaviour_logp_bt is not None:
     weight_bt = jnp.minimum(jnp.exp(old_logp_bt - behaviour_logp_bt), 1.0 + clip_eps)
@@ -44,7 +76,7 @@ def clipped_policy_loss(
     "approx_kl": masked_mean(0.5 * jnp.square(log_ratio_bt), mask_bt),
     "ratio_max": jnp.max(jnp.where(mask_bt > 0, ratio_bt, -jnp.inf)),
   }
-  return masked_mean(per_token_bt, mask_bt), stats
+  return LOSS_AGGREGATIONS[aggregation](per_token_bt, mask_bt), stats
 
 
 def clipped_value_loss(

@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 
 from rlhfjax import models
+from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.mesh import rules
 from rlhfjax.models import ModelConfig
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
-from rlhfjax.ppo import steps
-from rlhfjax.ppo.runtime import RoleRuntime
+from rlhfjax.training import steps
 from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
 
 GB = 1e9

@@ -24,8 +24,8 @@ import numpy as np
 
 from rlhfjax import models
 from rlhfjax.models import ModelConfig
-from rlhfjax.ppo import steps
 from rlhfjax.rollout import decode
+from rlhfjax.training import steps
 from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
 from rlhfjax.training.state import init_train_state
 

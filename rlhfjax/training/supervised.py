@@ -25,6 +25,7 @@ import tqdm
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import launch, signals
+from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
 from rlhfjax.data import jsonl
 from rlhfjax.data import tokenizer as tokenizer_lib
@@ -34,9 +35,7 @@ from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.placement import memory
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.placement.validate import PlacementError, resolve_num_devices
-from rlhfjax.ppo import steps
-from rlhfjax.ppo.runtime import RoleRuntime
-from rlhfjax.training import weights
+from rlhfjax.training import steps, weights
 from rlhfjax.training.optimizer import learning_rate_schedule, make_optimizer
 from rlhfjax.training.state import TrainState
 

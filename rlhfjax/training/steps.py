@@ -31,23 +31,6 @@ def _response_slice(x_bs: jax.Array, prompt_len: int) -> jax.Array:
   return x_bs[:, prompt_len - 1 : -1]
 
 
-def response_logits(
-  config: ModelConfig,
-  params: Any,
-  tokens_bs: jax.Array,
-  attention_mask_bs: jax.Array,
-  prompt_len: int,
-  temperature: float = 1.0,
-) -> jax.Array:
-  """Float32 logits `[b, t, v]` that predict each response token, divided by `temperature`.
-
-  A policy that samples at temperature T is softmax(logits / T); T = 0 (greedy) is scored as 1.
-  """
-  logits_bsv = models.forward_logits(config, params, tokens_bs, attention_mask_bs)
-  logits_btv = _response_slice(logits_bsv, prompt_len)
-  return logits_btv if temperature in (0.0, 1.0) else logits_btv / temperature
-
-
 def response_logprobs(
   config: ModelConfig,
   params: Any,
@@ -95,9 +78,18 @@ def actor_loss(
   clip_eps: float,
   entropy_coef: float,
   temperature: float = 1.0,
+  clip_eps_high: float | None = None,
+  loss_agg: str = "token_mean",
+  kl_loss_coef: float = 0.0,
+  kl_estimator: str = "k3",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens."""
-  # Chunked over the sequence when `config.logprob_chunk_size` is set (no [b, t, v] logits).
+  """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens,
+  plus `kl_loss_coef` times the KL to the reference (`batch['ref_logprobs']`) when non-zero.
+
+  The policy and KL terms reduce over tokens as `loss_agg` says (`alg.LOSS_AGGREGATIONS`).
+  Log-probs and entropy are chunked over the sequence when `config.logprob_chunk_size` is set
+  (no [b, t, v] logits).
+  """
   token = models.token_stats(
     config, params, batch["tokens"], batch["attention_mask"], prompt_len, temperature
   )
@@ -110,6 +102,8 @@ def actor_loss(
     mask_bt,
     clip_eps=clip_eps,
     behaviour_logp_bt=batch.get("behaviour_logprobs"),
+    clip_eps_high=clip_eps_high,
+    aggregation=loss_agg,
   )
   entropy = alg.masked_mean(token.entropy_bt, mask_bt)
   metrics = {
@@ -118,7 +112,13 @@ def actor_loss(
     "policy/clipfrac": stats["clipfrac"],
     "policy/approx_kl": stats["approx_kl"],
   }
-  return policy_loss - entropy_coef * entropy, metrics
+  loss = policy_loss - entropy_coef * entropy
+  if kl_loss_coef:
+    kl_bt = alg.get_kl_estimator(kl_estimator)(logp_bt, batch["ref_logprobs"])
+    kl = alg.LOSS_AGGREGATIONS[loss_agg](kl_bt, mask_bt)
+    metrics["loss/kl"] = kl
+    loss = loss + kl_loss_coef * kl
+  return loss, metrics
 
 
 def critic_loss(

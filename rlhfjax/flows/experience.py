@@ -1,4 +1,8 @@
-"""Experience: rollout outputs laid out as sequences, and the advantages computed from scores.
+"""Experience: rollout outputs laid out as sequences, then a typed pytree on the devices.
+
+`Sequences` is what the rollout hands over on the host (token ids a rule reward reads).
+`Experience` is the batch on the actor's mesh from scoring to update: it is uploaded once and
+never comes back to the host; scorers on other meshes get its tokens device to device.
 
 Letters: b batch, p prompt length, t response length, s = p + t. Prompts are left padded to
 `p`, responses right padded to `t`, so response token `j` of every row sits at column `p + j`.
@@ -9,12 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
-
-from rlhfjax import algorithms as alg
-from rlhfjax.algorithms.masked import masked_mean
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,48 +89,52 @@ def assemble(
   )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdvantageSettings:
-  """Static settings of `compute_advantages` (hashable: part of the compiled program)."""
+def take_rows(parts: Sequence[tuple[Sequences, Sequence[int]]]) -> Sequences:
+  """One batch of the given rows of several batches, in order."""
+  pick = lambda name: np.concatenate([getattr(s, name)[list(rows)] for s, rows in parts])
+  return Sequences(
+    prompts=[s.prompts[i] for s, rows in parts for i in rows],
+    responses=[s.responses[i] for s, rows in parts for i in rows],
+    tokens_bs=pick("tokens_bs"),
+    attention_mask_bs=pick("attention_mask_bs"),
+    response_mask_bt=pick("response_mask_bt"),
+    rollout_logprobs_bt=pick("rollout_logprobs_bt"),
+  )
 
-  kl_estimator: str
-  estimator: str
-  gamma: float
-  lam: float
-  group_size: int
-  whiten: bool
 
+@flax.struct.dataclass
+class Experience:
+  """One batch of experience on the devices (a pytree; absent parts are None).
 
-def compute_advantages(
-  settings: AdvantageSettings,
-  old_logp_bt: jax.Array,
-  ref_logp_bt: jax.Array,
-  values_bt: jax.Array,
-  scores_b: jax.Array,
-  mask_bt: jax.Array,
-  kl_coef: jax.Array,
-) -> dict[str, jax.Array]:
-  """KL-shaped rewards, then advantages and returns, masked to response tokens.
-
-    kl_t = estimator(logp_t, logp_ref_t);  r_t = -beta * kl_t + score * [t last]
-  then GAE over `r` with the critic's values, or group-relative advantages of the scores.
+  Filled stage by stage: the rollout's tokens and log-probs, then the scorers' log-probs,
+  values and scores, then the advantages and returns an algorithm computes from them.
   """
-  kl_bt = alg.get_kl_estimator(settings.kl_estimator)(old_logp_bt, ref_logp_bt) * mask_bt
-  rewards_bt = alg.shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
-  if settings.estimator == "gae":
-    advantages_bt, returns_bt = alg.gae(
-      rewards_bt, values_bt, mask_bt, gamma=settings.gamma, lam=settings.lam
-    )
-  else:
-    # Critic-free: the KL penalty enters each sample's score as its sum over tokens.
-    total_b = scores_b - kl_coef * jnp.sum(kl_bt, axis=-1)
-    advantages_bt, returns_bt = alg.group_relative(total_b, mask_bt, group_size=settings.group_size)
-  if settings.whiten:
-    advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
-  return {
-    "advantages": advantages_bt,
-    "returns": returns_bt,
-    "kl/mean": jnp.sum(kl_bt) / jnp.maximum(jnp.sum(mask_bt[:, :1]), 1.0),
-    "kl/per_token": masked_mean(kl_bt, mask_bt),
-    "reward/shaped_mean": jnp.mean(jnp.sum(rewards_bt, axis=-1)),
-  }
+
+  tokens_bs: jax.Array
+  """int32 prompt + response tokens."""
+  attention_mask_bs: jax.Array
+  """int32, 1 on real tokens."""
+  response_mask_bt: jax.Array
+  """float32, 1 on response tokens."""
+  rollout_logprobs_bt: jax.Array
+  """Log-probs of the sampled tokens under the policy that generated them."""
+  old_logprobs_bt: jax.Array | None = None
+  """The actor's log-probs before this iteration's updates."""
+  ref_logprobs_bt: jax.Array | None = None
+  """The frozen reference policy's log-probs."""
+  values_bt: jax.Array | None = None
+  """The critic's values (critic-free algorithms: None)."""
+  scores_b: jax.Array | None = None
+  """The sequence reward."""
+  advantages_bt: jax.Array | None = None
+  returns_bt: jax.Array | None = None
+
+  @classmethod
+  def from_sequences(cls, seqs: Sequences) -> dict[str, np.ndarray]:
+    """The host arrays of a rollout batch, by field: what is uploaded once."""
+    return {
+      "tokens_bs": seqs.tokens_bs,
+      "attention_mask_bs": seqs.attention_mask_bs,
+      "response_mask_bt": seqs.response_mask_bt,
+      "rollout_logprobs_bt": seqs.rollout_logprobs_bt,
+    }

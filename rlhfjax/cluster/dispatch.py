@@ -2,12 +2,14 @@
 
 Stages whose device sets overlap run one after another (co-located roles share their devices);
 groups of stages with disjoint devices run at the same time, each group in its own thread. JAX
-releases the GIL while XLA executes, so the device work of disjoint meshes overlaps.
+releases the GIL while XLA executes, so the device work of disjoint meshes overlaps. JAX keeps
+transfer guards per thread: each group's thread runs under the caller's guards.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,15 +48,34 @@ def device_groups(stages: Sequence[Stage]) -> list[list[int]]:
   return list(groups.values())
 
 
+_GUARDS = ("host_to_device", "device_to_device", "device_to_host")
+
+
+def _transfer_guards() -> dict[str, str | None]:
+  """The calling thread's transfer guards."""
+  return {kind: getattr(jax.config, f"jax_transfer_guard_{kind}") for kind in _GUARDS}
+
+
+@contextlib.contextmanager
+def _under(guards: dict[str, str | None]):
+  with contextlib.ExitStack() as stack:
+    for kind, level in guards.items():
+      if level is not None:
+        stack.enter_context(getattr(jax, f"transfer_guard_{kind}")(level))
+    yield
+
+
 def run_stages(stages: Sequence[Stage], timeline: Timeline, iteration: int) -> list[Any]:
   """Runs every stage, recording it on the timeline; returns results in the input order."""
   results: list[Any] = [None] * len(stages)
+  guards = _transfer_guards()
 
   def run_group(indices: list[int]) -> None:
-    for i in indices:
-      stage = stages[i]
-      with timeline.stage(iteration, stage.role, stage.name, stage.devices):
-        results[i] = jax.block_until_ready(stage.fn())
+    with _under(guards):
+      for i in indices:
+        stage = stages[i]
+        with timeline.stage(iteration, stage.role, stage.name, stage.devices):
+          results[i] = jax.block_until_ready(stage.fn())
 
   groups = device_groups(stages)
   if len(groups) == 1:

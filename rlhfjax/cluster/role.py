@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import models
-from rlhfjax.mesh import meshes, rules
+from rlhfjax.mesh import meshes, rules, transfer
 from rlhfjax.models.config import HeadKind, ModelConfig
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.training import weights
@@ -56,9 +56,19 @@ class RoleRuntime:
     return jax.tree.map(lambda x: self.batch_sharding(np.shape(x), leading), tree)
 
   def put_batch(self, tree: Any, leading: int = 0) -> Any:
-    """Sends a batch (host or device arrays) to this role's mesh, rows split over the batch
-    axes. Device arrays move device to device."""
-    return jax.device_put(tree, self.batch_shardings(tree, leading))
+    """Sends a batch to this role's mesh, rows split over the batch axes.
+
+    Device arrays move device to device through `rlhfjax.mesh.transfer` (a plain
+    `jax.device_put` between meshes stages them through the host); host arrays are uploaded.
+    """
+    shardings = self.batch_shardings(tree, leading)
+    leaves = jax.tree.leaves(tree)
+    on_device = [isinstance(x, jax.Array) for x in leaves]
+    if all(on_device):
+      return transfer.transfer(tree, shardings)[0]
+    if any(on_device):
+      raise TypeError("put_batch takes a tree of host arrays or one of device arrays, not both")
+    return jax.device_put(tree, shardings)
 
   def init_params(self, rng: jax.Array) -> Any:
     """Fresh parameters created directly in this role's shards."""

@@ -1,0 +1,1 @@
+"""Roles on their meshes: weights, optimizer states, compiled programs and the one mover."""

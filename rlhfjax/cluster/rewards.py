@@ -1,0 +1,125 @@
+"""The sequence score: `reward.model_coef` x the reward model + `reward.fn_coef` x a rule.
+
+The reward model scores on its own mesh; a rule (`reward.fn`, 'module:function') runs on the
+host with the token ids of the prompts and responses, the one host round trip of scoring.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlhfjax import tasks
+from rlhfjax.cluster.cluster import Cluster, WeightSource, initial_rngs
+from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.placement.spec import Role
+from rlhfjax.training import steps
+
+
+class Rewards:
+  """Scores sequences with the configured reward parts; see the module docstring."""
+
+  def __init__(self, cfg: ExperimentConfig, cluster: Cluster, tokenizer: Any):
+    self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
+    reward = cfg.reward
+    self.use_model = reward.model_coef != 0.0
+    if not self.use_model and cfg.init.reward:
+      raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
+    self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
+    self.task_fn = tasks.TASK_REWARDS.get(cfg.data.task)
+    b, s = cfg.rollout.batch_size, cfg.rollout.max_seq_len
+    if self.use_model:
+      source = WeightSource(
+        source=cfg.init.reward, what="init.reward", rng=initial_rngs(cfg.seed)[Role.REWARD]
+      )
+      cluster.freeze(Role.REWARD, source)
+      rt = cluster.roles[Role.REWARD]
+      batch = (rt.batch_sharding((b, s)), rt.batch_sharding((b, s)))
+      self._model_scores = cluster.compile(
+        "reward_scores",
+        functools.partial(steps.sequence_scores, rt.model),
+        in_shardings=(rt.param_shardings, *batch),
+        out_shardings=rt.batch_sharding((b,)),
+      )
+    mc, fc = reward.model_coef, reward.fn_coef
+    parts = (self.use_model, self.fn is not None)
+    combine = {
+      (True, True): lambda m, f: mc * m + fc * f,
+      (True, False): lambda m: mc * m,
+      (False, True): lambda f: fc * f,
+    }[parts]
+    actor = cluster.roles[Role.ACTOR]
+    self._combine = cluster.compile(
+      "combine_scores", combine, out_shardings=actor.batch_sharding((b,))
+    )
+
+  def stages(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
+    """Scoring stages: the reward model on its mesh (from the tokens on any mesh), the rule on
+    the host (from the rollout's token ids)."""
+    out = []
+    if self.use_model:
+      params = self.cluster.params[Role.REWARD]
+
+      def model():
+        return self._model_scores(
+          params, *self.cluster.move(Role.REWARD, (tokens_bs, attention_bs))
+        )
+
+      out.append(self.cluster.stage(Role.REWARD, "score", model))
+    if self.fn is not None:
+      metadata = {"step": iteration, "tokenizer": self.tokenizer}
+      out.append(
+        self.cluster.stage("reward_fn", "score", lambda: self._rule(self.fn, seqs, metadata))
+      )
+    return out
+
+  def score(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
+    """`stages` run on their own, then `combine`d: the score `[b]` on the actor's mesh."""
+    todo = self.stages(tokens_bs, attention_bs, seqs, iteration)
+    results = self.cluster.run(todo, iteration)
+    return self.combine(dict(zip([s.role for s in todo], results, strict=True)))
+
+  def combine(self, results: dict[str, Any]) -> jax.Array:
+    """The combined score `[b]` on the actor's mesh, from the results of `stages` by role."""
+    parts = []
+    if self.use_model:
+      parts.append(self.cluster.move(Role.ACTOR, results["reward"]))
+    if self.fn is not None:
+      parts.append(self.cluster.upload(Role.ACTOR, results["reward_fn"], "reward_fn scores"))
+    return self._combine(*parts)
+
+  def _rule(self, fn, seqs: Any, metadata: dict) -> np.ndarray:
+    scores = np.asarray(fn(seqs.prompts, seqs.responses, metadata), np.float32)
+    if scores.shape != (len(seqs.prompts),):
+      raise ValueError(
+        f"reward function {self.cfg.reward.fn!r} returned shape "
+        f"{scores.shape}, expected {(len(seqs.prompts),)}"
+      )
+    return scores
+
+  def evaluate(self, seqs: Any) -> dict[str, np.ndarray]:
+    """Every part of the reward, their combination and the task's own rule, on the host."""
+    meta = {"step": -1, "tokenizer": self.tokenizer}
+    scores: dict[str, np.ndarray] = {}
+    n = len(seqs.prompts)
+    combined = np.zeros(n, np.float32)
+    if self.use_model:
+      rt = self.cluster.roles[Role.REWARD]
+      with self.cluster.host("evaluation"):
+        batch = rt.put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
+        scores["reward_model"] = self.cluster.fetch(
+          self._model_scores(self.cluster.params[Role.REWARD], *batch), "evaluation"
+        )
+      combined += self.cfg.reward.model_coef * scores["reward_model"]
+    if self.fn is not None:
+      scores["reward_fn"] = self._rule(self.fn, seqs, meta)
+      combined += self.cfg.reward.fn_coef * scores["reward_fn"]
+    scores["reward"] = combined
+    if self.task_fn is not None:
+      scores["task_reward"] = np.asarray(
+        self.task_fn(seqs.prompts, seqs.responses, meta), np.float32
+      )
+    return scores

@@ -1,0 +1,1 @@
+"""Algorithms as flows of stages on a cluster, registered by name (`registry`)."""

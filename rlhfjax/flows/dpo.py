@@ -1,0 +1,169 @@
+"""DPO on preference data: the actor trained against the frozen reference, no rollout.
+
+Each iteration takes one batch of (prompt, chosen, rejected) pairs of `data.preferences`,
+computes the reference's sequence log-probs once on the reference's own mesh, moves them to the
+actor's mesh (device to device) and takes one optimizer step of `alg.dpo_loss`. Every iteration
+also scores one held-out batch of the eval split (its reference log-probs computed once per
+run): `eval/accuracy` and `eval/margin` of the implicit rewards.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import jax
+
+from rlhfjax import algorithms as alg
+from rlhfjax import data, distributed, models
+from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.flows.registry import register
+from rlhfjax.flows.stages import FlowContext
+from rlhfjax.placement.spec import Role
+from rlhfjax.training.optimizer import make_optimizer
+
+_SIDES = ("chosen", "rejected")
+
+
+def pair_logprobs(config: models.ModelConfig, params: Any, batch: dict[str, jax.Array]):
+  """Sequence log-probs `[b]` of the chosen and the rejected responses of a batch."""
+
+  def side(name):
+    logits_bsv = models.forward_logits(
+      config, params, batch[f"{name}_tokens"], batch[f"{name}_mask"]
+    )
+    return alg.sequence_logprobs(logits_bsv, batch[f"{name}_tokens"], batch[f"{name}_loss_mask"])
+
+  return {name: side(name) for name in _SIDES}
+
+
+def dpo_step_loss(params, batch, *, config, beta, loss, label_smoothing):
+  """`alg.dpo_loss` of one micro-batch, the reference's log-probs in `batch['ref_*']`."""
+  policy = pair_logprobs(config, params, batch)
+  value, stats = alg.dpo_loss(
+    policy["chosen"],
+    policy["rejected"],
+    batch["ref_chosen"],
+    batch["ref_rejected"],
+    batch["valid"],
+    beta=beta,
+    loss=loss,
+    label_smoothing=label_smoothing,
+  )
+  return value, {"loss/dpo": value, **{f"dpo/{k}": v for k, v in stats.items()}}
+
+
+class DPOFlow:
+  """Offline DPO; see the module docstring."""
+
+  def __init__(self, ctx: FlowContext):
+    self.ctx = ctx
+    cfg, cluster, d = ctx.cfg, ctx.cluster, ctx.cfg.data
+    rngs = initial_rngs(cfg.seed)
+    actor_source = WeightSource(source=cfg.init.actor, what="init.actor", rng=rngs[Role.ACTOR])
+    cluster.train(Role.ACTOR, actor_source, make_optimizer(cfg.actor_optimizer, cfg.total_steps))
+    cluster.freeze(Role.REFERENCE, actor_source)
+    workdir_data = d.data_dir or os.path.join(ctx.workdir, "data")
+    dataset = distributed.primary_first(
+      lambda: data.prepare(
+        "preference",
+        d.preferences or data.bundled_path(d.task, "preference"),
+        workdir_data,
+        on_bad_record=d.on_bad_record,
+      )
+    )
+    batches = functools.partial(
+      data.preference_batches,
+      tokenizer=ctx.tokenizer,
+      batch_size=cfg.rollout.batch_size,
+      max_len=cfg.rollout.max_seq_len,
+      seed=cfg.seed,
+      on_long_prompt=d.on_long_prompt,
+    )
+    self.train = batches(dataset.source(d.train_split))
+    self.held_out = next(iter(batches(dataset.source(d.eval_split), repeat=False)))
+    self._compile()
+    self._held_out_dev = None
+    self.skipped_in_row = 0
+
+  def _compile(self) -> None:
+    cfg, cluster = self.ctx.cfg, self.ctx.cluster
+    b = cfg.rollout.batch_size
+    ref = cluster.roles[Role.REFERENCE]
+    self._ref_logprobs = cluster.compile(
+      "reference_logprobs",
+      functools.partial(pair_logprobs, ref.model),
+      out_shardings={name: ref.batch_sharding((b,)) for name in _SIDES},
+    )
+    actor = cluster.roles[Role.ACTOR]
+    loss = functools.partial(
+      dpo_step_loss,
+      config=actor.model,
+      beta=cfg.dpo.beta,
+      loss=cfg.dpo.loss,
+      label_smoothing=cfg.dpo.label_smoothing,
+    )
+    self._step = cluster.train_step("actor_step", Role.ACTOR, loss)
+    self._eval = cluster.compile(
+      "held_out", lambda params, batch: loss(params, batch)[1], out_shardings=actor.replicated
+    )
+
+  def _with_reference(self, host_batch: dict, name: str) -> dict[str, jax.Array]:
+    """The batch on the actor's mesh with the reference's log-probs, computed on its mesh."""
+    cluster = self.ctx.cluster
+    on_ref = cluster.upload(Role.REFERENCE, host_batch, name)
+    ref = self._ref_logprobs(cluster.params[Role.REFERENCE], on_ref)
+    ref = {f"ref_{k}": v for k, v in ref.items()}
+    return {**cluster.move(Role.ACTOR, on_ref), **cluster.move(Role.ACTOR, ref)}
+
+  def iteration(self, iteration: int) -> dict[str, float]:
+    cluster = self.ctx.cluster
+    start = cluster.timeline.now()
+    actor_devices = cluster.roles[Role.ACTOR].devices
+    with cluster.timeline.stage(
+      iteration, "reference", "score", cluster.roles[Role.REFERENCE].devices
+    ):
+      batch = jax.block_until_ready(self._with_reference(next(self.train), "batch"))
+      if self._held_out_dev is None:
+        self._held_out_dev = self._with_reference(self.held_out, "batch")
+    micro = jax.tree.map(lambda x: x[None], batch)
+
+    def update():
+      cluster.states[Role.ACTOR], metrics = self._step(cluster.states[Role.ACTOR], micro)
+      return metrics
+
+    (metrics,) = cluster.run([cluster.stage(Role.ACTOR, "update", update)], iteration)
+    with cluster.timeline.stage(iteration, "actor", "evaluate", actor_devices):
+      held_out = self._eval(cluster.states[Role.ACTOR].params, self._held_out_dev)
+    metrics, held_out = cluster.fetch((metrics, held_out))
+    self.skipped_in_row = self.skipped_in_row + 1 if metrics["skipped"] else 0
+    row = {"step": iteration, "time/iteration": cluster.timeline.now() - start}
+    row.update({k: float(v) for k, v in metrics.items() if "/" in k})
+    row["actor/grad_norm"] = float(metrics["grad_norm"])
+    row["update/skipped_in_row"] = float(self.skipped_in_row)
+    row["eval/accuracy"] = float(held_out["dpo/accuracy"])
+    row["eval/margin"] = float(held_out["dpo/margin"])
+    return row
+
+  def abstract_items(self) -> dict[str, Any]:
+    return {}
+
+  def checkpoint_items(self) -> dict[str, Any]:
+    return {}
+
+  def meta(self) -> dict[str, Any]:
+    return {"preference_data": self.train.get_state(), "skipped_in_row": self.skipped_in_row}
+
+  def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
+    del items
+    self.train.set_state(meta["preference_data"])
+    self.skipped_in_row = int(meta.get("skipped_in_row", 0))
+
+  def close(self) -> None:
+    pass
+
+
+@register("dpo")
+def make_flow(ctx: FlowContext) -> DPOFlow:
+  return DPOFlow(ctx)

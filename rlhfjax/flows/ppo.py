@@ -1,0 +1,481 @@
+"""PPO over the cluster: generate, score, advantages, update, sync.
+
+  1. generate   rollout mesh: KV-cache engine, continuous batching, sampled log-probs;
+  2. score      actor (old log-probs), reference (log-probs), critic (values), reward model,
+                each on its own mesh, concurrently where the meshes are disjoint; a rule reward
+                on the host;
+  3. advantages actor mesh: KL-shaped rewards, GAE or group-relative, whitening;
+  4. update     actor and critic train steps over mini-batches shuffled on their meshes;
+  5. sync       actor weights resharded to the rollout mesh (device to device).
+
+The experience (`rlhfjax.flows.experience.Experience`) is uploaded to the actor's mesh once
+and stays on devices until the update; the host sees the rollout's token ids (rule reward) and
+the metric scalars.
+
+With `ppo.async_rollout`, the next batch is generated (by the weights of the last sync) while
+this one is scored and trained on: one step off-policy, corrected by the importance ratio to
+the rollout policy's log-probs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhfjax import algorithms as alg
+from rlhfjax.algorithms.masked import masked_mean
+from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.config import ConfigError
+from rlhfjax.flows import experience, stages
+from rlhfjax.flows.experience import Experience, Sequences
+from rlhfjax.flows.registry import register
+from rlhfjax.flows.stages import FlowContext
+from rlhfjax.placement.spec import Role
+from rlhfjax.training import steps
+from rlhfjax.training.optimizer import make_optimizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdvantageSettings:
+  """Static settings of `compute_advantages` (hashable: part of the compiled program)."""
+
+  kl_estimator: str
+  estimator: str
+  """A name in `alg.ADVANTAGE_ESTIMATORS`."""
+  settings: alg.EstimatorSettings
+  whiten: bool
+  overlong_buffer: int = 0
+  """DAPO's soft overlong punishment added to the scores (0: none)."""
+
+
+def compute_advantages(
+  settings: AdvantageSettings, exp: Experience, kl_coef: jax.Array
+) -> tuple[Experience, dict[str, jax.Array]]:
+  """KL to the reference, then advantages and returns, masked to response tokens.
+
+    kl_t = estimator(logp_t, logp_ref_t);  r_t = -beta * kl_t + score * [t last]
+  then the named estimator (`alg.ADVANTAGE_ESTIMATORS`: GAE over `r` with the critic's values,
+  or a critic-free baseline). Also the batch statistics the metrics report (reductions on the
+  devices).
+  """
+  mask_bt, old_bt = exp.response_mask_bt, exp.old_logprobs_bt
+  scores_b = exp.scores_b
+  if settings.overlong_buffer:
+    scores_b = scores_b + alg.overlong_penalty(
+      jnp.sum(mask_bt, -1), max_len=mask_bt.shape[-1], buffer=settings.overlong_buffer
+    )
+  kl_bt = alg.get_kl_estimator(settings.kl_estimator)(old_bt, exp.ref_logprobs_bt) * mask_bt
+  rewards_bt = alg.shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
+  advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator](
+    scores_b, kl_bt, exp.values_bt, mask_bt, kl_coef, settings.settings
+  )
+  if settings.whiten:
+    advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
+  mismatch_bt = jnp.abs(old_bt - exp.rollout_logprobs_bt)
+  stats = {
+    "reward/mean": jnp.mean(exp.scores_b),
+    "reward/std": jnp.std(exp.scores_b),
+    "kl/mean": jnp.sum(kl_bt) / jnp.maximum(jnp.sum(mask_bt[:, :1]), 1.0),
+    "kl/per_token": masked_mean(kl_bt, mask_bt),
+    "reward/shaped_mean": jnp.mean(jnp.sum(rewards_bt, axis=-1)),
+    "reward/overlong_mean": jnp.mean(scores_b - exp.scores_b),
+    "logprob_mismatch/max": jnp.max(jnp.where(mask_bt > 0, mismatch_bt, 0.0)),
+    "logprob_mismatch/mean": masked_mean(mismatch_bt, mask_bt),
+  }
+  return exp.replace(advantages_bt=advantages_bt, returns_bt=returns_bt), stats
+
+
+def check_batch(cfg, group_size: int, mini_batches: int, micro_batches: int) -> None:
+  """The rollout batch splits into whole groups and whole mini- and micro-batches."""
+  b = cfg.rollout.batch_size
+  if b % group_size:
+    raise ValueError(f"rollout.batch_size={b} must be a multiple of ppo.group_size={group_size}")
+  if b % (mini_batches * micro_batches):
+    raise ValueError(
+      f"rollout.batch_size={b} must split into ppo.mini_batches x ppo.micro_batches = "
+      f"{mini_batches} x {micro_batches}"
+    )
+
+
+class PPOFlow:
+  """PPO iterations on a cluster; see the module docstring."""
+
+  def __init__(self, ctx: FlowContext, estimator: str | None = None):
+    self.ctx = ctx
+    cfg, ppo, cluster = ctx.cfg, ctx.cfg.ppo, ctx.cluster
+    name = cfg.algorithm.name
+    if estimator is not None and ppo.advantage not in ("gae", estimator):
+      raise ConfigError(
+        f"'ppo.advantage'={ppo.advantage!r} is PPO's choice; algorithm {name!r} estimates "
+        f"advantages with {estimator!r}"
+      )
+    self.estimator = estimator or ppo.advantage
+    if self.estimator in ("group_relative", "rloo") and ppo.group_size < 2:
+      raise ConfigError(
+        f"{self.estimator!r} advantages compare the samples of a prompt: 'ppo.group_size' must "
+        f"be >= 2, got {ppo.group_size}"
+      )
+    check_batch(cfg, ppo.group_size, ppo.mini_batches, ppo.micro_batches)
+    if ppo.dynamic_sampling_rounds and ppo.async_rollout:
+      raise ConfigError("'ppo.dynamic_sampling_rounds' needs a synchronous rollout")
+    if ppo.overlong_buffer >= cfg.rollout.max_new_tokens:
+      raise ConfigError(
+        f"'ppo.overlong_buffer'={ppo.overlong_buffer} must be below "
+        f"'rollout.max_new_tokens'={cfg.rollout.max_new_tokens}"
+      )
+    if ppo.async_rollout and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
+      raise ValueError(
+        "ppo.async_rollout needs the rollout on its own devices "
+        "(placement.strategy='disaggregated')"
+      )
+    self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
+    rngs = initial_rngs(cfg.seed)
+    updates = cfg.total_steps * ppo.ppo_epochs * ppo.mini_batches
+    init = cfg.init
+    cluster.train(
+      Role.ACTOR,
+      WeightSource(source=init.actor, what="init.actor", rng=rngs[Role.ACTOR]),
+      make_optimizer(cfg.actor_optimizer, updates),
+    )
+    # The reference is the initial policy: the same weights, in the reference's shards.
+    cluster.freeze(
+      Role.REFERENCE, WeightSource(source=init.actor, what="init.actor", rng=rngs[Role.ACTOR])
+    )
+    if self.use_critic:
+      # Without its own source, the critic starts from the policy's trunk (value head at 0).
+      source, what = (init.critic, "init.critic") if init.critic else (init.actor, "init.actor")
+      cluster.train(
+        Role.CRITIC,
+        WeightSource(source=source, what=what, rng=rngs[Role.CRITIC]),
+        make_optimizer(cfg.critic_optimizer, updates),
+      )
+    cluster.rollout_from(Role.ACTOR, ctx.tokenizer.pad_id)
+    self._compile()
+    self.kl_state = alg.KLControllerState(coef=ppo.kl_coef)
+    self.skipped_in_row = 0
+    self.pending_prompts: list[list[int]] | None = None
+    """Prompts of the batch generated ahead (async rollout), saved with a checkpoint."""
+    self._pool = concurrent.futures.ThreadPoolExecutor(1) if ppo.async_rollout else None
+    self._pending: concurrent.futures.Future | None = None
+
+  def _compile(self) -> None:
+    ctx, cfg, ppo, cluster = self.ctx, self.ctx.cfg, self.ctx.cfg.ppo, self.ctx.cluster
+    b, p, t = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
+    s = p + t
+    self._actor_logprobs = stages.logprob_scorer(ctx, Role.ACTOR, "actor_logprobs")
+    self._reference_logprobs = stages.logprob_scorer(ctx, Role.REFERENCE, "reference_logprobs")
+    if self.use_critic:
+      self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values")
+    settings = AdvantageSettings(
+      kl_estimator=ppo.kl_estimator,
+      estimator=self.estimator,
+      settings=alg.EstimatorSettings(
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        group_size=ppo.group_size,
+        normalize_std=ppo.normalize_group_std,
+      ),
+      whiten=ppo.whiten_advantages,
+      overlong_buffer=ppo.overlong_buffer,
+    )
+    self._advantages = cluster.compile(
+      "advantages", functools.partial(compute_advantages, settings)
+    )
+    actor = cluster.roles[Role.ACTOR]
+    actor_model = actor.model
+    split = functools.partial(
+      stages.minibatch_splitter, ctx, mini=ppo.mini_batches, micro=ppo.micro_batches, seed=cfg.seed
+    )
+    shapes = {"tokens": (b, s), "attention_mask": (b, s), "response_mask": (b, t)}
+    actor_shapes = {**shapes, "old_logprobs": (b, t), "advantages": (b, t)}
+    if ppo.async_rollout:
+      actor_shapes["behaviour_logprobs"] = (b, t)
+    if ppo.kl_loss_coef:
+      actor_shapes["ref_logprobs"] = (b, t)
+    self._actor_split = split(Role.ACTOR, "actor_minibatches", actor_shapes)
+    actor_loss = functools.partial(
+      steps.actor_loss,
+      config=actor_model,
+      prompt_len=p,
+      clip_eps=ppo.clip_eps,
+      entropy_coef=ppo.entropy_coef,
+      temperature=cfg.rollout.temperature,
+      clip_eps_high=ppo.clip_eps_high or None,
+      loss_agg=ppo.loss_agg,
+      kl_loss_coef=ppo.kl_loss_coef,
+      kl_estimator=ppo.kl_estimator,
+    )
+    self._actor_step = cluster.train_step("actor_step", Role.ACTOR, actor_loss)
+    if self.use_critic:
+      critic = cluster.roles[Role.CRITIC]
+      critic_shapes = {**shapes, "returns": (b, t), "old_values": (b, t)}
+      self._critic_split = split(Role.CRITIC, "critic_minibatches", critic_shapes)
+      critic_loss = functools.partial(
+        steps.critic_loss, config=critic.model, prompt_len=p, clip_eps=ppo.value_clip_eps
+      )
+      self._critic_step = cluster.train_step("critic_step", Role.CRITIC, critic_loss)
+
+  # -------------------------------------------------------------------------------------------
+  # Checkpointed state.
+
+  def abstract_items(self) -> dict[str, Any]:
+    if self.ctx.cfg.ppo.async_rollout:
+      # An async run's next batch was generated by the weights of the sync before the
+      # checkpoint: regenerate it with those, not with the actor's newer ones.
+      return {"rollout": self.ctx.cluster.abstract_rollout()}
+    return {}
+
+  def checkpoint_items(self) -> dict[str, Any]:
+    if self.ctx.cfg.ppo.async_rollout:
+      return {"rollout": self.ctx.cluster.engine.params}
+    return {}
+
+  def meta(self) -> dict[str, Any]:
+    return {
+      "kl_coef": float(self.kl_state.coef),
+      "pending_prompts": self.pending_prompts,
+      "skipped_in_row": self.skipped_in_row,
+    }
+
+  def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
+    self.kl_state = alg.KLControllerState(coef=float(meta["kl_coef"]))
+    self.pending_prompts = meta.get("pending_prompts")
+    self.skipped_in_row = int(meta.get("skipped_in_row", 0))
+    if items.get("rollout") is not None:
+      self.ctx.cluster.engine.update_params(items["rollout"])
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+
+  # -------------------------------------------------------------------------------------------
+  # One iteration.
+
+  def iteration(self, iteration: int) -> dict[str, float]:
+    """One PPO iteration; returns its metrics row."""
+    ctx, cfg, cluster = self.ctx, self.ctx.cfg, self.ctx.cluster
+    start = cluster.timeline.now()
+    sampled: dict[str, float] = {}
+    if self._pending is None:
+      prompts = self.pending_prompts or stages.grouped_prompts(ctx, cfg.ppo.group_size)
+      self.pending_prompts = None
+      seqs = stages.generate_stage(ctx, iteration, prompts)
+      if cfg.ppo.dynamic_sampling_rounds:
+        seqs, sampled = self._dynamic_sampling(iteration, seqs)
+    else:
+      seqs = self._pending.result()
+    bytes_synced = 0
+    if self._pool is not None:
+      # The weights of the last update go to the rollout mesh before the next batch starts.
+      if iteration > 0:
+        bytes_synced = cluster.sync(iteration)
+      self._pending = None
+      if iteration + 1 < cfg.total_steps:
+        self.pending_prompts = stages.grouped_prompts(ctx, cfg.ppo.group_size)
+        self._pending = self._pool.submit(
+          stages.generate_stage, ctx, iteration + 1, self.pending_prompts
+        )
+    exp = self._score(iteration, seqs)
+    exp, stats = self._compute_advantages(iteration, exp)
+    update_metrics = self._update(iteration, exp)
+    if self._pool is None:
+      bytes_synced = cluster.sync(iteration)
+    elapsed = cluster.timeline.now() - start
+    stats = cluster.fetch(stats)
+    row = self._row(iteration, seqs, stats, update_metrics, elapsed, bytes_synced)
+    row.update(sampled)
+    if cfg.ppo.overlong_buffer:
+      row["reward/overlong_mean"] = float(stats["reward/overlong_mean"])
+    ppo = cfg.ppo
+    self.kl_state = alg.KL_CONTROLLERS[ppo.kl_controller](
+      self.kl_state,
+      row["kl/mean"],
+      cfg.rollout.batch_size,
+      target=ppo.kl_target,
+      horizon=ppo.kl_horizon,
+    )
+    return row
+
+  def _dynamic_sampling(self, iteration: int, seqs: Sequences):
+    """DAPO's dynamic sampling: keeps the groups whose scores differ and generates more groups
+    (up to `ppo.dynamic_sampling_rounds` extra batches) until the batch is full of them; a batch
+    still short is topped up with dropped groups (`dapo/filled`)."""
+    ctx, cluster, cfg = self.ctx, self.ctx.cluster, self.ctx.cfg
+    k, b = cfg.ppo.group_size, cfg.rollout.batch_size
+    kept: list[tuple[Sequences, list[int]]] = []
+    dropped: list[tuple[Sequences, list[int]]] = []
+    count, rounds = 0, 0
+    for attempt in range(cfg.ppo.dynamic_sampling_rounds + 1):
+      if attempt:
+        prompts = stages.grouped_prompts(ctx, k)
+        seqs = stages.generate_stage(ctx, iteration, prompts, attempt=attempt)
+      rounds = attempt + 1
+      tokens = cluster.upload(Role.ACTOR, (seqs.tokens_bs, seqs.attention_mask_bs), "rollout")
+      scores = cluster.fetch(ctx.rewards.score(*tokens, seqs, iteration), "dynamic sampling")
+      signal = alg.groups_with_signal(scores, k)
+      for g, keep in enumerate(signal):
+        rows = list(range(g * k, (g + 1) * k))
+        if keep and count < b:
+          kept.append((seqs, rows))
+          count += k
+        else:
+          dropped.append((seqs, rows))
+      if count >= b:
+        break
+    filled = 0
+    while count < b:
+      kept.append(dropped.pop(0))
+      count, filled = count + k, filled + 1
+    out = experience.take_rows(kept)
+    return out, {"dapo/rounds": float(rounds), "dapo/filled_groups": float(filled)}
+
+  def _score(self, iteration: int, seqs: Sequences) -> Experience:
+    """The rollout batch on the actor's mesh, scored by every role (on their meshes)."""
+    ctx, cluster = self.ctx, self.ctx.cluster
+    exp = Experience(**cluster.upload(Role.ACTOR, Experience.from_sequences(seqs), "rollout"))
+    tokens, attention = exp.tokens_bs, exp.attention_mask_bs
+    score = functools.partial(stages.score_stage, ctx, tokens_bs=tokens, attention_bs=attention)
+    todo = [
+      score(Role.ACTOR, self._actor_logprobs),
+      score(Role.REFERENCE, self._reference_logprobs),
+    ]
+    if self.use_critic:
+      todo.append(score(Role.CRITIC, self._critic_values))
+    todo += ctx.rewards.stages(tokens, attention, seqs, iteration)
+    out = dict(zip([s.role for s in todo], cluster.run(todo, iteration), strict=True))
+    with cluster.timeline.stage(
+      iteration, "actor", "advantages", cluster.roles[Role.ACTOR].devices
+    ):
+      return exp.replace(
+        old_logprobs_bt=out["actor"],
+        ref_logprobs_bt=cluster.move(Role.ACTOR, out["reference"]),
+        values_bt=cluster.move(Role.ACTOR, out["critic"]) if self.use_critic else None,
+        scores_b=ctx.rewards.combine(out),
+      )
+
+  def _compute_advantages(self, iteration: int, exp: Experience):
+    cluster = self.ctx.cluster
+    if exp.values_bt is None:
+      exp = exp.replace(values_bt=jnp.zeros_like(exp.old_logprobs_bt))
+    coef = cluster.upload(Role.ACTOR, np.float32(self.kl_state.coef), "kl_coef", replicated=True)
+    with cluster.timeline.stage(
+      iteration, "actor", "advantages", cluster.roles[Role.ACTOR].devices
+    ):
+      return jax.block_until_ready(self._advantages(exp, coef))
+
+  def _update(self, iteration: int, exp: Experience) -> dict[str, float]:
+    cluster, ppo = self.ctx.cluster, self.ctx.cfg.ppo
+    common = {
+      "tokens": exp.tokens_bs,
+      "attention_mask": exp.attention_mask_bs,
+      "response_mask": exp.response_mask_bt,
+    }
+    actor_batch = {**common, "old_logprobs": exp.old_logprobs_bt, "advantages": exp.advantages_bt}
+    if ppo.async_rollout:
+      actor_batch["behaviour_logprobs"] = exp.rollout_logprobs_bt
+    if ppo.kl_loss_coef:
+      actor_batch["ref_logprobs"] = exp.ref_logprobs_bt
+    critic_batch = None
+    if self.use_critic:
+      critic_batch = cluster.move(
+        Role.CRITIC, {**common, "returns": exp.returns_bt, "old_values": exp.values_bt}
+      )
+    metrics = []
+    for _ in range(ppo.ppo_epochs):
+      actor_minis = self._actor_split(actor_batch, cluster.states[Role.ACTOR].step)
+      critic_minis = (
+        self._critic_split(critic_batch, cluster.states[Role.CRITIC].step)
+        if self.use_critic
+        else None
+      )
+      for k in range(ppo.mini_batches):
+        todo = [
+          cluster.stage(
+            Role.ACTOR, "update", functools.partial(self._train, Role.ACTOR, actor_minis[k])
+          )
+        ]
+        if self.use_critic:
+          todo.append(
+            cluster.stage(
+              Role.CRITIC, "update", functools.partial(self._train, Role.CRITIC, critic_minis[k])
+            )
+          )
+        merged = {}
+        for result in cluster.run(todo, iteration):
+          merged.update(cluster.fetch(result))
+        skipped = max(float(merged["actor/skipped"]), float(merged.get("critic/skipped", 0.0)))
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
+        metrics.append(merged)
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    out["update/skipped"] = float(
+      sum(max(m["actor/skipped"], m.get("critic/skipped", 0.0)) for m in metrics)
+    )
+    out["update/skipped_in_row"] = float(self.skipped_in_row)
+    return out
+
+  def _train(self, role: Role, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    cluster = self.ctx.cluster
+    step = self._actor_step if role is Role.ACTOR else self._critic_step
+    cluster.states[role], metrics = step(cluster.states[role], batch)
+    return {f"{role.value}/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+
+  def _row(self, iteration, seqs, stats, update_metrics, elapsed, bytes_synced):
+    mask = seqs.response_mask_bt > 0
+    num_devices = len(self.ctx.cluster.placement.devices)
+    row = {
+      "step": iteration,
+      "reward/mean": float(stats["reward/mean"]),
+      "reward/std": float(stats["reward/std"]),
+      "kl/mean": float(stats["kl/mean"]),
+      "kl/coef": float(self.kl_state.coef),
+      "response/length": float(mask.sum(-1).mean()),
+      "logprob_mismatch/max": float(stats["logprob_mismatch/max"]),
+      "logprob_mismatch/mean": float(stats["logprob_mismatch/mean"]),
+      "time/iteration": elapsed,
+      "throughput/tokens_per_s_per_device": seqs.num_tokens / elapsed / num_devices,
+      "sync/bytes": float(bytes_synced),
+      "loss/policy": update_metrics["loss/policy"],
+      "loss/value": update_metrics.get("loss/value", 0.0),
+    }
+    for key, value in update_metrics.items():
+      row.setdefault(key, value)
+    return row
+
+
+@register("ppo")
+def make_flow(ctx: FlowContext) -> PPOFlow:
+  """PPO with `ppo.advantage`'s estimator (GAE and a critic by default)."""
+  return PPOFlow(ctx)
+
+
+@register("grpo")
+def make_grpo(ctx: FlowContext) -> PPOFlow:
+  """GRPO: group-normalised advantages, no critic; KL in the loss (`ppo.kl_loss_coef`) or in
+  the reward (`ppo.kl_coef`); `ppo.loss_agg` and `ppo.normalize_group_std` select Dr. GRPO."""
+  return PPOFlow(ctx, estimator="group_relative")
+
+
+@register("dapo")
+def make_dapo(ctx: FlowContext) -> PPOFlow:
+  """DAPO: GRPO's group-relative advantages with decoupled clipping (`ppo.clip_eps_high`),
+  dynamic sampling (`ppo.dynamic_sampling_rounds`) and soft overlong punishment
+  (`ppo.overlong_buffer`), token-mean loss, no KL."""
+  return PPOFlow(ctx, estimator="group_relative")
+
+
+@register("rloo")
+def make_rloo(ctx: FlowContext) -> PPOFlow:
+  """RLOO: leave-one-out baselines within each prompt's group, no critic."""
+  return PPOFlow(ctx, estimator="rloo")
+
+
+@register("reinforce_pp")
+def make_reinforce_pp(ctx: FlowContext) -> PPOFlow:
+  """REINFORCE++: batch-whitened returns of KL-shaped token rewards, no critic."""
+  return PPOFlow(ctx, estimator="reinforce_pp")

@@ -1,0 +1,169 @@
+"""Stages every online flow composes: prompts in groups, generation, scoring by a role.
+
+`FlowContext` is what a flow is built from: the config, the cluster, the rewards, the
+tokenizer and the prompt stream (the runner owns and checkpoints the stream).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.cluster.rewards import Rewards
+from rlhfjax.config import ExperimentConfig
+from rlhfjax.flows import experience
+from rlhfjax.flows.experience import Sequences
+from rlhfjax.placement.spec import Role
+from rlhfjax.rollout.sampling import SamplingParams
+from rlhfjax.training import steps
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowContext:
+  """What a flow factory (`make_flow(ctx) -> flow`) gets."""
+
+  cfg: ExperimentConfig
+  cluster: Cluster
+  rewards: Rewards
+  tokenizer: Any
+  prompts: Any
+  """The endless, checkpointed prompt iterator (`take(n)`)."""
+  workdir: str
+  """The run's directory (prepared datasets go to WORKDIR/data unless `data.data_dir`)."""
+
+
+def sampling(cfg: ExperimentConfig, tokenizer: Any, **changes: Any) -> SamplingParams:
+  """The rollout's sampling settings (`changes` override fields, e.g. temperature)."""
+  r = cfg.rollout
+  params = SamplingParams(
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    max_new_tokens=r.max_new_tokens,
+    stop_token_ids=(tokenizer.eos_id,),
+  )
+  return dataclasses.replace(params, **changes)
+
+
+def rollout_seed(cfg: ExperimentConfig, iteration: int) -> int:
+  """Every random choice of iteration `iteration` derives from (seed, iteration)."""
+  return (cfg.seed * 1_000_003 + iteration) % 2**31
+
+
+def generate(
+  ctx: FlowContext, prompts: list[list[int]], params: SamplingParams, seed: int
+) -> Sequences:
+  """Responses from the rollout engine laid out as sequences (host token ids).
+
+  The engine's continuous batching admits prompts and returns finished responses through the
+  host: the one named host transfer of generation."""
+  cfg = ctx.cfg
+  with ctx.cluster.host("generate"):
+    out = ctx.cluster.engine.generate(prompts, sampling=params, seed=seed)
+  return experience.assemble(
+    prompts,
+    out.tokens,
+    out.lengths,
+    out.logprobs,
+    prompt_len=cfg.rollout.max_prompt_len,
+    response_len=cfg.rollout.max_new_tokens,
+    pad_id=ctx.tokenizer.pad_id,
+  )
+
+
+def generate_stage(
+  ctx: FlowContext, iteration: int, prompts: list[list[int]], attempt: int = 0
+) -> Sequences:
+  """`generate` at the rollout's settings, recorded on the timeline (`attempt` > 0: another
+  batch of the same iteration, with its own randomness)."""
+  cluster = ctx.cluster
+  with cluster.timeline.stage(
+    iteration, "rollout", "generate", cluster.roles[Role.ROLLOUT].devices
+  ):
+    seed = (rollout_seed(ctx.cfg, iteration) + 104_729 * attempt) % 2**31
+    return generate(ctx, prompts, sampling(ctx.cfg, ctx.tokenizer), seed)
+
+
+def grouped_prompts(ctx: FlowContext, group_size: int) -> list[list[int]]:
+  """`rollout.batch_size / group_size` new prompts, each repeated `group_size` times."""
+  unique = ctx.prompts.take(ctx.cfg.rollout.batch_size // group_size)
+  return [p for p in unique for _ in range(group_size)]
+
+
+def logprob_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
+  """`fn(params, tokens_bs, attention_bs) -> logprobs_bt` compiled on `role`'s mesh."""
+  cfg, rt = ctx.cfg, ctx.cluster.roles[role]
+  b, p, t = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
+  fn = functools.partial(
+    steps.response_logprobs, rt.model, prompt_len=p, temperature=cfg.rollout.temperature
+  )
+  return _scorer(ctx, role, name, fn, (b, t))
+
+
+def value_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
+  """`fn(params, tokens_bs, attention_bs) -> values_bt` compiled on `role`'s mesh."""
+  cfg, rt = ctx.cfg, ctx.cluster.roles[role]
+  b, p, t = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
+  fn = functools.partial(steps.response_values, rt.model, prompt_len=p)
+  return _scorer(ctx, role, name, fn, (b, t))
+
+
+def _scorer(ctx: FlowContext, role: Role, name: str, fn: Any, out_shape: tuple[int, ...]):
+  rt = ctx.cluster.roles[role]
+  b, s = ctx.cfg.rollout.batch_size, ctx.cfg.rollout.max_seq_len
+  batch = (rt.batch_sharding((b, s)), rt.batch_sharding((b, s)))
+  return ctx.cluster.compile(
+    name,
+    fn,
+    in_shardings=(rt.param_shardings, *batch),
+    out_shardings=rt.batch_sharding(out_shape),
+  )
+
+
+def score_stage(
+  ctx: FlowContext, role: Role, scorer: Any, tokens_bs: jax.Array, attention_bs: jax.Array
+):
+  """A stage scoring the tokens (on any mesh) with `role`'s weights on its own mesh."""
+  cluster = ctx.cluster
+
+  def run():
+    return scorer(cluster.weights(role), *cluster.move(role, (tokens_bs, attention_bs)))
+
+  return cluster.stage(role, "score", run)
+
+
+def minibatch_splitter(
+  ctx: FlowContext,
+  role: Role,
+  name: str,
+  shapes: dict[str, tuple[int, ...]],
+  *,
+  mini: int,
+  micro: int,
+  seed: int,
+) -> Any:
+  """`fn(batch, step) -> (mini-batch, ...)`: the rows of `batch` shuffled on `role`'s mesh by a
+  permutation keyed by (`seed`, the role's optimizer step `step`), split into `mini`
+  mini-batches of `micro` micro-batches (leaves `[micro, rows, ...]`)."""
+  rt = ctx.cluster.roles[role]
+  b = next(iter(shapes.values()))[0]
+  size = b // mini
+  rows = size // micro
+
+  def split(batch, step):
+    order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), b)
+    out = []
+    for k in range(mini):
+      idx = order[k * size : (k + 1) * size]
+      out.append({n: x[idx].reshape(micro, rows, *x.shape[1:]) for n, x in batch.items()})
+    return tuple(out)
+
+  out_shardings = tuple(
+    {n: rt.batch_sharding((micro, rows, *shape[1:]), leading=1) for n, shape in shapes.items()}
+    for _ in range(mini)
+  )
+  return ctx.cluster.compile(name, split, out_shardings=out_shardings)

@@ -1,0 +1,271 @@
+"""The loop that runs any flow: checkpoints, resume, SIGTERM, evaluation, metrics, plots.
+
+The runner knows nothing of any algorithm. It builds the cluster of the config's placement,
+the rewards and the prompt stream, asks the flow named by `algorithm` (`rlhfjax.flows`) to
+declare its roles and compile its programs, materializes the weights (fresh, or restored from
+the latest complete checkpoint onto whatever placement the config now names), then calls
+`flow.iteration(i)` and writes each returned row with the stage times of the timeline.
+
+Checkpoints (`rlhfjax.checkpoint`) hold the trained roles' states, the flow's own items and
+JSON state, and the prompt iterator's state; every random choice is a function of (`seed`,
+iteration), so a resumed run repeats the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+from typing import Any
+
+import jax
+import tqdm
+
+from rlhfjax import checkpoint as ckpt
+from rlhfjax import data, distributed, signals
+from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.cluster.rewards import Rewards
+from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.flows import registry
+from rlhfjax.flows.stages import FlowContext
+from rlhfjax.observe.metrics import MetricsWriter, plot_metric
+from rlhfjax.observe.timeline import plot_gantt
+from rlhfjax.placement import plan_placement
+from rlhfjax.placement.spec import PlacementSpec, Role
+from rlhfjax.runner import evaluation as evaluation_lib
+
+_STAGES = ("generate", "score", "advantages", "update", "sync")
+_SHOWN = ("reward/mean", "kl/mean", "loss/policy")
+"""Metrics the progress bar shows, those a flow reports."""
+
+
+@dataclasses.dataclass
+class RunResult:
+  metrics: list[dict[str, float]]
+  """The rows of the iterations this run executed (a resumed run: from its first step on)."""
+  workdir: str
+  compilations: dict[str, int]
+  start_step: int = 0
+  """The iteration this run started at: > 0 when it resumed from a checkpoint."""
+  preempted: bool = False
+  """SIGTERM stopped the run early, after writing a checkpoint."""
+  evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
+  """'before' and 'after' evaluations (see `rlhfjax.runner.evaluation`), when they ran."""
+
+
+class TooManySkippedUpdates(RuntimeError):
+  """Updates were skipped for non-finite losses or gradients `ppo.max_skipped_updates` times
+  in a row: the run stops rather than burn compute on a diverged model."""
+
+
+class Runner:
+  """Builds the cluster and the flow from an `ExperimentConfig` and runs its iterations."""
+
+  def __init__(self, cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True):
+    self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
+    self.placement: PlacementSpec = plan_placement(cfg, len(jax.devices()))
+    distributed.check_placement(self.placement)
+    factory = registry.resolve(cfg.algorithm.name, cfg.algorithm.flow)
+    self.tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+    if self.tokenizer.vocab_size > cfg.model.for_role("actor").vocab_size:
+      raise ConfigError(
+        f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
+        f"only {cfg.model.for_role('actor').vocab_size}"
+      )
+    self.prompts, self.eval_prompts = self._load_prompts()
+    self.cluster = Cluster(cfg, self.placement)
+    self.timeline, self.traces = self.cluster.timeline, self.cluster.traces
+    self.ctx = FlowContext(
+      cfg=cfg,
+      cluster=self.cluster,
+      rewards=Rewards(cfg, self.cluster, self.tokenizer),
+      tokenizer=self.tokenizer,
+      prompts=self.prompts,
+      workdir=workdir,
+    )
+    self.flow = factory(self.ctx)
+    if not self.cluster.uses(Role.ROLLOUT):
+      self.eval_prompts = []  # the held-out evaluation samples responses: a flow without a
+      # rollout (offline DPO) reports its own held-out metrics
+    self.checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+    resume_step = self.checkpointer.latest_step() if cfg.checkpoint.resume else None
+    self.start_step = 0 if resume_step is None else resume_step
+    if resume_step is None:
+      self.cluster.materialize()
+    else:
+      self._restore(resume_step)
+
+  def _load_prompts(self) -> tuple[data.PromptIterator, list[list[int]]]:
+    """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones."""
+    cfg = self.cfg
+    d = cfg.data
+    dataset = distributed.primary_first(
+      lambda: data.prepare(
+        "prompt",
+        d.prompts or data.bundled_path(d.task, "prompt"),
+        d.data_dir or os.path.join(self.workdir, "data"),
+        on_bad_record=d.on_bad_record,
+      )
+    )
+    template = data.ChatTemplate() if d.chat_template else None
+    stream = functools.partial(
+      data.prompt_iterator,
+      tokenizer=self.tokenizer,
+      max_prompt_len=cfg.rollout.max_prompt_len,
+      seed=cfg.seed,
+      on_long_prompt=d.on_long_prompt,
+      chat_template=template,
+    )
+    train = stream(dataset.source(d.train_split))
+    eval_prompts = []
+    if cfg.eval.num_prompts:
+      held_out = stream(dataset.source(d.eval_split), repeat=False)
+      for prompt in held_out:
+        eval_prompts.append(prompt)
+        if len(eval_prompts) == cfg.eval.num_prompts:
+          break
+    return train, eval_prompts
+
+  # -------------------------------------------------------------------------------------------
+  # Checkpoints.
+
+  def _restore(self, step: int) -> None:
+    """Reads checkpoint `step` straight into this placement's shards (which may differ from
+    the placement that saved it) and the loop's and the flow's state from its meta."""
+    abstract = {**self.cluster.abstract_states(), **self.flow.abstract_items()}
+    items, meta = self.checkpointer.restore(step, abstract)
+    if meta.get("seed") != self.cfg.seed:
+      raise ckpt.CheckpointError(
+        f"{self.checkpointer.directory / str(step)} was written with seed {meta.get('seed')}, "
+        f"the config says {self.cfg.seed}: resume with the same seed or another workdir"
+      )
+    self.cluster.materialize(restored=items)
+    self.prompts.set_state(meta["data"])
+    self.flow.restore(items, meta)
+
+  def _checkpoint_meta(self, step: int) -> dict[str, Any]:
+    return {
+      "step": step,
+      # Every random choice derives from (seed, iteration): this is the whole RNG state.
+      "seed": self.cfg.seed,
+      "data": self.prompts.get_state(),
+      "placement": self.placement.strategy,
+      **self.flow.meta(),
+    }
+
+  def _save(self, step: int, *, force: bool = False) -> bool:
+    """Checkpoint after `step` iterations (on the schedule, or always with `force`)."""
+    with self.cluster.resident():  # `save` returns once the arrays are copied
+      items = {role.value: self.cluster.states[role] for role in self.cluster.trained}
+      items.update(self.flow.checkpoint_items())
+      return self.checkpointer.save(step, items, self._checkpoint_meta(step), force=force)
+
+  # -------------------------------------------------------------------------------------------
+  # The loop.
+
+  def evaluate(self) -> dict[str, Any]:
+    with self.cluster.resident():
+      return evaluation_lib.evaluate(self.ctx, self.eval_prompts)
+
+  def _stage_times(self, iteration: int) -> dict[str, float]:
+    records = self.timeline.for_iteration(iteration)
+    times = {}
+    for stage in _STAGES:
+      rs = [r for r in records if r.stage == stage]
+      times[f"time/{stage}"] = (max(r.end for r in rs) - min(r.start for r in rs)) if rs else 0.0
+    return times
+
+  def _iteration(self, iteration: int) -> dict[str, float]:
+    row = self.flow.iteration(iteration)
+    self.cluster.park()  # offloaded state waits in host memory until its next stage
+    row.update(self._stage_times(iteration))
+    row.update({f"data/{k}": float(v) for k, v in self.prompts.stats.items()})
+    return row
+
+  def run(self) -> RunResult:
+    """Runs the iterations from `start_step` to `total_steps`, with an evaluation before the
+    first (of a fresh run) and after the last. SIGTERM stops it after the current iteration
+    with a checkpoint."""
+    cfg = self.cfg
+    os.makedirs(self.workdir, exist_ok=True)
+    primary = distributed.is_primary()
+    writer = MetricsWriter(self.workdir, enabled=primary, start_step=self.start_step)
+    evaluation = evaluation_lib.read_evaluation(self.workdir, self.start_step)
+    if self.start_step == 0 and self.eval_prompts:
+      evaluation = {"before": self.evaluate()}
+      evaluation_lib.write_evaluation(self.workdir, evaluation)
+    rows: list[dict[str, float]] = []
+    preempted = threading.Event()
+    restore_handler = signals.on_stop(preempted.set, f"{self.cfg.algorithm.name} run")
+    bar = tqdm.tqdm(
+      range(self.start_step, cfg.total_steps),
+      desc=self.cfg.algorithm.flow or self.cfg.algorithm.name,
+      initial=self.start_step,
+      total=cfg.total_steps,
+      disable=not (self.show_progress and primary),
+      dynamic_ncols=True,
+    )
+    try:
+      for iteration in bar:
+        row = self._iteration(iteration)
+        rows.append(row)
+        if iteration % cfg.log_every == 0 or iteration == cfg.total_steps - 1:
+          writer.write(iteration, {k: v for k, v in row.items() if k != "step"})
+        bar.set_postfix({k: f"{row[k]:.3f}" for k in _SHOWN if k in row})
+        self._check_skipped(iteration, row)
+        done = iteration + 1
+        if preempted.is_set():
+          self._save(done, force=True)
+          break
+        self._save(done, force=done == cfg.total_steps)
+    finally:
+      restore_handler()
+      self.flow.close()
+      writer.close()
+      self.checkpointer.wait()
+    stopped_early = preempted.is_set() and (not rows or rows[-1]["step"] + 1 < cfg.total_steps)
+    if not stopped_early and self.eval_prompts and "after" not in evaluation:
+      evaluation["after"] = self.evaluate()
+      evaluation_lib.write_evaluation(self.workdir, evaluation)
+    if primary:
+      self._write_outputs(writer.rows())
+    self.checkpointer.close()
+    return RunResult(
+      metrics=rows,
+      workdir=self.workdir,
+      compilations=self.traces.counts,
+      start_step=self.start_step,
+      preempted=stopped_early,
+      evaluation=evaluation,
+    )
+
+  def _check_skipped(self, iteration: int, row: dict[str, float]) -> None:
+    """Too many updates in a row skipped for non-finite values stop the run."""
+    limit = self.cfg.ppo.max_skipped_updates
+    skipped_in_row = int(row.get("update/skipped_in_row", 0))
+    if skipped_in_row >= limit:
+      raise TooManySkippedUpdates(
+        f"stopped at iteration {iteration}: the last {skipped_in_row} updates had a "
+        "non-finite "
+        f"loss or gradients and were skipped (ppo.max_skipped_updates={limit}); the weights "
+        f"are those of the last finite update. Check the rewards and the learning rates."
+      )
+
+  def _write_outputs(self, rows: list[dict[str, float]]) -> None:
+    """Timeline (this run's iterations) and the reward curve (every row of metrics.jsonl, so
+    a resumed run plots the whole run)."""
+    self.timeline.write_json(os.path.join(self.workdir, "timeline.json"))
+    newest = max((r.iteration for r in self.timeline.records), default=0)
+    last = [r for r in self.timeline.records if r.iteration > newest - 3]
+    plot_gantt(
+      last,
+      os.path.join(self.workdir, "timeline.png"),
+      title=f"{self.placement.strategy}: last iterations",
+    )
+    plot_metric(
+      rows,
+      "reward/mean",
+      os.path.join(self.workdir, "reward.png"),
+      title="mean reward per iteration",
+    )

@@ -1,0 +1,132 @@
+"""GRPO, RLOO and REINFORCE++ from their configs: the same numbers on every placement, no
+critic, each program compiled once, the metrics a user reads, and learning on the bundled task."""
+
+import json
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.placement.spec import Role
+from rlhfjax.runner import Runner
+
+_ROOT = pathlib.Path(__file__).parent.parent
+_ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
+_VARIANTS = ("colocated", "disaggregated")
+
+
+def _config(name: str, variant: str = "colocated", **changes):
+  cd = runpy.run_path(str(_ROOT / "configs" / f"{name}_tiny.py"))["get_config"](variant)
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  for dotted, value in changes.items():
+    section, _, field = dotted.rpartition("__")
+    (cd[section] if section else cd)[field] = value
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  out = {}
+  for name in _ALGORITHMS:
+    for variant in _VARIANTS:
+      # The reward model's continuous scores give every group non-zero advantages. With the
+      # rule alone most groups of the untrained policy score all 0: their gradients are float
+      # noise that differs with the layout's reduction order, and Adam (g / |g|) turns noise
+      # into full-size steps, so placements would part after the first update.
+      cfg = _config(name, variant, reward__model_coef=0.5)
+      runner = Runner(cfg, str(tmp_path_factory.mktemp(name)), show_progress=False)
+      out[name, variant] = (runner, runner.run())
+  return out
+
+
+@pytest.mark.parametrize("name", _ALGORITHMS)
+def test_every_placement_gives_the_colocated_numbers(runs, name):
+  base, other = runs[name, "colocated"][1].metrics, runs[name, "disaggregated"][1].metrics
+  keys = ["reward/mean", "kl/mean", "loss/policy", "policy/entropy", "actor/grad_norm"]
+  if name == "grpo":
+    keys.append("loss/kl")
+  for a, b in zip(base, other, strict=True):
+    for key in keys:
+      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (name, key)
+  assert base[0]["loss/policy"] != base[1]["loss/policy"]
+
+
+@pytest.mark.parametrize("name", _ALGORITHMS)
+def test_no_critic_and_each_program_compiles_once(runs, name):
+  runner, result = runs[name, "disaggregated"]
+  assert set(runner.cluster.states) == {Role.ACTOR}
+  assert set(runner.cluster.params) == {Role.REFERENCE, Role.REWARD}
+  assert set(result.compilations.values()) == {1}, result.compilations
+  assert not {"critic_step", "critic_values", "critic_minibatches"} & set(result.compilations)
+  stages = {(r.role, r.stage) for r in runner.timeline.records}
+  assert ("critic", "score") not in stages and ("critic", "update") not in stages
+  rows = [
+    json.loads(x) for x in (pathlib.Path(result.workdir) / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert [r["step"] for r in rows] == [0, 1]
+  assert {"reward/mean", "loss/policy", "time/iteration", "time/generate", "time/update"} <= set(
+    rows[0]
+  )
+
+
+def test_grpo_kl_loss_term_and_aggregation_change_the_update(runs, tmp_path):
+  """KL in the loss (the config's) differs from KL in the reward, and Dr. GRPO's aggregation
+  from the sequence mean: the options reach the compiled loss."""
+  base = runs["grpo", "colocated"][1].metrics
+  assert base[1]["loss/kl"] > 0.0
+  dr = Runner(
+    _config(
+      "grpo",
+      reward__model_coef=0.5,
+      ppo__loss_agg="seq_mean_token_sum_norm",
+      ppo__normalize_group_std=False,
+    ),
+    str(tmp_path),
+    show_progress=False,
+  ).run()
+  assert dr.metrics[0]["reward/mean"] == base[0]["reward/mean"]  # same first batch
+  assert dr.metrics[0]["loss/policy"] != pytest.approx(base[0]["loss/policy"], abs=1e-6)
+
+
+def test_group_relative_needs_groups(tmp_path):
+  with pytest.raises(ConfigError, match="group_size' must be >= 2"):
+    Runner(_config("rloo", ppo__group_size=1), str(tmp_path), show_progress=False)
+  with pytest.raises(ConfigError, match="algorithm 'grpo' estimates advantages"):
+    Runner(_config("grpo", ppo__advantage="rloo"), str(tmp_path), show_progress=False)
+
+
+@pytest.mark.slow
+def test_train_script_runs_grpo_from_its_config(tmp_path):
+  command = [
+    sys.executable,
+    str(_ROOT / "scripts" / "train.py"),
+    "--config=configs/grpo_tiny.py",
+    f"--workdir={tmp_path}",
+    "--config.total_steps=2",
+    "--config.rollout.batch_size=8",
+    "--config.rollout.max_new_tokens=8",
+    "--config.eval.num_prompts=0",
+    "--config.placement.strategy=interleaved",
+  ]
+  done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=_ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [0, 1] and "loss/kl" in rows[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _ALGORITHMS)
+def test_reward_rises(name, tmp_path):
+  cfg = _config(name, total_steps=40, rollout__batch_size=16)
+  rewards = [
+    r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
+  ]
+  first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+  assert last > first + 0.05 and last > 2 * first, rewards

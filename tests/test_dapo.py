@@ -1,0 +1,119 @@
+"""DAPO: overlong shaping and the dynamic-sampling filter against NumPy; the flow on two
+placements (same numbers), with every kept group carrying a signal."""
+
+import pathlib
+import runpy
+
+import numpy as np
+import pytest
+
+from rlhfjax import algorithms as alg
+from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.flows import experience, registry
+from rlhfjax.runner import Runner
+
+_ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_overlong_penalty_against_the_formula():
+  max_len, buffer = 13, 5
+  lengths = np.arange(0, 16)
+
+  def want(n):
+    if n <= max_len - buffer:
+      return 0.0
+    return (max_len - buffer - n) / buffer if n <= max_len else -1.0
+
+  np.testing.assert_allclose(
+    np.asarray(alg.overlong_penalty(lengths, max_len=max_len, buffer=buffer)),
+    [want(n) for n in lengths],
+    atol=1e-6,
+  )
+
+
+def test_groups_with_signal():
+  scores = np.array([1, 1, 1, 0.5, 0.5, 0.7, 0, 0, 0], np.float32)
+  np.testing.assert_array_equal(alg.groups_with_signal(scores, 3), [False, True, False])
+
+
+def test_take_rows_keeps_rows_in_order():
+  def batch(offset):
+    return experience.assemble(
+      [[1 + offset], [2 + offset], [3 + offset]],
+      np.arange(6).reshape(3, 2) + 10 * offset,
+      np.array([2, 1, 2]),
+      np.zeros((3, 2), np.float32),
+      prompt_len=2,
+      response_len=2,
+      pad_id=0,
+    )
+
+  a, b = batch(0), batch(1)
+  out = experience.take_rows([(a, [2, 0]), (b, [1])])
+  assert [p.tolist() for p in out.prompts] == [[3], [1], [3]]
+  np.testing.assert_array_equal(
+    out.tokens_bs, np.stack([a.tokens_bs[2], a.tokens_bs[0], b.tokens_bs[1]])
+  )
+  np.testing.assert_array_equal(out.response_mask_bt[:, 1], [1, 1, 0])
+
+
+def test_every_algorithm_is_registered():
+  assert {"ppo", "grpo", "rloo", "reinforce_pp", "dapo", "dpo", "online_dpo"} <= set(
+    registry.builtin()
+  )
+
+
+def first_token_low(prompts, responses, metadata):
+  """1 when the response starts with a byte below 64: about a quarter of random samples, so
+  most groups of 4 are all 0 or all 1 (no signal) and some are mixed."""
+  del prompts, metadata
+  return np.array([float(len(r) > 0 and r[0] < 64) for r in responses], np.float32)
+
+
+def _config(variant, **ppo):
+  cd = runpy.run_path(str(_ROOT / "configs" / "dapo_tiny.py"))["get_config"](variant)
+  cd.reward.fn = "test_dapo:first_token_low"
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  cd.ppo.update(ppo)
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  return {
+    v: Runner(_config(v), str(tmp_path_factory.mktemp(v)), show_progress=False).run()
+    for v in ("colocated", "disaggregated")
+  }
+
+
+def test_dapo_gives_the_same_numbers_on_two_placements(runs):
+  base, other = runs["colocated"].metrics, runs["disaggregated"].metrics
+  for a, b in zip(base, other, strict=True):
+    for key in (
+      "reward/mean",
+      "loss/policy",
+      "actor/grad_norm",
+      "dapo/rounds",
+      "dapo/filled_groups",
+    ):
+      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+  assert set(runs["disaggregated"].compilations.values()) == {1}
+
+
+def test_dapo_samples_groups_with_a_signal_and_shapes_overlong_responses(runs):
+  rows = runs["colocated"].metrics
+  assert any(row["dapo/rounds"] > 1 for row in rows)  # it had to sample more
+  for row in rows:
+    if row["dapo/filled_groups"] == 0:
+      assert row["reward/std"] > 0  # only groups with a signal were kept
+    # 8-token responses of a random policy run to the cap: the last 4 tokens are punished.
+    assert row["reward/overlong_mean"] < 0
+  assert any(row["dapo/filled_groups"] == 0 for row in rows)
+
+
+def test_dapo_options_are_checked(tmp_path):
+  with pytest.raises(ConfigError, match="overlong_buffer'=8 must be below"):
+    Runner(_config("colocated", overlong_buffer=8), str(tmp_path), show_progress=False)

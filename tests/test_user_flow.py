@@ -1,0 +1,106 @@
+"""A flow written in the user's own file (examples/rejection_sampling.py), run by the runner
+from `algorithm.flow='module:function'` on two placements and from scripts/train.py."""
+
+import json
+import os
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.placement.spec import Role
+from rlhfjax.runner import Runner
+
+_ROOT = pathlib.Path(__file__).parent.parent
+_FLOW = "examples.rejection_sampling:make_flow"
+
+
+def _config(variant: str, **algorithm):
+  cd = runpy.run_path(str(_ROOT / "configs" / "ppo_tiny.py"))["get_config"](variant)
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.reward.model_coef = 0.5  # continuous scores: the best of a group is unique
+  cd.eval.num_prompts = 0
+  cd.ppo.group_size = 4
+  cd.algorithm.flow = _FLOW
+  cd.algorithm.update(algorithm)
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  out = {}
+  for variant in ("colocated", "disaggregated"):
+    runner = Runner(_config(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False)
+    before = jax.device_get(runner.cluster.states[Role.ACTOR].params)
+    out[variant] = (runner, runner.run(), before)
+  return out
+
+
+def test_user_flow_gives_the_same_numbers_on_two_placements(runs):
+  base, other = runs["colocated"][1].metrics, runs["disaggregated"][1].metrics
+  assert [r["step"] for r in base] == [0, 1]
+  for a, b in zip(base, other, strict=True):
+    for key in ("reward/mean", "reward/best_mean", "loss/sft", "actor/grad_norm"):
+      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert a["reward/best_mean"] > a["reward/mean"]  # the kept samples are the better ones
+  assert base[0]["loss/sft"] != base[1]["loss/sft"]
+
+
+@pytest.mark.parametrize("variant", ["colocated", "disaggregated"])
+def test_user_flow_trains_and_syncs_on_its_roles_meshes(runs, variant):
+  runner, result, before = runs[variant]
+  assert set(result.compilations.values()) == {1}, result.compilations
+  assert {"select_best", "sft_step"} <= set(result.compilations)
+  params = runner.cluster.states[Role.ACTOR].params
+  changed = [
+    not np.array_equal(a, np.asarray(b))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True)
+  ]
+  assert any(changed)
+  ids = [d.id for d in jax.devices()]
+  want = {ids[i] for i in runner.placement[Role.ROLLOUT].devices}
+  for a, b in zip(
+    jax.tree.leaves(params), jax.tree.leaves(runner.cluster.engine.params), strict=True
+  ):
+    assert {s.device.id for s in b.addressable_shards} == want
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bad_flow_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="cannot import flow 'examples.nothing:make_flow'"):
+    Runner(_config("colocated", flow="examples.nothing:make_flow"), str(tmp_path))
+  with pytest.raises(ConfigError, match="'algorithm.flow' must be 'module:function'"):
+    _config("colocated", flow="examples.rejection_sampling")
+  with pytest.raises(ValueError, match="'algorithm.name' must be one of .*grpo"):
+    Runner(_config("colocated", flow="", name="nope"), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_train_script_runs_a_user_flow(tmp_path):
+  command = [
+    sys.executable,
+    str(_ROOT / "scripts" / "train.py"),
+    "--config=configs/ppo_tiny.py",
+    f"--workdir={tmp_path}",
+    f"--config.algorithm.flow={_FLOW}",
+    "--config.ppo.group_size=4",
+    "--config.total_steps=2",
+    "--config.rollout.batch_size=8",
+    "--config.rollout.max_new_tokens=8",
+    "--config.eval.num_prompts=0",
+  ]
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+  }
+  done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=_ROOT, env=env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [0, 1] and "loss/sft" in rows[0]
