@@ -61,11 +61,12 @@ class Rewards:
     the host (from the rollout's token ids)."""
     out = []
     if self.use_model:
-      params = self.cluster.params[Role.REWARD]
 
       def model():
+        # The weights as they are when the stage runs (offload may have moved them since).
         return self._model_scores(
-          params, *self.cluster.move(Role.REWARD, (tokens_bs, attention_bs))
+          self.cluster.params[Role.REWARD],
+          *self.cluster.move(Role.REWARD, (tokens_bs, attention_bs)),
         )
 
       out.append(self.cluster.stage(Role.REWARD, "score", model))

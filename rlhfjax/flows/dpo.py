@@ -121,12 +121,24 @@ class DPOFlow:
     cluster = self.ctx.cluster
     start = cluster.timeline.now()
     actor_devices = cluster.roles[Role.ACTOR].devices
-    with cluster.timeline.stage(
-      iteration, "reference", "score", cluster.roles[Role.REFERENCE].devices
-    ):
-      batch = jax.block_until_ready(self._with_reference(next(self.train), "batch"))
-      if self._held_out_dev is None:
-        self._held_out_dev = self._with_reference(self.held_out, "batch")
+    if self._held_out_dev is None:
+      self._held_out_dev = cluster.run(
+        [
+          cluster.stage(
+            Role.REFERENCE, "score", lambda: self._with_reference(self.held_out, "batch")
+          )
+        ],
+        iteration,
+      )[0]
+    # A stage of the cluster: an offloaded reference comes to device memory for it.
+    (batch,) = cluster.run(
+      [
+        cluster.stage(
+          Role.REFERENCE, "score", lambda: self._with_reference(next(self.train), "batch")
+        )
+      ],
+      iteration,
+    )
     micro = jax.tree.map(lambda x: x[None], batch)
 
     def update():
