@@ -174,9 +174,11 @@ def _documented_fields() -> set[str]:
   )
 
 
+# The DPO section is documented for the DPO configs (checked below).
+_DPO_FIELDS = {"dpo.beta", "dpo.loss", "dpo.label_smoothing"}
 # The data files of the other stages: documented, but not for this config.
 _OTHER_STAGES = {
-  "ppo_tiny": {"data.demonstrations", "data.preferences"},
+  "ppo_tiny": {"data.demonstrations", "data.preferences"} | _DPO_FIELDS,
   "sft_tiny": {"data.prompts", "data.preferences"},
   "rm_tiny": {"data.prompts", "data.demonstrations"},
 }
@@ -192,6 +194,15 @@ def test_shipped_configs_have_every_field_the_readme_documents(name):
 
 
 _ABSENT = object()
+
+
+@pytest.mark.parametrize("name", ["dpo_tiny", "online_dpo_tiny"])
+def test_dpo_configs_have_the_documented_dpo_fields(name):
+  documented = _documented_fields() & _DPO_FIELDS
+  assert documented == _DPO_FIELDS, "the README's DPO row documents these fields"
+  section = _base(name)["dpo"]
+  missing = sorted(path for path in documented if path.split(".")[1] not in section)
+  assert not missing, f"configs/{name}.py lacks {missing}"
 
 
 def _get_raw(name, path):
