@@ -1,6 +1,6 @@
 """Measures this machine for the planner: `--hardware=local --efficiency=FILE` reads the output.
 
-  python scripts/calibrate.py --out=/tmp/local.json
+  python scripts/calibrate.py --out=local.json
 
 Times a sharded matmul (float32 and bfloat16), a sharded copy and a transfer between every pair
 of devices, then runs `scripts/bench_ppo.py`'s config co-located for a few iterations and fits
