@@ -15,13 +15,13 @@ placement of the config works: the flow names roles, the cluster knows where the
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.flows import stages
+from rlhfjax.flows.base import Flow
 from rlhfjax.flows.experience import Experience
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
@@ -52,7 +52,7 @@ def best_of_group(
   return batch, {"reward/best_mean": jnp.mean(groups.max(-1)), "reward/mean": jnp.mean(scores_b)}
 
 
-class RejectionSampling:
+class RejectionSampling(Flow):
   """The flow; see the module docstring."""
 
   def __init__(self, ctx: FlowContext):
@@ -112,23 +112,6 @@ class RejectionSampling:
       "update/skipped_in_row": float(self.skipped_in_row),
       "time/iteration": cluster.timeline.now() - start,
     }
-
-  # Nothing beyond the actor's train state (which the runner checkpoints) to save.
-  def abstract_items(self) -> dict[str, Any]:
-    return {}
-
-  def checkpoint_items(self) -> dict[str, Any]:
-    return {}
-
-  def meta(self) -> dict[str, Any]:
-    return {"skipped_in_row": self.skipped_in_row}
-
-  def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
-    del items
-    self.skipped_in_row = int(meta.get("skipped_in_row", 0))
-
-  def close(self) -> None:
-    pass
 
 
 def make_flow(ctx: FlowContext) -> RejectionSampling:

@@ -18,6 +18,7 @@ import jax
 from rlhfjax import algorithms as alg
 from rlhfjax import data, distributed, models
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.flows.base import Flow
 from rlhfjax.flows.registry import register
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
@@ -54,7 +55,7 @@ def dpo_step_loss(params, batch, *, config, beta, loss, label_smoothing):
   return value, {"loss/dpo": value, **{f"dpo/{k}": v for k, v in stats.items()}}
 
 
-class DPOFlow:
+class DPOFlow(Flow):
   """Offline DPO; see the module docstring."""
 
   def __init__(self, ctx: FlowContext):
@@ -158,22 +159,12 @@ class DPOFlow:
     row["eval/margin"] = float(held_out["dpo/margin"])
     return row
 
-  def abstract_items(self) -> dict[str, Any]:
-    return {}
-
-  def checkpoint_items(self) -> dict[str, Any]:
-    return {}
-
   def meta(self) -> dict[str, Any]:
-    return {"preference_data": self.train.get_state(), "skipped_in_row": self.skipped_in_row}
+    return {**super().meta(), "preference_data": self.train.get_state()}
 
   def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
-    del items
+    super().restore(items, meta)
     self.train.set_state(meta["preference_data"])
-    self.skipped_in_row = int(meta.get("skipped_in_row", 0))
-
-  def close(self) -> None:
-    pass
 
 
 @register("dpo")

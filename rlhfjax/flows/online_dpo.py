@@ -9,7 +9,6 @@ own mesh, device to device both ways.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
 from rlhfjax.flows import stages
+from rlhfjax.flows.base import Flow
 from rlhfjax.flows.dpo import dpo_step_loss, pair_logprobs
 from rlhfjax.flows.experience import Experience
 from rlhfjax.flows.registry import register
@@ -46,7 +46,7 @@ def make_pairs(
   return out
 
 
-class OnlineDPOFlow:
+class OnlineDPOFlow(Flow):
   """See the module docstring."""
 
   def __init__(self, ctx: FlowContext):
@@ -130,22 +130,6 @@ class OnlineDPOFlow:
     }
     row.update({k: float(v) for k, v in metrics.items() if "/" in k})
     return row
-
-  def abstract_items(self) -> dict[str, Any]:
-    return {}
-
-  def checkpoint_items(self) -> dict[str, Any]:
-    return {}
-
-  def meta(self) -> dict[str, Any]:
-    return {"skipped_in_row": self.skipped_in_row}
-
-  def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
-    del items
-    self.skipped_in_row = int(meta.get("skipped_in_row", 0))
-
-  def close(self) -> None:
-    pass
 
 
 @register("online_dpo")
