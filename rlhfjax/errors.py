@@ -110,12 +110,21 @@ class _OrbaxFailureFilter(logging.Filter):
     return not (from_orbax and record.levelno >= logging.ERROR)
 
 
+class _UnretrievedFutureFilter(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports of orbax's write futures, logged
+  when they are garbage-collected after the failure already reached the caller."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in record.getMessage()
+
+
 def quiet_background_failures() -> None:
   """Keeps stderr to one line per failure: tracebacks that libraries print from their own
   threads and callbacks (orbax's log of a failed write, TensorStore callbacks finding their
   event loop closed after it) are dropped; the failure itself surfaces in the caller. An entry
   point's `--debug` skips this."""
   logging.getLogger("absl").addFilter(_OrbaxFailureFilter())
+  logging.getLogger("asyncio").addFilter(_UnretrievedFutureFilter())
   # C++ callbacks report their Python exceptions as unraisable (PyErr_WriteUnraisable) or
   # through sys.excepthook (PyErr_Print); the main thread's own exceptions never get there (the
   # entry point catches them).
