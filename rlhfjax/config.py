@@ -25,6 +25,7 @@ from rlhfjax.models import config as model_config
 from rlhfjax.training.optimizer import OptimizerConfig
 
 _DTYPES = ("float32", "bfloat16")
+_BITS = {"float32": 32, "bfloat16": 16}
 T = TypeVar("T")
 
 
@@ -112,12 +113,13 @@ class ModelSection:
     for role in self.roles:
       if role not in _ROLES:
         raise ConfigError(f"unknown role {role!r} in 'model.roles'; roles: {', '.join(_ROLES)}")
-    # The sync copies the actor's parameters to the rollout as they are (no cast).
-    dtypes = {self.for_role(r).param_dtype for r in ("actor", "rollout")}
-    if len(dtypes) > 1:
+    # The sync casts the actor's parameters to the rollout's dtype on the actor's mesh
+    # (`rlhfjax.mesh.transfer.cast_program`); widening them would only add bytes.
+    actor, rollout = (self.for_role(r).param_dtype for r in ("actor", "rollout"))
+    if _BITS[rollout] > _BITS[actor]:
       raise ConfigError(
-        "'model.roles': the rollout's param_dtype must equal the actor's (the weight sync "
-        f"does not cast), got {sorted(dtypes)}"
+        f"'model.roles': the rollout's param_dtype {rollout} is wider than the actor's {actor}: "
+        "the weight sync would only add bytes, not precision"
       )
 
   def size_for(self, role: str) -> str:

@@ -1,4 +1,5 @@
-"""Prints where each RLHF role runs, on which mesh, and its estimated memory per device.
+"""Prints where each RLHF role runs, on which mesh, and its estimated memory per device; then
+what remat, log-prob chunks and offload do to each role's memory per device.
 
   python scripts/show_placement.py --config=configs/ppo_tiny.py \
       --config.placement.strategy=interleaved --config.placement.split_actor_critic=True
@@ -43,6 +44,8 @@ def main(argv: list[str]) -> None:
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
+  print()
+  print(placement.option_report(config, spec, placement.train_rows(config)))
 
 
 if __name__ == "__main__":

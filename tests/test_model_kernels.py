@@ -157,8 +157,8 @@ def test_per_role_model_settings_and_their_checks():
   assert actor.logprob_chunk_size == 512
   assert (reference.param_dtype, reference.remat) == ("bfloat16", "none")
   assert section.for_role("rollout").param_dtype == "float32"  # the real sizes' fp32 masters
-  with pytest.raises(ConfigError, match="the rollout's param_dtype must equal the actor's"):
-    ModelSection(size="7b", roles={"rollout": RoleModelSection(param_dtype="bfloat16")})
+  with pytest.raises(ConfigError, match="the rollout's param_dtype float32 is wider than"):
+    ModelSection(size="7b", roles={"actor": RoleModelSection(param_dtype="bfloat16")})
   with pytest.raises(ConfigError, match=r"unknown role 'critc' in 'model\.roles'"):
     ModelSection(size="7b", roles={"critc": RoleModelSection()})
   with pytest.raises(ConfigError, match=r"^'remat' must be one of none, full"):

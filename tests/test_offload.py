@@ -10,9 +10,11 @@ import optax
 import pytest
 
 from rlhfjax import models
+from rlhfjax.cluster.cluster import Cluster, WeightSource, initial_rngs
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.mesh import offload
+from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Layout, Role, RoleSpec
 from rlhfjax.runner import Runner
 from rlhfjax.training import steps
@@ -157,6 +159,29 @@ def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
   assert offload.memory_kinds(cluster.states[Role.CRITIC].opt_state) == host
   assert offload.memory_kinds(cluster.states[Role.ACTOR].params) == device
   assert offload.memory_kinds(runs["resident"][0].cluster.params[Role.REFERENCE]) == device
+  # Every stage found its offloaded state in device memory; the update's optimizer states were
+  # requested while a scoring stage on their devices ran (after its start, before its end).
+  events = cluster.residency.events
+  assert {e.memory_kinds for e in events if e.event == "start"} == {(), ("device",)}
+  for role in ("actor", "critic"):
+    for it in range(2):
+      p = next(
+        i
+        for i, e in enumerate(events)
+        if (e.iteration, e.event, e.role, e.what) == (it, "prefetch", role, "optimizer")
+      )
+      on_device = ("actor", "reference", "critic", "reward")  # not the host's rule stage
+      s = max(
+        i
+        for i, e in enumerate(events[:p])
+        if e.event == "start" and e.what == "score" and e.role in on_device
+      )
+      end = next(
+        i
+        for i, e in enumerate(events)
+        if i > s and (e.event, e.role, e.what) == ("end", events[s].role, "score")
+      )
+      assert s < p < end, (role, it)
 
 
 def test_offload_section_names_only_roles_it_can_park():
@@ -164,3 +189,104 @@ def test_offload_section_names_only_roles_it_can_park():
     _ppo_config(params=("actor",))
   with pytest.raises(ConfigError, match=r"'offload\.optimizer' may name actor and critic"):
     _ppo_config(optimizer=("reference",))
+
+
+def _prefetch_run(offload_section: dict):
+  """Two iterations of [actor, reference, reward] scoring then the actor's update, on one
+  co-located cluster; each stage records the memory kinds of the state it uses as it runs."""
+  cfg = _ppo_config(**offload_section)
+  cluster = Cluster(cfg, strategies.build_placement(cfg.placement, 8))
+  rngs = initial_rngs(0)
+  tx = optax.adam(1e-2)
+  for role in (Role.ACTOR, Role.REFERENCE, Role.REWARD):
+    source = WeightSource(source="", what="init", rng=rngs[role])
+    (cluster.train(role, source, tx) if role is Role.ACTOR else cluster.freeze(role, source))
+  cluster.materialize()
+  leaves_sum = lambda tree: sum(jax.numpy.sum(x) for x in jax.tree.leaves(tree))
+  score = {
+    role: cluster.compile(f"{role.value}_score", leaves_sum, out_shardings=rt.replicated)
+    for role, rt in cluster.roles.items()
+    if role in (Role.ACTOR, Role.REFERENCE, Role.REWARD)
+  }
+  shardings = cluster.state_shardings[Role.ACTOR]
+
+  def apply(state):
+    grads = jax.tree.map(lambda p: jax.numpy.cos(p), state.params)
+    updates, opt = tx.update(grads, state.opt_state, state.params)
+    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt)  # fmt: skip
+
+  update = cluster.compile(
+    "actor_update", apply, in_shardings=(shardings,), out_shardings=shardings, donate_argnums=0
+  )
+  seen, scores = [], []
+
+  def scorer(role):
+    def run():
+      tree = cluster.params[role] if role in cluster.params else cluster.states[role].params
+      seen.append((role.value, "score", offload.memory_kinds(tree)))
+      return score[role](tree)
+
+    return cluster.stage(role, "score", run)
+
+  def train():
+    seen.append(("actor", "update", offload.memory_kinds(cluster.states[Role.ACTOR].opt_state)))
+    cluster.states[Role.ACTOR] = update(cluster.states[Role.ACTOR])
+
+  between = []
+  for it in range(2):
+    todo = [scorer(Role.ACTOR), scorer(Role.REFERENCE), scorer(Role.REWARD)]
+    scores.append(np.asarray(cluster.run(todo, it, then=[("actor", "update")])))
+    kinds = lambda: (
+      offload.memory_kinds(cluster.params[Role.REFERENCE]),
+      offload.memory_kinds(cluster.params[Role.REWARD]),
+      offload.memory_kinds(cluster.states[Role.ACTOR].opt_state),
+    )
+    between.append(kinds())
+    cluster.run([cluster.stage(Role.ACTOR, "update", train)], it)
+    between.append(kinds())
+  final = jax.tree.map(np.asarray, cluster.states[Role.ACTOR])
+  return cluster, final, scores, seen, between
+
+
+def test_offload_prefetches_the_next_stage_during_the_current_one():
+  section = {"params": ("reference", "reward"), "optimizer": ("actor",)}
+  cluster, final, scores, seen, between = _prefetch_run(section)
+  resident, final_ref, scores_ref, seen_ref, _ = _prefetch_run({})
+  # Each stage found its state in device memory; between the calls it is in host memory, but
+  # for the actor's moments, which the scoring call prefetched for the update that follows.
+  device, host = {"device"}, {"pinned_host"}
+  assert len(seen) == 8
+  assert [kinds for *_, kinds in seen] == [device] * len(seen)
+  assert between == [(host, host, device), (host, host, host)] * 2
+  # Same numbers as the resident run, every program compiled once.
+  for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(final_ref), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(scores, scores_ref, strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert set(cluster.traces.counts.values()) == {1}, cluster.traces.counts
+  # The order of the cluster's own decisions: each part is requested while the stage before
+  # its own runs (after that stage's start, before its end), and parked after its stage.
+  events = [(e.event, e.role, e.what, e.memory_kinds) for e in cluster.residency.events]
+  d = ("device",)
+  one_iteration = [
+    ("start", "actor", "score", ()),
+    ("prefetch", "reference", "params", ()),
+    ("end", "actor", "score", ()),
+    ("start", "reference", "score", d),
+    ("prefetch", "reward", "params", ()),
+    ("end", "reference", "score", ()),
+    ("park", "reference", "params", ()),
+    ("start", "reward", "score", d),
+    ("prefetch", "actor", "optimizer", ()),
+    ("end", "reward", "score", ()),
+    ("park", "reward", "params", ()),
+    ("start", "actor", "update", d),
+    ("end", "actor", "update", ()),
+    ("park", "actor", "optimizer", ()),
+  ]
+  assert events == one_iteration * 2
+  assert [e.iteration for e in cluster.residency.events] == [0] * 14 + [1] * 14
+  # Without offload nothing moves: only the stages are logged, and everything stays on device.
+  assert {e.event for e in resident.residency.events} == {"start", "end"}
+  assert [kinds for *_, kinds in seen_ref] == [device] * len(seen_ref)

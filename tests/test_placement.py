@@ -587,6 +587,15 @@ def get_config():
     {"model": {"size": "tiny"}, "placement": {"num_devices": 8, "stratgy": "colocated"}})
 """
 
+_OPTIONS_CONFIG = """
+import runpy
+def get_config():
+  cd = runpy.run_path("configs/ppo_tiny.py")["get_config"]("colocated")
+  cd.model.roles = {"actor": {"remat": "full", "logprob_chunk_size": 16}}
+  cd.offload = {"params": ("reference",), "optimizer": ("actor",)}
+  return cd
+"""
+
 _GOOD_RUNS = {
   "colocated": ["--config.placement.strategy=colocated"],
   "interleaved": ["--config.placement.strategy=interleaved"],
@@ -608,7 +617,10 @@ def script_runs(tmp_path_factory):
   """Runs every show_placement case at once (each starts JAX) and returns name -> result."""
   typo = tmp_path_factory.mktemp("configs") / "typo.py"
   typo.write_text(_TYPO_CONFIG)
+  options = typo.parent / "options.py"
+  options.write_text(_OPTIONS_CONFIG)
   cases = {name: ["--config=configs/ppo_tiny.py", *args] for name, args in _GOOD_RUNS.items()}
+  cases["options"] = [f"--config={options}"]
   for name, (args, _) in _BAD_RUNS.items():
     cases[name] = [f"--config={typo}"] if args is None else ["--config=configs/ppo_tiny.py", *args]
   processes = {
@@ -636,11 +648,50 @@ def test_show_placement_prints_every_role(script_runs, strategy):
   assert lines[0].startswith(f"{strategy} placement on 8 devices")
   for role in Role:
     assert any(line.split()[:1] == [role.value] for line in lines), (role, stdout)
-  assert lines[-1].startswith(f"summary: {strategy} on 8 devices")
+  assert any(line.startswith(f"summary: {strategy} on 8 devices") for line in lines), stdout
+  assert lines[-1].startswith("options: peak device"), stdout
   if strategy == "disaggregated":
     assert any(
       line.split()[:5] == ["rollout", "4-7", "data=2", "tensor=2", "generation"] for line in lines
     ), stdout
+
+
+def test_show_placement_prints_what_remat_chunks_and_offload_save(script_runs, monkeypatch):
+  returncode, stdout, stderr = script_runs["options"]
+  assert returncode == 0, stderr
+  lines = stdout.splitlines()
+  start = lines.index(next(line for line in lines if line.startswith("memory options per role")))
+  assert lines[start].endswith("in MiB (planner's memory model)")
+  header = re.split(r"\s{2,}", lines[start + 1].strip())
+  rows = {line.split()[0]: line.split() for line in lines[start + 2 : start + 7]}
+  assert set(rows) == {role.value for role in Role}
+  cell = lambda role, column: rows[role][header.index(column)]
+  assert [cell("actor", c) for c in ("remat", "chunk", "offload")] == ["full", "16", "optimizer"]
+  assert cell("reference", "offload") == "params" and cell("critic", "offload") == "-"
+  # The numbers are the planner's memory model of the actor with and without its options.
+  namespace = {}
+  monkeypatch.chdir(REPO)
+  exec(_OPTIONS_CONFIG, namespace)
+  config = from_config_dict(namespace["get_config"]())
+  spec = build_placement(config.placement, 8)
+  rows_per_step = strategies.train_rows(config)
+  model = config.model.for_role("actor")
+  est = lambda m: estimate_memory(
+    Role.ACTOR, spec[Role.ACTOR], m, config.rollout, train_rows=rows_per_step
+  )
+  with_options = est(model)
+  plain = est(model.replace(remat="none", logprob_chunk_size=None)).total
+  remat_only = est(model.replace(logprob_chunk_size=None)).total
+  mib = lambda n: f"{n / 2**20:.2f}"
+  assert cell("actor", "plain") == mib(plain)
+  assert cell("actor", "with options") == mib(with_options.total)
+  assert cell("actor", "remat saves") == mib(plain - remat_only)
+  assert float(cell("actor", "remat saves")) > 0 and float(cell("actor", "chunk saves")) > 0
+  assert cell("actor", "idle") == mib(with_options.params + with_options.optimizer)
+  assert cell("actor", "idle offloaded") == mib(with_options.params)  # the moments are parked
+  assert cell("reference", "idle offloaded") == "-"
+  plain_peak, configured_peak = map(float, re.findall(r"([0-9.]+) MiB", lines[-1])[:2])
+  assert configured_peak < plain_peak
 
 
 @pytest.mark.parametrize("case", list(_BAD_RUNS))

@@ -26,10 +26,11 @@ import jax
 import optax
 
 from rlhfjax import models
-from rlhfjax.cluster import dispatch
+from rlhfjax.cluster import dispatch, residency
+from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ExperimentConfig
-from rlhfjax.mesh import offload
+from rlhfjax.mesh import rules, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
@@ -96,6 +97,11 @@ class Cluster:
     self._rollout_from: Role | None = None
     self._pad_id = 0
     self.engine: Engine | None = None
+    self.residency = residency.Residency(
+      self._offloaded, self._get_part, self._put_part, lambda role: self.roles[Role(role)].devices
+    )
+    """Where offloaded state is when (its `events` log every move)."""
+    self._cast: Callable | None = None
 
   # -------------------------------------------------------------------------------------------
   # Declaring roles.
@@ -168,7 +174,8 @@ class Cluster:
       )
       rt = self.roles[Role.ROLLOUT]
       self.engine = Engine(rt.model, engine_cfg, rt.mesh)
-      self.engine.update_params(self.weights(self._rollout_from))
+      self._cast = self._rollout_cast()
+      self.engine.update_params(self._rollout_weights())
     self.park()
 
   def weights(self, role: Role) -> Any:
@@ -186,8 +193,14 @@ class Cluster:
     in_shardings: Any = None,
     out_shardings: Any = None,
     donate_argnums: int | Sequence[int] = (),
+    role: Role | None = None,
   ) -> Callable:
-    """`jax.jit` of `fn` with explicit shardings; every trace is counted under `name`."""
+    """`jax.jit` of `fn` with explicit shardings; every trace is counted under `name`. A
+    `role`'s program is traced under its mesh and layout rules, so the model's activation
+    sharding constraints apply (`rlhfjax.mesh.rules.constrained`)."""
+    if role is not None:
+      rt = self.roles[role]
+      fn = rules.constrained(fn, rt.spec.layout, rt.mesh)
     return jax.jit(
       self.traces.wrap(name, fn),
       in_shardings=in_shardings,
@@ -205,6 +218,7 @@ class Cluster:
       in_shardings=(shardings, None),
       out_shardings=(shardings, self.roles[role].replicated),
       donate_argnums=0,
+      role=role,
     )
 
   def move(self, role: Role, tree: Any, leading: int = 0) -> Any:
@@ -253,53 +267,80 @@ class Cluster:
       return dispatch.Stage(role=role.value, name=name, devices=self.roles[role].devices, fn=fn)
     return dispatch.Stage(role=role, name=name, devices=(), fn=fn)
 
-  def run(self, stages: Sequence[dispatch.Stage], iteration: int) -> list[Any]:
-    """Runs stages, those on disjoint devices at the same time (see `dispatch`); offloaded
-    state that they use comes to device memory first, the rest goes to host memory."""
-    self._place({(s.role, s.name) for s in stages})
-    return dispatch.run_stages(stages, self.timeline, iteration)
+  def run(
+    self, stages: Sequence[dispatch.Stage], iteration: int, *, then: Sequence[Key] = ()
+  ) -> list[Any]:
+    """Runs stages, those on disjoint devices at the same time (see `dispatch`). Offloaded state
+    a stage uses is in device memory while it runs, prefetched while the stage before it runs
+    (`rlhfjax.cluster.residency`); `then` names the (role, stage) of the next call's stages, so
+    their state is prefetched during this call's last stage."""
+    return self.residency.run(stages, self.timeline, iteration, then)
 
   # -------------------------------------------------------------------------------------------
   # Offload (`rlhfjax.mesh.offload`, ChatLearn's memory sharing).
 
-  def _place(self, active: set[tuple[str, str]] | None) -> None:
-    """What `cfg.offload` names goes to device memory when a stage in `active` (role, stage
-    name) uses it, or always with None, and to host memory otherwise: parameters of frozen roles
-    for their 'score' stages, optimizer states of trained roles for their 'update' stages.
-    Moves of arrays already in place are no-ops."""
+  def _offloaded(self) -> list[residency.Part]:
+    """The parts `cfg.offload` names that this cluster holds."""
     off = self.cfg.offload
-    for name in off.params:
-      role = Role(name)
-      if role in self.params:
-        use = active is None or (name, "score") in active
-        self.params[role] = (offload.to_device if use else offload.to_host)(self.params[role])
-    for name in off.optimizer:
-      role = Role(name)
-      if role in self.states:
-        use = active is None or (name, "update") in active
-        move = offload.to_device if use else offload.to_host
-        self.states[role] = self.states[role].replace(opt_state=move(self.states[role].opt_state))
+    return [residency.Part(name, "params") for name in off.params if Role(name) in self.params] + [
+      residency.Part(name, "optimizer") for name in off.optimizer if Role(name) in self.states
+    ]
+
+  def _get_part(self, part: residency.Part) -> Any:
+    role = Role(part.role)
+    return self.params[role] if part.kind == "params" else self.states[role].opt_state
+
+  def _put_part(self, part: residency.Part, tree: Any) -> None:
+    role = Role(part.role)
+    if part.kind == "params":
+      self.params[role] = tree
+    else:
+      self.states[role] = self.states[role].replace(opt_state=tree)
 
   def park(self) -> None:
     """Every offloaded part in host memory (between iterations, during generation)."""
-    self._place(set())
+    self.residency.place(set())
 
   @contextlib.contextmanager
   def resident(self) -> Iterator[None]:
     """Every offloaded part in device memory inside the block (checkpoints, evaluation)."""
-    self._place(None)
+    self.residency.place(None)
     try:
       yield
     finally:
       self.park()
 
+  def _rollout_cast(self) -> Callable | None:
+    """The compiled cast of the source role's weights to the rollout's dtypes on the source's
+    mesh (`rlhfjax.mesh.transfer.cast`), or None when their dtypes already match."""
+    src, dst = self.roles[self._rollout_from], self.roles[Role.ROLLOUT]
+    wanted = models.abstract_params(dst.model, dst.head)
+    have = models.abstract_params(src.model, src.head)
+    pairs = zip(jax.tree.leaves(have), jax.tree.leaves(wanted), strict=True)
+    if all(a.dtype == b.dtype for a, b in pairs):
+      return None
+    return self.compile(
+      "rollout_cast",
+      functools.partial(transfer.cast, dtypes=wanted),
+      in_shardings=(src.param_shardings,),
+      out_shardings=src.param_shardings,
+      role=self._rollout_from,
+    )
+
+  def _rollout_weights(self) -> Any:
+    """The source role's weights in the rollout's dtypes: cast on the source's mesh when they
+    differ (bf16 rollout weights from fp32 masters: half the bytes then move), else as they
+    are."""
+    params = self.weights(self._rollout_from)
+    return params if self._cast is None else self._cast(params)
+
   def sync(self, iteration: int) -> int:
-    """The rollout engine takes the current weights of its source role, device to device;
-    returns the bytes moved."""
+    """The rollout engine takes the current weights of its source role (cast to the rollout's
+    dtypes first where they differ), device to device; returns the bytes moved."""
     devices = tuple(
       sorted(set(self.roles[Role.ROLLOUT].devices) | set(self.roles[self._rollout_from].devices))
     )
     with self.timeline.stage(iteration, "rollout", "sync", devices):
-      moved = self.engine.update_params(self.weights(self._rollout_from))
+      moved = self.engine.update_params(self._rollout_weights())
       jax.block_until_ready(self.engine.params)
     return moved

@@ -65,8 +65,18 @@ def _under(guards: dict[str, str | None]):
     yield
 
 
-def run_stages(stages: Sequence[Stage], timeline: Timeline, iteration: int) -> list[Any]:
-  """Runs every stage, recording it on the timeline; returns results in the input order."""
+def run_stages(
+  stages: Sequence[Stage],
+  timeline: Timeline,
+  iteration: int,
+  *,
+  before: Callable[[int], None] | None = None,
+  after: Callable[[int], None] | None = None,
+) -> list[Any]:
+  """Runs every stage, recording it on the timeline; returns results in the input order.
+
+  `before(i)` and `after(i)` are called in the stage's own thread just before stage i starts
+  and just after it ends (the cluster moves offloaded state there)."""
   results: list[Any] = [None] * len(stages)
   guards = _transfer_guards()
 
@@ -74,8 +84,12 @@ def run_stages(stages: Sequence[Stage], timeline: Timeline, iteration: int) -> l
     with _under(guards):
       for i in indices:
         stage = stages[i]
+        if before is not None:
+          before(i)
         with timeline.stage(iteration, stage.role, stage.name, stage.devices):
           results[i] = jax.block_until_ready(stage.fn())
+        if after is not None:
+          after(i)
 
   groups = device_groups(stages)
   if len(groups) == 1:

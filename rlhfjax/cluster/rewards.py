@@ -43,6 +43,7 @@ class Rewards:
         functools.partial(steps.sequence_scores, rt.model),
         in_shardings=(rt.param_shardings, *batch),
         out_shardings=rt.batch_sharding((b,)),
+        role=Role.REWARD,
       )
     mc, fc = reward.model_coef, reward.fn_coef
     parts = (self.use_model, self.fn is not None)

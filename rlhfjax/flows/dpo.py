@@ -96,6 +96,7 @@ class DPOFlow(Flow):
       "reference_logprobs",
       functools.partial(pair_logprobs, ref.model),
       out_shardings={name: ref.batch_sharding((b,)) for name in _SIDES},
+      role=Role.REFERENCE,
     )
     actor = cluster.roles[Role.ACTOR]
     loss = functools.partial(
@@ -107,7 +108,10 @@ class DPOFlow(Flow):
     )
     self._step = cluster.train_step("actor_step", Role.ACTOR, loss)
     self._eval = cluster.compile(
-      "held_out", lambda params, batch: loss(params, batch)[1], out_shardings=actor.replicated
+      "held_out",
+      lambda params, batch: loss(params, batch)[1],
+      out_shardings=actor.replicated,
+      role=Role.ACTOR,
     )
 
   def _with_reference(self, host_batch: dict, name: str) -> dict[str, jax.Array]:

@@ -84,6 +84,7 @@ class OnlineDPOFlow(Flow):
       "reference_logprobs",
       functools.partial(pair_logprobs, ref.model),
       out_shardings={n: ref.batch_sharding((pairs,)) for n in ("chosen", "rejected")},
+      role=Role.REFERENCE,
     )
     dpo = cfg.dpo
     loss = functools.partial(

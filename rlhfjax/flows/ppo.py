@@ -135,6 +135,10 @@ class PPOFlow:
         "(placement.strategy='disaggregated')"
       )
     self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
+    self._update_keys = (("actor", "update"),) + (
+      (("critic", "update"),) if self.use_critic else ()
+    )
+    """The (role, stage) of the update's stages, for `Cluster.run`'s prefetch."""
     rngs = initial_rngs(cfg.seed)
     updates = cfg.total_steps * ppo.ppo_epochs * ppo.mini_batches
     init = cfg.init
@@ -348,7 +352,9 @@ class PPOFlow:
     if self.use_critic:
       todo.append(score(Role.CRITIC, self._critic_values))
     todo += ctx.rewards.stages(tokens, attention, seqs, iteration)
-    out = dict(zip([s.role for s in todo], cluster.run(todo, iteration), strict=True))
+    # The update comes next: its optimizer states (if offloaded) come back during the scoring.
+    results = cluster.run(todo, iteration, then=self._update_keys)
+    out = dict(zip([s.role for s in todo], results, strict=True))
     with cluster.timeline.stage(
       iteration, "actor", "advantages", cluster.roles[Role.ACTOR].devices
     ):
@@ -387,7 +393,8 @@ class PPOFlow:
         Role.CRITIC, {**common, "returns": exp.returns_bt, "old_values": exp.values_bt}
       )
     metrics = []
-    for _ in range(ppo.ppo_epochs):
+    last = (ppo.ppo_epochs - 1, ppo.mini_batches - 1)
+    for epoch in range(ppo.ppo_epochs):
       actor_minis = self._actor_split(actor_batch, cluster.states[Role.ACTOR].step)
       critic_minis = (
         self._critic_split(critic_batch, cluster.states[Role.CRITIC].step)
@@ -407,7 +414,8 @@ class PPOFlow:
             )
           )
         merged = {}
-        for result in cluster.run(todo, iteration):
+        then = self._update_keys if (epoch, k) != last else ()
+        for result in cluster.run(todo, iteration, then=then):
           merged.update(cluster.fetch(result))
         skipped = max(float(merged["actor/skipped"]), float(merged.get("critic/skipped", 0.0)))
         self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0

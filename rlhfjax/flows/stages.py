@@ -121,6 +121,7 @@ def _scorer(ctx: FlowContext, role: Role, name: str, fn: Any, out_shape: tuple[i
     fn,
     in_shardings=(rt.param_shardings, *batch),
     out_shardings=rt.batch_sharding(out_shape),
+    role=role,
   )
 
 

@@ -17,12 +17,14 @@ names plus a concrete shape and mesh into a `PartitionSpec`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -223,3 +225,21 @@ def flax_rules(layout: Layout | str, mesh: Mesh) -> tuple[tuple[str, MeshAxes | 
     (name, tuple(a for a in axes if sizes.get(a, 1) > 1) or None)
     for name, axes in rules_table(layout).items()
   )
+
+
+def constrained(fn: Any, layout: Layout | str, mesh: Mesh) -> Any:
+  """`fn`, traced under `mesh` (as the abstract mesh) and the layout's `flax_rules`, so that
+  the activation constraints the model places apply inside the `jax.jit` that compiles it.
+
+  Without them XLA's sharding propagation may follow the FSDP-sharded weights and gather the
+  activations of the whole batch on every device. The context is entered at trace time, inside
+  the jit, so the compiled program and its cache key are the same on every call.
+  """
+  flax_axis_rules = flax_rules(layout, mesh)
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(flax_axis_rules):
+      return fn(*args, **kwargs)
+
+  return traced

@@ -441,6 +441,16 @@ def transfer(
   return treedef.unflatten(out), sum(leaves[i].nbytes for i in moving)
 
 
+def cast(tree: Any, dtypes: Any) -> Any:
+  """`tree`'s arrays as `dtypes` (a tree of dtypes, or of anything with a `.dtype`).
+
+  Jitted with the source's shardings in and out, this is how the weight sync of a rollout that
+  holds narrower weights than its source (bf16 from fp32 masters) casts on the source's mesh
+  before `transfer`: half the bytes then travel, and the source stays as it is.
+  """
+  return jax.tree.map(lambda x, d: x.astype(getattr(d, "dtype", d)), tree, dtypes)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Traffic:
   """The bytes one `transfer` writes into device memory, step by step.

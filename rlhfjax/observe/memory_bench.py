@@ -22,7 +22,6 @@ import math
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -85,6 +84,23 @@ def _train_state_parts(rt: RoleRuntime, tx) -> tuple[int, int]:
   )
 
 
+def actor_batch(actor: RoleRuntime, rows: int, seq_len: int, prompt_len: int) -> dict[str, Any]:
+  """Abstract inputs of one actor step (one micro-batch of `rows` sequences), rows split over
+  the actor's batch axes."""
+  t = seq_len - prompt_len
+  shapes = {
+    "tokens": ((1, rows, seq_len), jnp.int32),
+    "attention_mask": ((1, rows, seq_len), jnp.int32),
+    "response_mask": ((1, rows, t), jnp.float32),
+    "old_logprobs": ((1, rows, t), jnp.float32),
+    "advantages": ((1, rows, t), jnp.float32),
+  }
+  return {
+    k: jax.ShapeDtypeStruct(s, d, sharding=actor.batch_sharding(s, leading=1))
+    for k, (s, d) in shapes.items()
+  }
+
+
 def actor_step_memory(
   model: ModelConfig, num_devices: int, seq_len: int, *, prompt_len: int, micro_batch: int
 ) -> tuple[Any, float]:
@@ -94,33 +110,20 @@ def actor_step_memory(
   tx = make_optimizer(OptimizerConfig(), 1000)
   state = actor.abstract_train_state(tx)
   state_sh = actor.train_state_shardings(tx)
-  t = seq_len - prompt_len
-  shapes = {
-    "tokens": ((1, micro_batch, seq_len), jnp.int32),
-    "attention_mask": ((1, micro_batch, seq_len), jnp.int32),
-    "response_mask": ((1, micro_batch, t), jnp.float32),
-    "old_logprobs": ((1, micro_batch, t), jnp.float32),
-    "advantages": ((1, micro_batch, t), jnp.float32),
-  }
-  batch = {
-    k: jax.ShapeDtypeStruct(s, d, sharding=actor.batch_sharding(s, leading=1))
-    for k, (s, d) in shapes.items()
-  }
+  batch = actor_batch(actor, micro_batch, seq_len, prompt_len)
   loss = functools.partial(
     steps.actor_loss, config=model, prompt_len=prompt_len, clip_eps=0.2, entropy_coef=0.0
   )
   step = jax.jit(
-    functools.partial(steps.accumulate_and_apply, loss, tx),
+    rules.constrained(
+      functools.partial(steps.accumulate_and_apply, loss, tx), actor.spec.layout, actor.mesh
+    ),
     in_shardings=(state_sh, jax.tree.map(lambda x: x.sharding, batch)),
     out_shardings=(state_sh, actor.replicated),
     donate_argnums=0,
   )
   start = time.perf_counter()
-  with (
-    jax.set_mesh(actor.mesh),
-    nn.logical_axis_rules(rules.flax_rules(actor.spec.layout, actor.mesh)),
-  ):
-    compiled = step.lower(state, batch).compile()
+  compiled = step.lower(state, batch).compile()
   return compiled.memory_analysis(), time.perf_counter() - start
 
 

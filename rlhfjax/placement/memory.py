@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rlhfjax.config import ModelSection, RolloutSection
 from rlhfjax.models.config import ModelConfig
@@ -57,7 +57,16 @@ BATCH_AXES: Mapping[Layout, tuple[str, ...]] = {
 }
 """Mesh axes each layout splits the batch over."""
 
-__all__ = ["GIB", "MemoryEstimate", "Options", "estimate_memory", "estimate_placement_memory"]
+__all__ = [
+  "GIB",
+  "MemoryEstimate",
+  "OptionEffect",
+  "Options",
+  "estimate_memory",
+  "estimate_placement_memory",
+  "option_effects",
+  "option_peaks",
+]
 
 
 def sharding_of(spec: RoleSpec) -> Sharding:
@@ -159,3 +168,83 @@ def device_totals(
       need = sum(e.persistent for e in here) + max(e.transient for e in here)
     totals.update(dict.fromkeys(devices, need))
   return totals
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptionEffect:
+  """What the memory options of one role (its model's remat and log-prob chunk, and the
+  config's offload) do to its bytes per device, from the planner's memory model."""
+
+  plain: int
+  """During its stage, without remat or log-prob chunks."""
+  remat: int
+  """Change from the role's remat policy alone (negative: saved)."""
+  chunk: int
+  """Change from the role's log-prob chunk alone (negative: saved)."""
+  configured: int
+  """During its stage, with both."""
+  idle: int
+  """Kept on its devices while other roles' stages run (parameters and moments)."""
+  idle_offloaded: int
+  """The same with the configured offload (parked parts in host memory)."""
+
+  @property
+  def transient(self) -> int:
+    return self.configured - self.idle
+
+
+def option_effects(
+  placement: PlacementSpec,
+  model: ModelSection,
+  rollout: RolloutSection,
+  *,
+  train_rows: int | None,
+  offload_params: Sequence[str] = (),
+  offload_optimizer: Sequence[str] = (),
+) -> dict[Role, OptionEffect]:
+  """Each role's `OptionEffect`: `estimate_memory` of its model with and without its remat and
+  log-prob chunk, and its idle bytes with and without the named roles' parts offloaded."""
+  actor_devices = set(placement[Role.ACTOR].devices)
+  out = {}
+  for role, spec in placement.roles.items():
+    config = model.for_role(role.value)
+
+    def total(cfg: ModelConfig, role=role, spec=spec) -> MemoryEstimate:
+      return estimate_memory(
+        role,
+        spec,
+        cfg,
+        rollout,
+        train_rows=train_rows,
+        receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
+      )
+
+    plain = total(config.replace(remat="none", logprob_chunk_size=None)).total
+    configured = total(config)
+    parked = (configured.params if role.value in offload_params else 0) + (
+      configured.optimizer if role.value in offload_optimizer else 0
+    )
+    out[role] = OptionEffect(
+      plain=plain,
+      remat=total(config.replace(logprob_chunk_size=None)).total - plain,
+      chunk=total(config.replace(remat="none")).total - plain,
+      configured=configured.total,
+      idle=configured.persistent,
+      idle_offloaded=configured.persistent - parked,
+    )
+  return out
+
+
+def option_peaks(placement: PlacementSpec, effects: Mapping[Role, OptionEffect]) -> dict[str, int]:
+  """The largest need of any device, plain (no remat, no chunks, no offload) and configured:
+  what every role on it keeps while idle plus the largest extra of the one whose stage runs."""
+  roles = tuple(effects)
+  plain = configured = 0
+  for key in cells(tuple(placement[role].devices for role in roles)):
+    here = [effects[roles[i]] for i in key]
+    plain = max(plain, sum(e.idle for e in here) + max(e.plain - e.idle for e in here))
+    configured = max(
+      configured,
+      sum(e.idle_offloaded for e in here) + max(e.configured - e.idle_offloaded for e in here),
+    )
+  return {"plain": plain, "configured": configured}

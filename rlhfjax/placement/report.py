@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from rlhfjax.placement.memory import GIB, MemoryEstimate, device_totals
+from rlhfjax.config import ExperimentConfig
+from rlhfjax.placement.memory import (
+  GIB,
+  MemoryEstimate,
+  OptionEffect,
+  device_totals,
+  option_effects,
+  option_peaks,
+)
 from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
 
 _HEADER = (
@@ -79,12 +87,90 @@ def format_placement_table(
   return "\n".join(lines)
 
 
-def _align(rows: Sequence[Sequence[str]]) -> list[str]:
+_OPTION_HEADER = (
+  "role",
+  "remat",
+  "chunk",
+  "offload",
+  "plain",
+  "remat saves",
+  "chunk saves",
+  "with options",
+  "idle",
+  "idle offloaded",
+)
+
+
+def format_option_table(
+  effects: Mapping[Role, OptionEffect],
+  settings: Mapping[Role, tuple[str, str, str]],
+  peaks: Mapping[str, int],
+) -> str:
+  """What remat, log-prob chunks and offload do to each role's memory per device: a title, one
+  row per role (its settings; its bytes during its stage without them, what each saves alone,
+  with both; what it keeps on its devices while idle, without and with offload) and the peak
+  device's need without and with all of them.
+
+  Args:
+    effects: `rlhfjax.placement.memory.option_effects`.
+    settings: per role, its (remat policy, log-prob chunk, offloaded parts) as shown.
+    peaks: `rlhfjax.placement.memory.option_peaks`.
+  """
+  unit, scale = _unit(max(max(e.plain, e.configured) for e in effects.values()))
+  rows = [_OPTION_HEADER]
+  for role in Role:
+    e = effects[role]
+    rows.append(
+      (
+        role.value,
+        *settings[role],
+        _amount(e.plain, scale),
+        _amount(-e.remat, scale),
+        _amount(-e.chunk, scale),
+        _amount(e.configured, scale),
+        _amount(e.idle, scale),
+        _amount(e.idle_offloaded, scale),
+      )
+    )
+  title = f"memory options per role, est. memory/device in {unit} (planner's memory model)"
+  saved = peaks["plain"] - peaks["configured"]
+  summary = (
+    f"options: peak device {peaks['plain'] / scale:.2f} {unit} without remat, chunks and "
+    f"offload -> {peaks['configured'] / scale:.2f} {unit} with them ({saved / scale:.2f} {unit} "
+    "saved)"
+  )
+  return "\n".join([title, *_align(rows, numeric_from=_OPTION_HEADER.index("plain")), summary])
+
+
+def option_report(config: ExperimentConfig, spec: PlacementSpec, train_rows: int) -> str:
+  """`format_option_table` of `config`'s per-role models and offload on placement `spec`."""
+  off = config.offload
+  effects = option_effects(
+    spec,
+    config.model,
+    config.rollout,
+    train_rows=train_rows,
+    offload_params=off.params,
+    offload_optimizer=off.optimizer,
+  )
+  settings = {}
+  for role in Role:
+    model = config.model.for_role(role.value)
+    parked = [
+      k
+      for k, names in (("params", off.params), ("optimizer", off.optimizer))
+      if role.value in names
+    ]
+    settings[role] = (model.remat, str(model.logprob_chunk_size or "-"), "+".join(parked) or "-")
+  return format_option_table(effects, settings, option_peaks(spec, effects))
+
+
+def _align(rows: Sequence[Sequence[str]], numeric_from: int = _NUMERIC_FROM) -> list[str]:
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   lines = []
   for row in rows:
     cells = [
-      cell.rjust(width) if i >= _NUMERIC_FROM else cell.ljust(width)
+      cell.rjust(width) if i >= numeric_from else cell.ljust(width)
       for i, (cell, width) in enumerate(zip(row, widths, strict=True))
     ]
     lines.append("  ".join(cells).rstrip())
