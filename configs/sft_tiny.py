@@ -3,6 +3,8 @@
   python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft
   python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft \
       --config.total_steps=200 --config.placement.tensor=1
+  python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft \
+      --config.placement.strategy=auto --config.placement.hardware=h100
 
 Rerunning with the same workdir resumes from its latest checkpoint. PPO starts its actor and
 reference from WORKDIR/checkpoints (item 'policy').
@@ -25,9 +27,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.size = "tiny"
 
   config.placement = ml_collections.ConfigDict()
+  config.placement.strategy = "manual"  # 'auto': the planner picks data x fsdp x tensor
   config.placement.num_devices = 8
+  config.placement.data = 1
   config.placement.tensor = 2
   config.placement.memory_per_device_gb = 16.0
+  config.placement.hardware = "local"  # auto: a preset, or 'local' with a calibration file
+  config.placement.efficiency = ""
 
   config.data = ml_collections.ConfigDict()
   config.data.task = "vowels"

@@ -549,21 +549,33 @@ class ExperimentConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainPlacementSection:
   """Where the one trained model of SFT or reward-model training runs: the first
-  `num_devices` devices as one training mesh, FSDP over `num_devices / tensor` and tensor
-  parallel over `tensor` (the layout PPO gives its actor and critic)."""
+  `num_devices` devices as one training mesh, data x fsdp x tensor (the layout PPO gives its
+  actor and critic); `strategy='auto'` lets the planner pick the split."""
 
+  strategy: str = "manual"
+  """'manual': `data` and `tensor` as given, FSDP over the rest; 'auto': the planner
+  (`rlhfjax.planner.single`) picks the fastest split that fits, on `hardware`."""
   num_devices: int | None = None
   """Devices the job uses (the first ones of `jax.devices()`); None: all of them."""
+  data: int = 1
+  """Data-parallel replicas (each holds whole fsdp x tensor shards); must divide the devices."""
   tensor: int = 1
   """Tensor-parallel size; must divide `num_devices` and the model's (KV) heads."""
   memory_per_device_gb: float | None = None
   """Memory budget of one device in GiB (params, AdamW moments, grads); None: no check."""
+  hardware: str = "local"
+  """auto: the planner's hardware, a preset name or 'local' (measured, see `efficiency`)."""
+  efficiency: str = ""
+  """auto: a calibration JSON of `scripts/calibrate.py` (needed by 'local') or a profile."""
 
   def __post_init__(self):
+    if self.strategy not in ("manual", "auto"):
+      raise ConfigError(f"'placement.strategy' must be 'manual' or 'auto', got {self.strategy!r}")
     ranges.check(
       "placement",
       self,
       num_devices=ranges.COUNT,
+      data=ranges.COUNT,
       tensor=ranges.COUNT,
       memory_per_device_gb=ranges.POSITIVE,
     )

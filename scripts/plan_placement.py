@@ -15,13 +15,17 @@ from absl import app, flags
 from rlhfjax import launch
 
 _ACTOR = flags.DEFINE_string("actor", "7b", "Actor size name or HF config.json path.")
-_CRITIC = flags.DEFINE_string("critic", None, "Critic size/path or 'none' (default: the actor).")
+_CRITIC = flags.DEFINE_string(
+  "critic", None, "Critic size/path or 'none' (critic-free; default: the actor for ppo)."
+)
 _REWARD = flags.DEFINE_string("reward", None, "Reward size/path or 'none' (default: the critic).")
 _REFERENCE = flags.DEFINE_string("reference", None, "Reference size/path (default: the actor).")
 _HARDWARE = flags.DEFINE_string("hardware", "h100", "Preset name or 'local' (needs --efficiency).")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices of the job.")
 _PER_NODE = flags.DEFINE_integer("devices_per_node", None, "Override the preset's node size.")
-_ALGORITHM = flags.DEFINE_enum("algorithm", "ppo", ["ppo", "grpo"], "PPO (critic) or GRPO.")
+_ALGORITHM = flags.DEFINE_enum(
+  "algorithm", "ppo", ["ppo", "grpo", "dpo"], "PPO (critic), GRPO (no critic), DPO (no rollout)."
+)
 _PROMPTS = flags.DEFINE_integer("prompts", 1024, "Prompts per iteration.")
 _SAMPLES = flags.DEFINE_integer("samples_per_prompt", 1, "Responses per prompt.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens (padded).")

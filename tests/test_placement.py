@@ -365,13 +365,16 @@ def test_70b_does_not_fit_colocated_on_8_devices_of_16_gib():
 
 
 def test_roles_sharing_a_device_must_fit_together():
-  config = _config(placement={"strategy": "colocated"})
+  reward_model = {"model_coef": 1.0}  # all five roles placed: PPO with a reward model
+  config = _config(placement={"strategy": "colocated"}, reward=reward_model)
   spec = plan_placement(config, 8)
   estimates = estimate_placement_memory(spec, config.model, config.rollout)
   colocated_peak = max(device_totals(spec, estimates).values())
   budget_gib = (colocated_peak - 1) / 2**30  # each role fits alone, all five together do not
   assert all(estimate.total <= colocated_peak - 1 for estimate in estimates.values())
-  tight = _config(placement={"strategy": "colocated", "memory_per_device_gb": budget_gib})
+  tight = _config(
+    placement={"strategy": "colocated", "memory_per_device_gb": budget_gib}, reward=reward_model
+  )
   with pytest.raises(
     PlacementError,
     match=r"^device 0 holds actor \+ critic \+ reference \+ "
@@ -462,7 +465,9 @@ def test_70b_memory_per_device():
 
 
 def test_format_placement_table_lists_every_role():
-  config = _config(placement={"strategy": "interleaved", "memory_per_device_gb": 16})
+  config = _config(
+    placement={"strategy": "interleaved", "memory_per_device_gb": 16}, reward={"model_coef": 1.0}
+  )
   spec = plan_placement(config, 8)
   table = format_placement_table(
     spec, estimate_placement_memory(spec, config.model, config.rollout), memory_per_device_gb=16
@@ -619,7 +624,11 @@ def script_runs(tmp_path_factory):
   typo.write_text(_TYPO_CONFIG)
   options = typo.parent / "options.py"
   options.write_text(_OPTIONS_CONFIG)
-  cases = {name: ["--config=configs/ppo_tiny.py", *args] for name, args in _GOOD_RUNS.items()}
+  # With a reward model, so that all five roles are placed (a rule reward places no reward).
+  cases = {
+    name: ["--config=configs/ppo_tiny.py", "--config.reward.model_coef=0.5", *args]
+    for name, args in _GOOD_RUNS.items()
+  }
   cases["options"] = [f"--config={options}"]
   for name, (args, _) in _BAD_RUNS.items():
     cases[name] = [f"--config={typo}"] if args is None else ["--config=configs/ppo_tiny.py", *args]

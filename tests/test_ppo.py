@@ -230,6 +230,9 @@ def test_group_relative_runs_without_a_critic(tmp_path):
   trainer = Runner(cfg, str(tmp_path), show_progress=False)
   result = trainer.run()
   assert Role.CRITIC not in trainer.cluster.states
+  # No critic mesh either (the reward model scores: `reward.model_coef` is 0.5).
+  assert set(trainer.placement.roles) == {Role.ACTOR, Role.REFERENCE, Role.REWARD, Role.ROLLOUT}
+  assert set(trainer.cluster.roles) == set(trainer.placement.roles)
   stages = {(r.role, r.stage) for r in trainer.timeline.records}
   assert ("critic", "score") not in stages and ("critic", "update") not in stages
   assert "critic_step" not in result.compilations

@@ -80,6 +80,8 @@ class Cluster:
     mesh_cache: dict[Any, Any] = {}
     self.roles: dict[Role, RoleRuntime] = {}
     for role, head in HEADS.items():
+      if role not in placement.roles:
+        continue  # a role the flow does not use (`rlhfjax.flows.registry.roles_of`): no mesh
       spec = placement[role]
       key = (spec.devices, spec.axes)
       runtime = RoleRuntime.create(
@@ -108,13 +110,22 @@ class Cluster:
 
   def train(self, role: Role, source: WeightSource, tx: optax.GradientTransformation) -> None:
     """`role` is trained with optimizer `tx`; its weights start from `source`."""
+    self._placed(role)
     self._sources[role] = source
     self.tx[role] = tx
     self.state_shardings[role] = self.roles[role].train_state_shardings(tx)
 
   def freeze(self, role: Role, source: WeightSource) -> None:
     """`role` holds fixed weights from `source` (the reference, a reward model)."""
+    self._placed(role)
     self._sources[role] = source
+
+  def _placed(self, role: Role) -> None:
+    if role not in self.roles:
+      raise ValueError(
+        f"the flow uses {role} but the placement gives it no devices (placed: "
+        f"{', '.join(self.roles)}); declare it in the flow's registered roles"
+      )
 
   def rollout_from(self, role: Role, pad_id: int) -> None:
     """The rollout engine generates with `role`'s weights (synced by `sync`)."""

@@ -19,7 +19,7 @@ from rlhfjax import algorithms as alg
 from rlhfjax import data, distributed, models
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.flows.base import Flow
-from rlhfjax.flows.registry import register
+from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
 from rlhfjax.training.optimizer import make_optimizer
@@ -171,6 +171,6 @@ class DPOFlow(Flow):
     self.train.set_state(meta["preference_data"])
 
 
-@register("dpo")
+@register("dpo", roles=lambda cfg: policy_roles(cfg, critic=False, rollout=False))
 def make_flow(ctx: FlowContext) -> DPOFlow:
   return DPOFlow(ctx)

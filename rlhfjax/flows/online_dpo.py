@@ -19,7 +19,7 @@ from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.dpo import dpo_step_loss, pair_logprobs
 from rlhfjax.flows.experience import Experience
-from rlhfjax.flows.registry import register
+from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
 from rlhfjax.training.optimizer import make_optimizer
@@ -133,6 +133,6 @@ class OnlineDPOFlow(Flow):
     return row
 
 
-@register("online_dpo")
+@register("online_dpo", roles=lambda cfg: policy_roles(cfg, critic=False))
 def make_flow(ctx: FlowContext) -> OnlineDPOFlow:
   return OnlineDPOFlow(ctx)

@@ -34,7 +34,7 @@ from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
 from rlhfjax.flows import experience, stages
 from rlhfjax.flows.experience import Experience, Sequences
-from rlhfjax.flows.registry import register
+from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
@@ -456,20 +456,27 @@ class PPOFlow:
     return row
 
 
-@register("ppo")
+def _roles(estimator: str | None = None):
+  """The roles of a PPO-family flow: a critic only for a critic estimator (GAE)."""
+  return lambda cfg: policy_roles(
+    cfg, critic=(estimator or cfg.ppo.advantage) in alg.CRITIC_ESTIMATORS
+  )
+
+
+@register("ppo", roles=_roles())
 def make_flow(ctx: FlowContext) -> PPOFlow:
   """PPO with `ppo.advantage`'s estimator (GAE and a critic by default)."""
   return PPOFlow(ctx)
 
 
-@register("grpo")
+@register("grpo", roles=_roles("group_relative"))
 def make_grpo(ctx: FlowContext) -> PPOFlow:
   """GRPO: group-normalised advantages, no critic; KL in the loss (`ppo.kl_loss_coef`) or in
   the reward (`ppo.kl_coef`); `ppo.loss_agg` and `ppo.normalize_group_std` select Dr. GRPO."""
   return PPOFlow(ctx, estimator="group_relative")
 
 
-@register("dapo")
+@register("dapo", roles=_roles("group_relative"))
 def make_dapo(ctx: FlowContext) -> PPOFlow:
   """DAPO: GRPO's group-relative advantages with decoupled clipping (`ppo.clip_eps_high`),
   dynamic sampling (`ppo.dynamic_sampling_rounds`) and soft overlong punishment
@@ -477,13 +484,13 @@ def make_dapo(ctx: FlowContext) -> PPOFlow:
   return PPOFlow(ctx, estimator="group_relative")
 
 
-@register("rloo")
+@register("rloo", roles=_roles("rloo"))
 def make_rloo(ctx: FlowContext) -> PPOFlow:
   """RLOO: leave-one-out baselines within each prompt's group, no critic."""
   return PPOFlow(ctx, estimator="rloo")
 
 
-@register("reinforce_pp")
+@register("reinforce_pp", roles=_roles("reinforce_pp"))
 def make_reinforce_pp(ctx: FlowContext) -> PPOFlow:
   """REINFORCE++: batch-whitened returns of KL-shaped token rewards, no critic."""
   return PPOFlow(ctx, estimator="reinforce_pp")

@@ -8,6 +8,10 @@ A flow is an object with:
   meta() -> dict / restore(items, meta)  its JSON state (see `rlhfjax.runner`);
   close()                             stops background work.
 `rlhfjax.flows.base.Flow` implements the parts most flows share.
+
+A flow registered with `roles` (a function of the config) declares the roles it places: the
+placement, its memory check and the planner give the others no mesh and no memory (GRPO has
+no critic; a rule reward needs no reward model; DPO generates nothing).
 """
 
 from __future__ import annotations
@@ -17,19 +21,27 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhfjax import tasks
+from rlhfjax.placement.spec import Role
 
 FLOWS: dict[str, Callable[..., Any]] = {}
 """Registered flow factories by name."""
+ROLES: dict[str, Callable[[Any], frozenset[Role]]] = {}
+"""The roles each registered flow uses, as a function of the experiment config."""
 
 _BUILTIN = ("ppo", "dpo", "online_dpo")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 
-def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """Decorator: registers a flow factory (or class) under `name`."""
+def register(
+  name: str, roles: Callable[[Any], frozenset[Role]] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator: registers a flow factory (or class) under `name`; `roles(config)` says which
+  roles it uses (default: all of them)."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
     FLOWS[name] = factory
+    if roles is not None:
+      ROLES[name] = roles
     return factory
 
   return wrap
@@ -50,3 +62,28 @@ def resolve(name: str, flow: str = "") -> Callable[..., Any]:
   if name not in flows:
     raise ValueError(f"'algorithm.name' must be one of {', '.join(sorted(flows))}, got {name!r}")
   return flows[name]
+
+
+def roles_of(config: Any) -> tuple[Role, ...]:
+  """The roles the configured flow uses, in `Role` order; every role for a user's own flow
+  (`algorithm.flow`), whose needs are unknown."""
+  if config.algorithm.flow:
+    return tuple(Role)
+  builtin()
+  declared = ROLES.get(config.algorithm.name)
+  used = declared(config) if declared else frozenset(Role)
+  return tuple(role for role in Role if role in used)
+
+
+def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[Role]:
+  """Actor and reference, the rollout if the flow generates, the critic if asked, and the
+  reward model unless the reward is a rule alone (`reward.model_coef` = 0; the runner loads a
+  reward model whenever it is not)."""
+  roles = {Role.ACTOR, Role.REFERENCE}
+  if rollout:
+    roles.add(Role.ROLLOUT)
+  if critic:
+    roles.add(Role.CRITIC)
+  if config.reward.model_coef != 0.0:
+    roles.add(Role.REWARD)
+  return frozenset(roles)

@@ -85,15 +85,54 @@ def _lane_name(devices: tuple[int, ...]) -> str:
 
 def plot_gantt(records: Sequence[StageRecord], path: str, title: str = "") -> None:
   """One lane per distinct device group; bars coloured by stage, labelled by role."""
+  plot_gantt_panels([(title or "stage timeline", records)], path)
+
+
+def plot_gantt_panels(
+  panels: Sequence[tuple[str, Sequence[StageRecord]]], path: str, *, align: bool = False
+) -> None:
+  """`plot_gantt` of several timelines, one panel each, stacked on one time axis with one
+  colour per stage name across panels (e.g. predicted above measured). With `align`, each
+  panel's records are shifted to start at 0."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  lanes = sorted({r.devices for r in records}, key=lambda d: (d[0] if d else -1, -len(d)))
-  stages = sorted({r.stage for r in records})
+  if align:
+    panels = [(title, _from_zero(records)) for title, records in panels]
+  stages = sorted({r.stage for _, records in panels for r in records})
   colours = dict(zip(stages, plt.get_cmap("tab10").colors, strict=False))
-  fig, ax = plt.subplots(figsize=(12, 0.7 * len(lanes) + 1.5))
+  lanes = [_lanes(records) for _, records in panels]
+  fig, axes = plt.subplots(
+    len(panels),
+    1,
+    sharex=True,
+    squeeze=False,
+    figsize=(12, sum(0.7 * max(len(x), 1) + 1.2 for x in lanes) + 0.3),
+    gridspec_kw={"height_ratios": [max(len(x), 1) + 1 for x in lanes]},
+  )
+  for ax, (title, records), panel_lanes in zip(axes[:, 0], panels, lanes, strict=True):
+    _draw(ax, records, panel_lanes, colours)
+    ax.set_title(title)
+  axes[-1, 0].set_xlabel("seconds")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=colours[s]) for s in stages]
+  axes[0, 0].legend(handles, stages, loc="upper right", fontsize=7, ncols=min(len(stages), 6))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _from_zero(records: Sequence[StageRecord]) -> list[StageRecord]:
+  origin = min((r.start for r in records), default=0.0)
+  return [dataclasses.replace(r, start=r.start - origin, end=r.end - origin) for r in records]
+
+
+def _lanes(records: Sequence[StageRecord]) -> list[tuple[int, ...]]:
+  return sorted({r.devices for r in records}, key=lambda d: (d[0] if d else -1, -len(d)))
+
+
+def _draw(ax, records: Sequence[StageRecord], lanes, colours) -> None:
   for record in records:
     lane = lanes.index(record.devices)
     ax.barh(
@@ -117,10 +156,3 @@ def plot_gantt(records: Sequence[StageRecord], path: str, title: str = "") -> No
       )
   ax.set_yticks(range(len(lanes)), [_lane_name(d) for d in lanes])
   ax.invert_yaxis()
-  ax.set_xlabel("seconds")
-  ax.set_title(title or "stage timeline")
-  handles = [plt.Rectangle((0, 0), 1, 1, color=colours[s]) for s in stages]
-  ax.legend(handles, stages, loc="upper right", fontsize=7, ncols=min(len(stages), 6))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)

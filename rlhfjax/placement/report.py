@@ -70,7 +70,7 @@ def format_placement_table(
   totals = device_totals(spec, estimates)
   unit, scale = _unit(max(totals.values()))
   rows = [_HEADER]
-  for role in Role:
+  for role in (r for r in Role if r in spec.roles):
     role_spec, estimate = spec[role], estimates[role]
     rows.append(
       (
@@ -185,7 +185,7 @@ def _summary(
   memory_per_device_gb: float | None,
 ) -> str:
   peak_device = max(totals, key=lambda d: (totals[d], -d))
-  peak_roles = "+".join(role.value for role in Role if peak_device in spec[role].devices)
+  peak_roles = "+".join(role.value for role, s in spec.roles.items() if peak_device in s.devices)
   budget = f" of a {memory_per_device_gb:g} GiB budget" if memory_per_device_gb is not None else ""
   disjoint = ", ".join(f"{a}|{b}" for a, b in spec.disjoint) or "none"
   return (

@@ -89,6 +89,16 @@ class PlacementSpec:
     """True when two roles share any device (so they cannot run at the same time)."""
     return bool(set(self[a].devices) & set(self[b].devices))
 
+  def only(self, roles) -> PlacementSpec:
+    """The placement of just `roles` (the ones a flow uses): no mesh for the others, and no
+    disjointness rule that names them."""
+    keep = set(roles)
+    return dataclasses.replace(
+      self,
+      roles={role: spec for role, spec in self.roles.items() if role in keep},
+      disjoint=tuple((a, b) for a, b in self.disjoint if a in keep and b in keep),
+    )
+
   @property
   def devices(self) -> tuple[int, ...]:
     """All device indices the job uses, sorted."""

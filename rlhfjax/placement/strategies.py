@@ -257,18 +257,24 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
   """`build_placement`, then checks the models of `config` against it (`check_models`).
 
   `placement.strategy='auto'` asks the planner (`rlhfjax.planner.auto`) for the fastest
-  placement on the available devices and prints the chosen plan and the runner-up.
+  placement on the available devices and prints the chosen plan and the runner-up. Either way
+  the placement keeps only the roles the flow uses (`rlhfjax.flows.registry.roles_of`).
   """
+  from rlhfjax.flows.registry import roles_of  # the flows import this package
+
+  roles = roles_of(config)
+  num_devices = resolve_num_devices(config.placement.num_devices, available_devices)
   if config.placement.strategy == "auto":
     # The planner builds on this package, so it is imported only when asked for.
     from rlhfjax.planner import auto
 
-    num_devices = resolve_num_devices(config.placement.num_devices, available_devices)
     spec, plans = auto.choose(config, num_devices)
     print(auto.describe(plans, auto.workload_of(config)), flush=True)
-    check_spec(spec, num_devices)
   else:
     spec = build_placement(config.placement, available_devices)
+  # The roles the flow does not use get no mesh and count for no memory.
+  spec = spec.only(roles)
+  check_spec(spec, num_devices, roles)
   check_models(
     spec,
     config.model,

@@ -9,7 +9,7 @@ divide the heads, batch sizes that split over the data groups, memory per device
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from rlhfjax.config import ModelSection, RolloutSection
 from rlhfjax.placement import memory
@@ -34,15 +34,15 @@ def resolve_num_devices(num_devices: int | None, available_devices: int) -> int:
   return num_devices
 
 
-def check_spec(spec: PlacementSpec, num_devices: int) -> None:
-  """Checks the structure of `spec` for a job of `num_devices` devices.
+def check_spec(spec: PlacementSpec, num_devices: int, roles: Iterable[Role] = tuple(Role)) -> None:
+  """Checks the structure of `spec` for a job of `num_devices` devices whose flow uses `roles`.
 
   Raises:
     PlacementError: a role is missing or has no devices, a device index is out of range or
       repeated, the mesh axes are not those of the layout or do not multiply to the number of
       devices, or two roles of `spec.disjoint` share devices.
   """
-  missing = [role.value for role in Role if role not in spec.roles]
+  missing = [role.value for role in roles if role not in spec.roles]
   if missing:
     raise PlacementError(f"{spec.strategy}: no placement for role(s) {', '.join(missing)}")
   for role, role_spec in spec.roles.items():
@@ -92,9 +92,9 @@ def check_models(
           f"{role}: tensor={tensor} does not divide {name}={heads} of model "
           f"{model.size_for(role)!r}"
         )
-  rollout_spec = spec[Role.ROLLOUT]
-  batch_axes = memory.BATCH_AXES[rollout_spec.layout]
-  batch_shards = math.prod(rollout_spec.axis_size(a) for a in batch_axes)
+  rollout_spec = spec.roles.get(Role.ROLLOUT)  # None for a flow that generates nothing (DPO)
+  batch_axes = memory.BATCH_AXES[rollout_spec.layout] if rollout_spec else ()
+  batch_shards = math.prod(rollout_spec.axis_size(a) for a in batch_axes) if rollout_spec else 1
   if rollout.batch_size % batch_shards:
     raise PlacementError(
       f"rollout.batch_size={rollout.batch_size} does not split evenly over the "

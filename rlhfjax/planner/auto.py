@@ -21,17 +21,25 @@ from rlhfjax.planner.workload import Workload
 
 
 def workload_of(config: ExperimentConfig) -> Workload:
-  """The planner's view of one iteration of the experiment."""
+  """The planner's view of one iteration of the experiment: the roles its flow uses
+  (`rlhfjax.flows.registry.roles_of`), so a critic-free flow plans no critic, a rule reward no
+  reward model, and DPO no rollout."""
+  from rlhfjax.flows.registry import roles_of  # the flows import the placement package
+
   ppo, rollout, model = config.ppo, config.rollout, config.model
-  critic_free = ppo.advantage != "gae"
+  roles = roles_of(config)
+  algorithm = "ppo" if Role.CRITIC in roles else "grpo"
+  if Role.ROLLOUT not in roles:
+    algorithm = "dpo"
   return Workload(
     actor=model.for_role(Role.ACTOR),
-    critic=None if critic_free else model.for_role(Role.CRITIC),
-    reward=model.for_role(Role.REWARD) if config.reward.model_coef != 0.0 else None,
+    critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
+    reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
     reference=model.for_role(Role.REFERENCE),
-    algorithm="grpo" if critic_free else "ppo",
-    prompts=rollout.batch_size // ppo.group_size,
-    samples_per_prompt=ppo.group_size,
+    algorithm=algorithm,
+    # DPO trains on `batch_size` preference pairs: two sequences each.
+    prompts=rollout.batch_size if algorithm == "dpo" else rollout.batch_size // ppo.group_size,
+    samples_per_prompt=2 if algorithm == "dpo" else ppo.group_size,
     prompt_len=rollout.max_prompt_len,
     response_len_mean=rollout.max_new_tokens,
     response_len_max=rollout.max_new_tokens,
@@ -41,13 +49,13 @@ def workload_of(config: ExperimentConfig) -> Workload:
   )
 
 
-def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, list[Plan]]:
-  """The fastest placement of `config` on `num_devices` that fits and passes `check_models`.
+def load_planner_inputs(section) -> tuple[hardware.Hardware, efficiency.Efficiency]:
+  """The hardware and efficiency a `placement` section (`hardware`, `efficiency`,
+  `memory_per_device_gb`) names for `strategy=auto`.
 
   Raises:
-    PlacementError: the hardware or efficiency file cannot be read, or no placement fits.
+    PlacementError: the hardware or efficiency file cannot be read, with how to make one.
   """
-  section = config.placement
   try:
     hw = hardware.load_hardware(section.hardware, section.efficiency or None)
     eff = efficiency.load_efficiency(section.efficiency or None)
@@ -59,6 +67,16 @@ def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, l
     raise PlacementError(f"placement.strategy=auto: {error}{hint}") from None
   if section.memory_per_device_gb is not None:
     hw = dataclasses.replace(hw, memory_gib=section.memory_per_device_gb)
+  return hw, eff
+
+
+def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, list[Plan]]:
+  """The fastest placement of `config` on `num_devices` that fits and passes `check_models`.
+
+  Raises:
+    PlacementError: the hardware or efficiency file cannot be read, or no placement fits.
+  """
+  hw, eff = load_planner_inputs(config.placement)
   plans = search.search(
     workload_of(config), hw, eff, num_devices, async_rollout=config.ppo.async_rollout
   )
@@ -91,10 +109,16 @@ def describe(plans: list[Plan], workload: Workload) -> str:
 
 
 def predict(
-  config: ExperimentConfig, num_devices: int, hw: hardware.Hardware, eff: efficiency.Efficiency
+  config: ExperimentConfig,
+  num_devices: int,
+  hw: hardware.Hardware,
+  eff: efficiency.Efficiency,
+  spec: PlacementSpec | None = None,
+  label: str = "",
 ) -> Plan:
-  """The planner's prediction for the placement `config` names (not a search)."""
-  spec = build_placement(config.placement, num_devices)
+  """The planner's prediction for `spec`, by default the placement `config` names (not a
+  search)."""
+  spec = spec or build_placement(config.placement, num_devices)
   return evaluate(
     spec,
     workload_of(config),
@@ -102,5 +126,12 @@ def predict(
     eff,
     micro_batch=0,
     async_rollout=config.ppo.async_rollout,
-    label=spec.strategy,
+    label=label or spec.strategy,
   )
+
+
+def predicted_plan(config: ExperimentConfig, spec: PlacementSpec) -> Plan:
+  """The planner's prediction for `spec` (the placement `choose` picked) on the hardware the
+  config names: what a planned run draws beside its measured timeline."""
+  hw, eff = load_planner_inputs(config.placement)
+  return predict(config, len(spec.devices), hw, eff, spec, label=f"auto: {spec.strategy}")

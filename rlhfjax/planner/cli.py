@@ -13,17 +13,19 @@ def workload_from_flags(f) -> Workload:
   actor = resolve_model(f.actor)
   if actor is None:
     raise ValueError("--actor cannot be 'none'")
-  critic_name = f.critic if f.critic is not None else ("none" if f.algorithm == "grpo" else f.actor)
+  critic_name = f.critic if f.critic is not None else ("none" if f.algorithm != "ppo" else f.actor)
   critic = resolve_model(critic_name)
+  if f.algorithm != "ppo" and critic is not None:
+    raise ValueError(f"--algorithm={f.algorithm} has no critic; drop --critic or use ppo")
   reward_name = f.reward if f.reward is not None else (critic_name if critic else "none")
-  if f.algorithm == "ppo" and critic is None:
-    raise ValueError("--algorithm=ppo needs a critic; use --algorithm=grpo for critic-free runs")
+  # --critic=none plans a critic-free run (no critic mesh or memory), as --algorithm=grpo does.
+  algorithm = "grpo" if f.algorithm == "ppo" and critic is None else f.algorithm
   return Workload(
     actor=actor,
-    critic=critic if f.algorithm == "ppo" else None,
+    critic=critic,
     reward=resolve_model(reward_name),
     reference=resolve_model(f.reference) if f.reference else None,
-    algorithm=f.algorithm,
+    algorithm=algorithm,
     prompts=f.prompts,
     samples_per_prompt=f.samples_per_prompt,
     prompt_len=f.prompt_len,

@@ -8,12 +8,15 @@ Every function returns seconds for one stage of one iteration on a role's device
   matmuls), four with full remat (the forward is recomputed), and is repeated per epoch.
 - Generation = prefill (a forward over the prompts, FLOP-bound) + decode steps. One decode step
   reads the weights once and the KV cache of every slot, and computes `2 N` FLOPs per slot:
-  it lasts max(bytes / bandwidth, FLOPs / rate). Under static batching a wave of slots decodes
-  for the longest response; with continuous batching the slots stay full and only the tail of
-  the longest response runs alone. Tensor parallelism adds two all-reduces per layer per step.
+  it lasts max(bytes / bandwidth, FLOPs / rate, per-layer launch overhead: the host dispatches
+  asynchronously, so an eager engine's launches overlap the device's work). Under static
+  batching a wave of slots decodes for the longest response; with continuous batching the
+  slots stay full and only the tail of the longest response runs alone. Tensor parallelism
+  adds two all-reduces per layer per step.
 - FSDP gathers the weights in every forward and backward pass of every micro-step and
-  reduce-scatters the gradients; tensor parallelism all-reduces activations twice per layer
-  per pass. A ring collective moves `(g - 1) / g` of the buffer over each device's link.
+  reduce-scatters the gradients; data-parallel replicas all-reduce their gradient shard once per
+  update; tensor parallelism all-reduces activations twice per layer per pass. A ring
+  collective moves `(g - 1) / g` of the buffer over each device's link.
 - The weight sync moves the actor's parameters into the generation layout: each rollout device
   receives its tensor shard over the slowest link between the two groups.
 """
@@ -37,11 +40,18 @@ class Group:
   devices: int
   tensor: int = 1
   spans_nodes: bool = False
+  data: int = 1
+  """Data-parallel replicas of a training layout (whole copies of the fsdp x tensor shards)."""
 
   @property
   def replicas(self) -> int:
     """Independent batch shards (data x fsdp, or data groups of the generation layout)."""
     return self.devices // self.tensor
+
+  @property
+  def fsdp(self) -> int:
+    """Devices one copy of the parameters is sharded over, per tensor rank."""
+    return self.devices // self.tensor // self.data
 
 
 def matmul_params(config: ModelConfig, head: str) -> int:
@@ -95,7 +105,7 @@ def forward_time(
   tokens = sequences * seq_len
   flops = tokens * forward_flops_per_token(config, head, seq_len / 2)
   compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.forward_mfu)
-  fsdp = group.devices // group.tensor
+  fsdp = group.fsdp
   param_bytes = matmul_params(config, head) * _BYTES[config.param_dtype] / group.tensor
   gather = micro_steps * _ring(param_bytes, fsdp, _link(hw, group) * eff.collective_bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, 1)
@@ -123,13 +133,16 @@ def train_time(
   passes = 4 if remat == "full" else 3
   flops = passes * tokens * forward_flops_per_token(config, head, seq_len / 2)
   compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.train_mfu)
-  fsdp = group.devices // group.tensor
+  fsdp = group.fsdp
   pb = _BYTES[config.param_dtype]
   param_bytes = matmul_params(config, head) * pb / group.tensor
   bw = _link(hw, group) * eff.collective_bw
   # Two gathers (forward, backward; three with full remat) and one reduce-scatter per micro-step.
   gathers = (3 if remat == "full" else 2) + 1
   collectives = epochs * micro_steps * gathers * _ring(param_bytes, fsdp, bw)
+  # Data-parallel replicas all-reduce their gradient shard once per update (ring: 2x data).
+  shard_bytes = param_bytes / fsdp
+  collectives += epochs * optimizer_steps * 2 * _ring(shard_bytes, group.data, bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
   ob = _BYTES[optimizer_dtype or config.param_dtype]
   # The update reads parameters, moments and gradients and writes parameters and moments.
@@ -188,7 +201,10 @@ def decode_step_time(
   flops = batch * forward_flops_per_token(config, "lm", context)
   compute = flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.decode_mfu)
   tp = _tensor_allreduce(hw, eff, config, group, batch, 1)
-  return max(memory, compute) + tp + eff.decode_step_s + config.num_layers * eff.layer_s
+  # The host issues each layer's kernels while the device runs earlier ones (asynchronous
+  # dispatch): a step lasts as long as the slower of the two, not their sum.
+  launch = config.num_layers * eff.layer_s
+  return max(memory, compute, launch) + tp + eff.decode_step_s
 
 
 def sync_time(

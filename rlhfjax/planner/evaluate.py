@@ -66,12 +66,16 @@ class Plan:
 
 
 def present_roles(workload: Workload) -> tuple[Role, ...]:
-  roles = [Role.ACTOR, Role.REFERENCE, Role.ROLLOUT]
+  """The roles the workload places, in `Role` order: a critic only for PPO, a reward model
+  only when one is given, the rollout unless the algorithm generates nothing (DPO)."""
+  roles = {Role.ACTOR, Role.REFERENCE}
+  if workload.algorithm != "dpo":
+    roles.add(Role.ROLLOUT)
   if workload.critic is not None and workload.algorithm == "ppo":
-    roles.append(Role.CRITIC)
+    roles.add(Role.CRITIC)
   if workload.reward is not None:
-    roles.append(Role.REWARD)
-  return tuple(roles)
+    roles.add(Role.REWARD)
+  return tuple(role for role in Role if role in roles)
 
 
 def model_for(workload: Workload, role: Role):
@@ -135,23 +139,27 @@ def evaluate(
   if workload.train_rows:
     micro_batch = math.ceil(workload.train_rows / sharding_of(spec[Role.ACTOR]).batch_shards)
   roles = present_roles(workload)
+  spec = spec.only(roles)
   per_node = devices_per_node or hw.devices_per_node
   budget = hw.memory_gib * GIB
   groups = {role: _group(spec[role], per_node) for role in roles}
 
-  slots = math.ceil(workload.sequences / groups[Role.ROLLOUT].replicas)
+  generates = Role.ROLLOUT in roles
+  slots = math.ceil(workload.sequences / groups[Role.ROLLOUT].replicas) if generates else 0
   if workload.generation_batch:
     slots = min(slots, workload.generation_batch)
   estimates = {
     role: role_memory(role, spec, workload, hw, eff, micro_batch, slots) for role in roles
   }
   # Generate in waves when the KV cache of every slot does not fit beside the persistent state.
-  rollout_devices = set(spec[Role.ROLLOUT].devices)
+  rollout_devices = set(spec[Role.ROLLOUT].devices) if generates else set()
   resident = max(
     sum(e.persistent for r, e in estimates.items() if set(spec[r].devices) & rollout_devices),
     0,
   )
-  while slots > 1 and resident + estimates[Role.ROLLOUT].transient > budget:
+  # (Only when the persistent state itself fits: otherwise the plan is over memory anyway and
+  # its generation is predicted at the configured batch.)
+  while slots > 1 and resident <= budget < resident + estimates[Role.ROLLOUT].transient:
     slots = math.ceil(slots / 2)
     estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
@@ -188,7 +196,11 @@ def evaluate(
 
 def _group(rs: RoleSpec, per_node: int) -> costs.Group:
   spans = min(rs.devices) // per_node != max(rs.devices) // per_node
-  return costs.Group(devices=len(rs.devices), tensor=rs.axis_size("tensor"), spans_nodes=spans)
+  # A training layout's `data` replicas hold whole parameter shards (ZeRO-2-like: no gathers).
+  data = rs.axis_size("data") if rs.layout == Layout.TRAINING else 1
+  return costs.Group(
+    devices=len(rs.devices), tensor=rs.axis_size("tensor"), spans_nodes=spans, data=data
+  )
 
 
 def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
@@ -198,6 +210,12 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
   def micro_steps(role, sequences):
     return max(1, math.ceil(sequences / (micro_batch * groups[role].replicas)))
 
+  if Role.ROLLOUT not in roles:  # nothing generated (DPO): no generation, no weight sync
+    actor = spec[Role.ACTOR].devices
+    generate = StageCost(role="rollout", stage="generate", devices=actor, seconds=0.0)
+    sync = StageCost(role="rollout", stage="sync", devices=actor, seconds=0.0)
+    advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps)
+    return generate, _score_costs(spec, w, hw, eff, groups, micro_steps), advantages, updates, sync
   rollout = spec[Role.ROLLOUT]
   prefill, decode = costs.generate_time(
     hw,
@@ -215,10 +233,18 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
   generate = StageCost(
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
   )
+  scores = _score_costs(spec, w, hw, eff, groups, micro_steps)
+  advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps)
+  sync = _sync_cost(spec, w, hw, eff)
+  return generate, scores, advantages, updates, sync
+
+
+def _score_costs(spec, w, hw, eff, groups, micro_steps):
+  roles = tuple(groups)
   scores = []
   for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD):
-    if role not in roles:
-      continue
+    if role not in roles or (role == Role.ACTOR and w.algorithm == "dpo"):
+      continue  # DPO's actor scores its pairs inside its train step
     seconds = costs.forward_time(
       hw,
       eff,
@@ -226,12 +252,17 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
       HEADS[role],
       groups[role],
       sequences=w.sequences,
-      seq_len=w.seq_len,
+      seq_len=w.compute_len,
       micro_steps=micro_steps(role, w.sequences),
     )
     scores.append(
       StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
     )
+  return scores
+
+
+def _train_costs(spec, w, hw, eff, groups, micro_steps):
+  roles = tuple(groups)
   advantages = StageCost(
     role="actor", stage="advantages", devices=spec[Role.ACTOR].devices, seconds=eff.stage_s
   )
@@ -247,7 +278,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
       HEADS[role],
       groups[role],
       sequences=w.sequences,
-      seq_len=w.seq_len,
+      seq_len=w.compute_len,
       epochs=w.ppo_epochs,
       optimizer_steps=w.optimizer_steps,
       micro_steps=w.optimizer_steps * micro_steps(role, per_step),
@@ -257,6 +288,11 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     updates.append(
       StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=seconds)
     )
+  return advantages, updates
+
+
+def _sync_cost(spec, w, hw, eff):
+  rollout = spec[Role.ROLLOUT]
   actor_devices = set(spec[Role.ACTOR].devices)
   colocated = set(rollout.devices) <= actor_devices
   sync_devices = tuple(sorted(actor_devices | set(rollout.devices)))
@@ -269,7 +305,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
       if a != b and a < len(hw.pair_bw) and b < len(hw.pair_bw)
     ]
     pair_bw = sum(pairs) / len(pairs) if pairs else None
-  sync = StageCost(
+  return StageCost(
     role="rollout",
     stage="sync",
     devices=sync_devices,
@@ -285,4 +321,3 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
       pair_bw=pair_bw,
     ),
   )
-  return generate, scores, advantages, updates, sync

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rlhfjax.observe.timeline import StageRecord
 from rlhfjax.placement.report import format_devices
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner.evaluate import Plan, present_roles
@@ -65,6 +66,43 @@ def format_plans(plans: Sequence[Plan], workload: Workload, *, top: int = 10) ->
     lines.append(f"... {len(plans) - top} more candidates")
   lines.append("why: " + explain(plans))
   return "\n".join(lines)
+
+
+PREDICTED_TIMELINE = "timeline_predicted.json"
+"""A planned run's predicted timeline, written beside its measured `timeline.json`."""
+
+
+def write_beside(
+  plan: Plan, measured: Sequence[StageRecord], directory: str, title: str
+) -> tuple[str, str]:
+  """The plan's predicted timeline as `timeline_predicted.json` (the measured file's format;
+  without generation and sync when nothing is generated) and `timeline.png` with two panels on one
+  time axis: predicted above, the `measured` records below, each from its first shown start,
+  over as many iterations as `measured` shows."""
+  import dataclasses
+  import json
+  import os
+
+  from rlhfjax.observe.timeline import plot_gantt_panels
+
+  generates = Role.ROLLOUT in plan.spec.roles
+  predicted = [r for r in plan.replay.records if generates or r.role != Role.ROLLOUT.value]
+  json_path = os.path.join(directory, PREDICTED_TIMELINE)
+  with open(json_path, "w") as f:
+    json.dump([dataclasses.asdict(r) for r in predicted], f, indent=1)
+  shown = len({r.iteration for r in measured}) or 1
+  last = max(r.iteration for r in predicted)
+  predicted = [r for r in predicted if r.iteration > last - shown]
+  png_path = os.path.join(directory, "timeline.png")
+  plot_gantt_panels(
+    [
+      (f"predicted: {plan.label}, {plan.iteration_s:.3g} s/iteration", predicted),
+      (f"measured: {title}", measured),
+    ],
+    png_path,
+    align=True,
+  )
+  return json_path, png_path
 
 
 def write_timeline(plan: Plan, directory: str) -> tuple[str, str]:

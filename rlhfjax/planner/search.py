@@ -5,6 +5,10 @@ actor and critic split; disaggregated over a range of rollout device counts, wit
 the training roles split; each with the tensor sizes that divide every model's heads (within a
 node), and each with the micro-batch sizes of `MICRO_BATCHES`. Plans that do not fit memory stay
 in the result, last, with the reason.
+
+Only the roles the workload has are placed (`present_roles`: no critic for critic-free
+algorithms, no reward model for a rule reward, no rollout for DPO); a candidate that then
+leaves devices idle is dropped, and candidates that become the same placement are one.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import PlacementSpec
 from rlhfjax.placement.validate import PlacementError
 from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.evaluate import Plan, evaluate
+from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
 from rlhfjax.planner.hardware import Hardware
 from rlhfjax.planner.workload import Workload
 
@@ -58,10 +62,18 @@ def candidates(
   if strategy not in (*STRATEGIES, "auto"):
     raise ValueError(f"unknown strategy {strategy!r}; use auto, {', '.join(STRATEGIES)}")
   tensors = tensor_sizes(workload, min(max_tensor, num_devices))
+  roles = present_roles(workload)
+  seen = set()
   for name in names:
     for t in tensors:
       for rt in tensors:
-        yield from _variants(name, num_devices, t, rt, rollout_devices)
+        for label, spec in _variants(name, num_devices, t, rt, rollout_devices):
+          spec = spec.only(roles)
+          key = tuple((r, s.devices, s.axes) for r, s in spec.roles.items())
+          if len(spec.devices) < num_devices or key in seen:
+            continue  # devices left idle by absent roles, or a placement already listed
+          seen.add(key)
+          yield label, spec
 
 
 def _variants(name, n, t, rt, rollout_devices):

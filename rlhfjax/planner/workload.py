@@ -2,7 +2,8 @@
 
 A role's model is a registered size name (`rlhfjax.models.config`) or the path of a Hugging
 Face `config.json` (or of the checkpoint directory holding it). Critic and reward may be absent
-(`none`): GRPO is critic-free, and a rule reward needs no reward model.
+(`none`): GRPO is critic-free, and a rule reward needs no reward model; absent roles get no
+devices and no memory in any plan.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 
 from rlhfjax.models.config import ModelConfig, get_model_config, model_sizes
 
-ALGORITHMS = ("ppo", "grpo")
+ALGORITHMS = ("ppo", "grpo", "dpo")
+"""PPO (a critic), critic-free policy gradient (GRPO, RLOO, ...: no critic), DPO (no rollout:
+preference pairs scored by the reference and trained on)."""
 REMAT_POLICIES = ("none", "dots_saveable", "full")
 
 
@@ -48,6 +51,10 @@ class Workload:
   hybrid engine with ZeRO-3): every decode step all-gathers every layer's weights."""
   static_batching: bool = True
   """Generation lasts as long as its longest sample (no continuous batching)."""
+  padded: bool = True
+  """Scoring and training run on sequences padded to `prompt_len + response_len_max` (as
+  rlhfjax and DeepSpeed-Chat do); False: on their real lengths (`mean_tokens` per sequence, as
+  an engine that removes padding does). Memory is planned for the padded length either way."""
   remat: str = "none"
   """Rematerialisation of the train step: 'none', 'dots_saveable' or 'full'."""
   logits_chunk: int = 0
@@ -85,6 +92,11 @@ class Workload:
   def seq_len(self) -> int:
     """Padded length of a scored or trained sequence."""
     return self.prompt_len + self.response_len_max
+
+  @property
+  def compute_len(self) -> float:
+    """Tokens per sequence that scoring and training compute on."""
+    return self.seq_len if self.padded else self.mean_tokens
 
   @property
   def mean_tokens(self) -> float:

@@ -66,6 +66,12 @@ class Runner:
     self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
     self.placement: PlacementSpec = plan_placement(cfg, len(jax.devices()))
     distributed.check_placement(self.placement)
+    self.prediction = None
+    """With `placement.strategy=auto`, the planner's prediction, drawn beside the timeline."""
+    if cfg.placement.strategy == "auto":
+      from rlhfjax.planner import auto
+
+      self.prediction = auto.predicted_plan(cfg, self.placement)
     factory = registry.resolve(cfg.algorithm.name, cfg.algorithm.flow)
     self.tokenizer = data.load_tokenizer(cfg.data.tokenizer)
     if self.tokenizer.vocab_size > cfg.model.for_role("actor").vocab_size:
@@ -258,11 +264,13 @@ class Runner:
     self.timeline.write_json(os.path.join(self.workdir, "timeline.json"))
     newest = max((r.iteration for r in self.timeline.records), default=0)
     last = [r for r in self.timeline.records if r.iteration > newest - 3]
-    plot_gantt(
-      last,
-      os.path.join(self.workdir, "timeline.png"),
-      title=f"{self.placement.strategy}: last iterations",
-    )
+    title = f"{self.placement.strategy}: last iterations"
+    if self.prediction is None:
+      plot_gantt(last, os.path.join(self.workdir, "timeline.png"), title=title)
+    else:  # predicted and measured, two panels on one time axis
+      from rlhfjax.planner.report import write_beside
+
+      write_beside(self.prediction, last, self.workdir, title)
     plot_metric(
       rows,
       "reward/mean",

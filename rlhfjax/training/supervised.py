@@ -71,28 +71,15 @@ def role_spec(
   """
   placement = cfg.placement
   num_devices = resolve_num_devices(placement.num_devices, available_devices)
-  tensor = placement.tensor
-  if num_devices % tensor:
-    raise PlacementError(
-      f"placement.tensor={tensor} does not divide placement.num_devices={num_devices}"
-    )
-  for name in ("num_heads", "num_kv_heads"):
-    if getattr(model, name) % tensor:
-      raise PlacementError(
-        f"placement.tensor={tensor} does not divide {name}={getattr(model, name)} of the model"
-      )
-  fsdp = num_devices // tensor
   rows = cfg.batch_size // cfg.micro_batches
-  if rows % fsdp:
-    raise PlacementError(
-      f"a micro-batch of {rows} rows (batch_size / micro_batches) does not split over the "
-      f"fsdp={fsdp} batch shards; make it a multiple of {fsdp}"
-    )
-  spec = RoleSpec.training(range(num_devices), fsdp=fsdp, tensor=tensor)
+  if placement.strategy == "auto":
+    spec = _planned_spec(cfg, model, head, num_devices)
+  else:
+    spec = _manual_spec(placement, model, num_devices, rows)
+  trained = Role.ACTOR if head == "lm" else Role.CRITIC
   if placement.memory_per_device_gb is not None:
     # Estimated as for PPO's trained role with the same head: parameters, moments, gradients,
     # and the activations and logits of one micro-batch of `max_len` tokens.
-    trained = Role.ACTOR if head == "lm" else Role.CRITIC
     shape = RolloutSection(batch_size=rows, max_prompt_len=cfg.max_len, max_new_tokens=1)
     need = memory.estimate_memory(trained, spec, model, shape, train_rows=rows).total
     budget = placement.memory_per_device_gb * memory.GIB
@@ -103,6 +90,59 @@ def role_spec(
         "(placement.memory_per_device_gb)"
       )
   return spec
+
+
+def _manual_spec(placement, model: ModelConfig, num_devices: int, rows: int) -> RoleSpec:
+  data, tensor = placement.data, placement.tensor
+  if num_devices % (data * tensor):
+    raise PlacementError(
+      f"placement.data x placement.tensor = {data} x {tensor} does not divide "
+      f"placement.num_devices={num_devices}"
+      if data > 1
+      else f"placement.tensor={tensor} does not divide placement.num_devices={num_devices}"
+    )
+  for name in ("num_heads", "num_kv_heads"):
+    if getattr(model, name) % tensor:
+      raise PlacementError(
+        f"placement.tensor={tensor} does not divide {name}={getattr(model, name)} of the model"
+      )
+  fsdp = num_devices // tensor // data
+  shards = data * fsdp
+  if rows % shards:
+    raise PlacementError(
+      f"a micro-batch of {rows} rows (batch_size / micro_batches) does not split over the "
+      f"{'data x fsdp' if data > 1 else 'fsdp'}={shards} batch shards; make it a multiple of "
+      f"{shards}"
+    )
+  return RoleSpec.training(range(num_devices), data=data, fsdp=fsdp, tensor=tensor)
+
+
+def _planned_spec(cfg: SupervisedConfig, model: ModelConfig, head: HeadKind, n: int) -> RoleSpec:
+  """`placement.strategy='auto'`: the planner's fastest split that fits; prints it and the
+  runner-up."""
+  from rlhfjax.planner import auto, single  # the planner is imported only when asked for
+
+  hw, eff = auto.load_planner_inputs(cfg.placement)
+  plans = single.plan(
+    model,
+    head,
+    hw,
+    eff,
+    n,
+    batch_size=cfg.batch_size,
+    micro_batches=cfg.micro_batches,
+    seq_len=cfg.max_len,
+    options=memory.model_options(model),
+  )
+  if not plans:
+    raise PlacementError(
+      f"placement.strategy=auto: no data x fsdp x tensor split of {n} devices divides the "
+      f"model's heads and a micro-batch of {cfg.batch_size // cfg.micro_batches} rows"
+    )
+  if not plans[0].fits:
+    raise PlacementError(f"placement.strategy=auto: no split fits; closest: {plans[0].why_not}")
+  print(single.describe([p for p in plans if p.fits]), flush=True)
+  return plans[0].spec()
 
 
 def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:

@@ -1,0 +1,118 @@
+"""Critic-free flows get no critic (and rule rewards no reward model) mesh or memory: from the
+flow registry, `plan_placement`, `strategy=auto`, the planner's search and `plan_placement.py`."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from rlhfjax.config import from_config_dict
+from rlhfjax.flows import registry
+from rlhfjax.placement import estimate_placement_memory, plan_placement
+from rlhfjax.placement.spec import Role
+from rlhfjax.planner import auto, efficiency, hardware, search
+from rlhfjax.planner.workload import Workload, resolve_model
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ALL = set(Role)
+POLICY = {Role.ACTOR, Role.REFERENCE, Role.ROLLOUT}
+
+
+def _config(name: str, strategy: str = "colocated", **sections):
+  return from_config_dict(
+    {
+      "model": {"size": "tiny"},
+      "algorithm": {"name": name},
+      "ppo": {"group_size": 2},
+      "placement": {"strategy": strategy, "hardware": "h100"},
+      "reward": {"fn": "rlhfjax.tasks:vowel_reward", **sections.pop("reward", {})},
+      **sections,
+    }
+  )
+
+
+@pytest.mark.parametrize(
+  ("name", "model_coef", "expected"),
+  [
+    ("ppo", 0.5, ALL),
+    ("ppo", 0.0, ALL - {Role.REWARD}),
+    ("grpo", 0.0, POLICY),
+    ("grpo", 0.5, POLICY | {Role.REWARD}),
+    ("rloo", 0.0, POLICY),
+    ("reinforce_pp", 0.0, POLICY),
+    ("dapo", 0.0, POLICY),
+    ("online_dpo", 0.0, POLICY),
+    ("dpo", 0.0, {Role.ACTOR, Role.REFERENCE}),
+  ],
+)
+def test_each_flow_places_only_its_roles(name, model_coef, expected):
+  config = _config(name, reward={"model_coef": model_coef})
+  assert set(registry.roles_of(config)) == expected
+  spec = plan_placement(config, 8)
+  assert set(spec.roles) == expected
+  assert all(a in expected and b in expected for a, b in spec.disjoint)
+  # The memory check counts the placed roles only.
+  assert set(estimate_placement_memory(spec, config.model, config.rollout)) == expected
+
+
+def test_a_user_flow_keeps_every_role():
+  config = _config("ppo", algorithm={"flow": "examples.rejection_sampling:make_flow"})
+  assert set(registry.roles_of(config)) == ALL
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "dpo"])
+def test_auto_plans_no_critic_for_critic_free_flows(name, capsys):
+  config = _config(name, strategy="auto")
+  work = auto.workload_of(config)
+  assert work.critic is None and work.reward is None
+  spec, plans = auto.choose(config, 8)
+  roles = set(registry.roles_of(config))
+  assert set(spec.roles) == roles and Role.CRITIC not in roles
+  for plan in plans:
+    assert set(plan.spec.roles) == roles and set(plan.memory) == roles
+    assert len(plan.spec.devices) == 8  # no candidate leaves the critic's devices idle
+  spec = plan_placement(config, 8)
+  assert set(spec.roles) == roles
+  assert "C:" not in capsys.readouterr().out  # the printed groups name no critic
+
+
+def test_search_gives_a_critic_free_workload_no_critic_and_no_idle_devices():
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  tiny = resolve_model("tiny")
+  grpo = Workload(actor=tiny, algorithm="grpo", prompts=16, samples_per_prompt=4)
+  plans = search.search(grpo, hw, eff, 8)
+  ppo = search.search(grpo.replace(algorithm="ppo", critic=tiny, reward=tiny), hw, eff, 8)
+  assert plans and all(set(p.spec.roles) == POLICY for p in plans)
+  assert all(len(p.spec.devices) == 8 for p in plans)
+  keys = [tuple((r, s.devices, s.axes) for r, s in p.spec.roles.items()) for p in plans]
+  assert len(keys) == len(set(keys))  # variants that became the same placement are one
+  # Without critic and reward, the variants that split them off collapse: fewer candidates.
+  assert len(plans) < len(ppo)
+  assert all(Role.CRITIC in p.spec.roles for p in ppo)
+
+
+@pytest.mark.parametrize("flags", [["--algorithm=grpo"], ["--critic=none"]])
+def test_plan_placement_script_critic_free(flags):
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(REPO / "scripts" / "plan_placement.py"),
+      "--actor=7b",
+      "--hardware=a800",
+      "--devices=8",
+      "--prompts=256",
+      "--json",
+      *flags,
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+    timeout=120,
+  )
+  plans = [json.loads(line) for line in out.stdout.splitlines()]
+  assert plans and plans[0]["fits"]
+  for plan in plans:
+    assert set(plan["mesh"]) == {"actor", "reference", "rollout"}, plan["mesh"]
+    assert set(plan["devices"]) == {"actor", "reference", "rollout"}

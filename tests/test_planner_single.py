@@ -1,0 +1,141 @@
+"""`placement.strategy=auto` for the one trained model of SFT and reward-model training: the
+planner's data x fsdp x tensor split, checked against memory, ranked by predicted step time,
+printed with the runner-up, and run."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rlhfjax import config as config_lib
+from rlhfjax.models.config import get_model_config
+from rlhfjax.placement.spec import Role
+from rlhfjax.planner import efficiency, hardware, single
+from rlhfjax.training import supervised
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _plan(size, hw="h100", devices=8, batch=64, micro=1, seq=512, **kw):
+  return single.plan(
+    get_model_config(size),
+    "lm",
+    hardware.load_hardware(hw),
+    efficiency.load_efficiency(None),
+    devices,
+    batch_size=batch,
+    micro_batches=micro,
+    seq_len=seq,
+    **kw,
+  )
+
+
+def test_splits_cover_every_valid_factorisation():
+  config = get_model_config("tiny")  # 4 heads, 2 KV heads
+  got = set(single.splits(8, config, rows=8, max_tensor=8))
+  want = {
+    (d, 8 // t // d, t)
+    for t in (1, 2)  # tensor 4 and 8 do not divide 2 KV heads
+    for d in (1, 2, 4, 8)
+    if (8 // t) % d == 0
+  }
+  assert got == want
+  # A micro-batch of 6 rows splits over no batch shard count of 8 or 4 devices.
+  assert all(d * f in (1, 2) for d, f, _ in single.splits(8, config, rows=6, max_tensor=8))
+
+
+def test_small_model_prefers_data_parallel_and_a_big_one_needs_fsdp():
+  small = _plan("tiny")
+  assert small[0].fits and (small[0].data, small[0].tensor) == (8, 1)  # no gathers per step
+  times = [p.step_s for p in small if p.fits]
+  assert times == sorted(times)
+  # 7B with fp32 AdamW moments cannot replicate over 8 x 80 GiB: the winner shards it.
+  big = _plan("7b", hw="a800", batch=8, seq=1024)
+  assert big[0].fits and big[0].fsdp * big[0].tensor >= 4
+  replicated = next(p for p in big if p.data == 8)
+  assert not replicated.fits and "GiB per device" in replicated.why_not
+  assert all(p.memory.total <= 80 * 2**30 for p in big if p.fits)
+
+
+def _sft_dict():
+  return runpy.run_path(os.path.join(REPO, "configs", "sft_tiny.py"))["get_config"]().to_dict()
+
+
+def test_auto_split_is_the_planners_winner_and_is_printed(capsys):
+  cfg = config_lib.from_config_dict(
+    {**_sft_dict(), "placement": {"strategy": "auto", "hardware": "h100", "num_devices": 8}},
+    config_lib.SFTConfig,
+  )
+  model = get_model_config("tiny")
+  spec = supervised.role_spec(cfg, model, Role.ACTOR, "lm", 8)
+  lines = capsys.readouterr().out.splitlines()
+  plans = single.plan(
+    model,
+    "lm",
+    hardware.load_hardware("h100"),
+    efficiency.load_efficiency(None),
+    8,
+    batch_size=cfg.batch_size,
+    micro_batches=cfg.micro_batches,
+    seq_len=cfg.max_len,
+  )
+  best = plans[0]
+  assert spec.axes == (("data", best.data), ("fsdp", best.fsdp), ("tensor", best.tensor))
+  assert lines[0].startswith(f"placement auto chosen: {best.label} predicted ")
+  assert lines[1].startswith(f"placement auto runner-up: {plans[1].label} predicted ")
+
+
+def test_auto_on_local_without_calibration_says_how():
+  cfg = config_lib.from_config_dict(
+    {**_sft_dict(), "placement": {"strategy": "auto"}}, config_lib.SFTConfig
+  )
+  with pytest.raises(ValueError, match="run scripts/calibrate.py --out=FILE"):
+    supervised.role_spec(cfg, get_model_config("tiny"), Role.ACTOR, "lm", 8)
+
+
+def test_bad_strategy_is_one_line():
+  with pytest.raises(config_lib.ConfigError, match="'placement.strategy' must be 'manual'"):
+    config_lib.from_config_dict(
+      {**_sft_dict(), "placement": {"strategy": "colocated"}}, config_lib.SFTConfig
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("script", "config", "metric"),
+  [
+    ("train_sft.py", "configs/sft_tiny.py", "eval/loss"),
+    ("train_rm.py", "configs/rm_tiny.py", "eval/accuracy"),
+  ],
+)
+def test_scripts_run_the_auto_split(tmp_path, script, config, metric):
+  out = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(REPO, "scripts", script),
+      f"--config={os.path.join(REPO, config)}",
+      f"--workdir={tmp_path / 'run'}",
+      "--config.placement.strategy=auto",
+      "--config.placement.hardware=h100",
+      "--config.batch_size=8",
+      "--config.micro_batches=1",
+      "--config.total_steps=2",
+      f"--config.data.data_dir={tmp_path / 'data'}",
+    ],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  chosen = [line for line in out.stdout.splitlines() if line.startswith("placement auto ")]
+  assert chosen[0].startswith("placement auto chosen: data=")
+  assert chosen[1].startswith("placement auto runner-up: ")
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  values = [r[metric] for r in rows if metric in r]
+  assert values and all(np.isfinite(values))
