@@ -29,7 +29,7 @@ from rlhfjax import models
 from rlhfjax.cluster import dispatch
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ExperimentConfig
-from rlhfjax.mesh import offload
+from rlhfjax.mesh import offload, sharing
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
@@ -126,10 +126,7 @@ class Cluster:
     return {role.value: self.roles[role].abstract_train_state(tx) for role, tx in self.tx.items()}
 
   def abstract_rollout(self) -> Any:
-    rt = self.roles[Role.ROLLOUT]
-    return weights.abstract_with_shardings(
-      models.abstract_params(rt.model, rt.head), rt.param_shardings
-    )
+    return self._abstract(Role.ROLLOUT)
 
   def _load(self, role: Role) -> Any:
     rt, src = self.roles[role], self._sources[role]
@@ -166,10 +163,33 @@ class Cluster:
         pad_token_id=self._pad_id,
         tail_threshold=rollout.tail_threshold,
       )
-      rt = self.roles[Role.ROLLOUT]
-      self.engine = Engine(rt.model, engine_cfg, rt.mesh)
-      self.engine.update_params(self.weights(self._rollout_from))
+      rt, source = self.roles[Role.ROLLOUT], self._rollout_from
+      if self.rollout_reads_source:
+        # Co-located in the same layout and dtype: the engine reads the source's arrays
+        # themselves each time it runs (after each update, whose donation freed the old ones).
+        shardings = self.roles[source].param_shardings
+        self.engine = Engine(rt.model, engine_cfg, rt.mesh, param_shardings=shardings)
+        self.engine.read_params_from(lambda: self.weights(source))
+      else:
+        self.engine = Engine(rt.model, engine_cfg, rt.mesh)
+        self.engine.update_params(self.weights(source))
     self.park()
+
+  @functools.cached_property
+  def rollout_reads_source(self) -> bool:
+    """Whether the rollout reads its source role's weights as they are, with no copy and no
+    sync: the two lay out every parameter alike (`rlhfjax.mesh.sharing.same_layout`: shapes,
+    dtypes, shards per device), as a co-located rollout in the actor's layout does. A bf16
+    rollout beside fp32 masters, or another layout, is synced by copy."""
+    if self._rollout_from is None:
+      return False
+    return sharing.same_layout(self._abstract(self._rollout_from), self._abstract(Role.ROLLOUT))
+
+  def _abstract(self, role: Role) -> Any:
+    rt = self.roles[role]
+    return weights.abstract_with_shardings(
+      models.abstract_params(rt.model, rt.head), rt.param_shardings
+    )
 
   def weights(self, role: Role) -> Any:
     """`role`'s current parameters (a trained role's from its state)."""
@@ -295,7 +315,10 @@ class Cluster:
 
   def sync(self, iteration: int) -> int:
     """The rollout engine takes the current weights of its source role, device to device;
-    returns the bytes moved."""
+    returns the bytes moved. Nothing runs when the rollout reads the source's arrays
+    themselves (`rollout_reads_source`)."""
+    if self.rollout_reads_source:
+      return 0
     devices = tuple(
       sorted(set(self.roles[Role.ROLLOUT].devices) | set(self.roles[self._rollout_from].devices))
     )
