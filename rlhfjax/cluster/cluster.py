@@ -30,7 +30,7 @@ from rlhfjax.cluster import dispatch, residency
 from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ExperimentConfig
-from rlhfjax.mesh import rules, transfer
+from rlhfjax.mesh import rules, sharing, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
@@ -143,10 +143,7 @@ class Cluster:
     return {role.value: self.roles[role].abstract_train_state(tx) for role, tx in self.tx.items()}
 
   def abstract_rollout(self) -> Any:
-    rt = self.roles[Role.ROLLOUT]
-    return weights.abstract_with_shardings(
-      models.abstract_params(rt.model, rt.head), rt.param_shardings
-    )
+    return self._abstract(Role.ROLLOUT)
 
   def _load(self, role: Role) -> Any:
     rt, src = self.roles[role], self._sources[role]
@@ -183,11 +180,35 @@ class Cluster:
         pad_token_id=self._pad_id,
         tail_threshold=rollout.tail_threshold,
       )
-      rt = self.roles[Role.ROLLOUT]
-      self.engine = Engine(rt.model, engine_cfg, rt.mesh)
-      self._cast = self._rollout_cast()
-      self.engine.update_params(self._rollout_weights())
+      rt, source = self.roles[Role.ROLLOUT], self._rollout_from
+      self._cast = None
+      if self.rollout_reads_source:
+        # Co-located in the same layout and dtype: the engine reads the source's arrays
+        # themselves each time it runs (after each update, whose donation freed the old ones).
+        shardings = self.roles[source].param_shardings
+        self.engine = Engine(rt.model, engine_cfg, rt.mesh, param_shardings=shardings)
+        self.engine.read_params_from(lambda: self.weights(source))
+      else:
+        self.engine = Engine(rt.model, engine_cfg, rt.mesh)
+        self._cast = self._rollout_cast()
+        self.engine.update_params(self._rollout_weights())
     self.park()
+
+  @functools.cached_property
+  def rollout_reads_source(self) -> bool:
+    """Whether the rollout reads its source role's weights as they are, with no copy and no
+    sync: the two lay out every parameter alike (`rlhfjax.mesh.sharing.same_layout`: shapes,
+    dtypes, shards per device), as a co-located rollout in the actor's layout does. A bf16
+    rollout beside fp32 masters, or another layout, is synced by copy."""
+    if self._rollout_from is None:
+      return False
+    return sharing.same_layout(self._abstract(self._rollout_from), self._abstract(Role.ROLLOUT))
+
+  def _abstract(self, role: Role) -> Any:
+    rt = self.roles[role]
+    return weights.abstract_with_shardings(
+      models.abstract_params(rt.model, rt.head), rt.param_shardings
+    )
 
   def weights(self, role: Role) -> Any:
     """`role`'s current parameters (a trained role's from its state)."""
@@ -347,7 +368,10 @@ class Cluster:
 
   def sync(self, iteration: int) -> int:
     """The rollout engine takes the current weights of its source role (cast to the rollout's
-    dtypes first where they differ), device to device; returns the bytes moved."""
+    dtypes first where they differ), device to device; returns the bytes moved. Nothing runs
+    when the rollout reads the source's arrays themselves (`rollout_reads_source`)."""
+    if self.rollout_reads_source:
+      return 0
     devices = tuple(
       sorted(set(self.roles[Role.ROLLOUT].devices) | set(self.roles[self._rollout_from].devices))
     )

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import distributed, models
-from rlhfjax.mesh import meshes, rules, transfer
+from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
 from rlhfjax.rollout import batching, compaction, decode
@@ -149,6 +149,8 @@ class Engine:
     config: EngineConfig,
     mesh: Mesh,
     params: Any | None = None,
+    *,
+    param_shardings: Any = None,
   ):
     """Builds the compiled programs (lazily, per shape) and optionally loads parameters.
 
@@ -157,6 +159,9 @@ class Engine:
       config: Static engine shapes.
       mesh: The rollout mesh; its axes must be among ('data', 'tensor').
       params: Parameters to load with `update_params`, or None to load later.
+      param_shardings: Shardings equivalent to the generation layout's on `mesh` (the same
+        shard on every device) to compile the programs for instead, for example those of the
+        co-located actor whose arrays `read_params_from` hands over as they are.
     """
     allowed = LAYOUT_AXES[Layout.GENERATION]
     if unknown := [a for a in mesh.axis_names if a not in allowed]:
@@ -183,10 +188,18 @@ class Engine:
     self.param_shardings = rules.named_shardings(
       self.param_logical_axes, self.abstract_params, mesh, Layout.GENERATION
     )
+    if param_shardings is not None:
+      if not sharing.same_shardings(self.param_shardings, param_shardings, self.abstract_params):
+        raise ValueError(
+          "param_shardings must place every shard where the generation layout on the "
+          "engine's mesh does"
+        )
+      self.param_shardings = param_shardings
     self.state_shardings = self.state_shardings_for(config.num_slots)
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
     self._owns_params = False
+    self._source: Callable[[], Any] | None = None
     self.compactor = compaction.Compactor(self)
     """The tail compaction programs (built and compiled on first use, once per size)."""
 
@@ -287,6 +300,8 @@ class Engine:
 
   @property
   def params(self) -> Any:
+    if self._source is not None:
+      return self._source()
     if self._params is None:
       raise RuntimeError("the engine has no parameters yet: call update_params(params) first")
     return self._params
@@ -296,8 +311,10 @@ class Engine:
 
     Arrays already laid out on the engine's mesh as the generation layout asks are used as they
     are; `jax.Array`s elsewhere are moved device to device by `rlhfjax.mesh.transfer`; host
-    arrays are uploaded. Shapes and dtypes must match the model config.
+    arrays are uploaded. Shapes and dtypes must match the model config. Ends any
+    `read_params_from`.
     """
+    self._source = None
     expected = self.abstract_params
     try:
       pairs = jax.tree.map(lambda x, e: (x, e), params, expected)
@@ -331,6 +348,15 @@ class Engine:
     # (say a single-device one); relabel them so every call hits the same compiled program.
     self._params = jax.tree.map(_relabel, params, self.param_shardings)
     return moved
+
+  def read_params_from(self, source: Callable[[], Any]) -> None:
+    """From now on every program reads `source()`'s arrays, called when it runs: no copy and
+    no sync (a co-located actor's current weights, laid out exactly as `param_shardings`).
+
+    Reading at each call, rather than holding the arrays, means an update that donates the
+    previous weights never leaves the engine with deleted buffers. `update_params` ends it.
+    """
+    self._params, self._owns_params, self._source = None, False, source
 
   # -------------------------------------------------------------------------------------------
   # The slot API.
