@@ -41,6 +41,7 @@ def run(main: Callable[[list[str]], None]) -> None:
   `RLHFJAX_DEBUG=1` also print the traceback."""
 
   def guarded(argv: list[str]) -> None:
+    import_from_current_directory()
     signals.install_default_interrupt()
     if not (_DEBUG.value or errors.debug_requested()):
       errors.quiet_background_failures()
@@ -63,6 +64,15 @@ def run(main: Callable[[list[str]], None]) -> None:
       fail(line, status)
 
   app.run(guarded, flags_parser=parse_flags)
+
+
+def import_from_current_directory() -> None:
+  """Puts the current directory on `sys.path`, as `python -m` and the interactive interpreter
+  do (a script gets only its own directory), so that the 'module:function' of a user's own file
+  there (`reward.fn`, `algorithm.flow`) imports. Last, so it shadows no installed module."""
+  cwd = os.getcwd()
+  if cwd not in sys.path and "" not in sys.path:
+    sys.path.append(cwd)
 
 
 _OPEN_LOCKS: list[workdir.WorkdirLock] = []  # held until the process exits

@@ -79,7 +79,10 @@ def load_callable(path: str, what: str) -> Callable:
   try:
     fn = getattr(importlib.import_module(module_name), attr)
   except (ImportError, AttributeError) as e:
-    raise ValueError(f"cannot import {what} {path!r}: {e}") from None
+    hint = ""
+    if isinstance(e, ModuleNotFoundError) and module_name.startswith(e.name or "\0"):
+      hint = " (a module of your own: on PYTHONPATH or, for the scripts, the current directory)"
+    raise ValueError(f"cannot import {what} {path!r}: {e}{hint}") from None
   if not callable(fn):
     raise ValueError(f"{what} {path!r} is not callable")
   return fn

@@ -1,30 +1,103 @@
-"""Exact resume for the flows beyond PPO (PPO's kill -9 and SIGTERM are in test_resume.py):
-a run stopped after 2 iterations and rerun to 4 repeats the uninterrupted 4-iteration run."""
+"""Exact resume of every flow beyond PPO (PPO's kill -9, Ctrl-C and SIGTERM tests are in
+test_resume.py and test_front_door.py).
+
+`scripts/train.py` runs each algorithm's shipped config in a subprocess, as a user would; it is
+killed with SIGKILL as soon as its first checkpoint is complete, while the run goes on, so the
+kill lands anywhere in the iterations or saves after it. The rerun resumes from the latest
+complete checkpoint and must repeat the uninterrupted run exactly: every metrics row, and the
+final checkpoint's fingerprints, which hash every array (parameters, optimizer state, the flow's
+own arrays) and the JSON state (data iterators, controllers). The uninterrupted run and the rerun
+run in this process, on the same programs (the persistent compilation cache that conftest sets).
+"""
 
 import json
 import pathlib
 import runpy
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+from rlhfjax import checkpoint as ckpt
 from rlhfjax.config import from_config_dict
 from rlhfjax.runner import Runner
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _VOLATILE = ("time/", "throughput/")
+_STEPS = 4
+_COMMON = {
+  "total_steps": _STEPS,
+  "checkpoint.every_steps": 2,
+  "rollout.batch_size": 8,
+  "rollout.max_new_tokens": 8,
+  "eval.num_prompts": 0,
+  "reward.model_coef": 0.5,  # continuous scores: every group and pair carries a signal
+}
+# Each run: its shipped config and what it changes beyond _COMMON.
+_RUNS = {
+  "grpo": ("grpo", {}),
+  "rloo": ("rloo", {}),
+  "reinforce_pp": ("reinforce_pp", {}),
+  "dapo": ("dapo", {}),
+  "dpo": ("dpo", {"rollout.max_prompt_len": 40, "rollout.max_new_tokens": 40}),
+  "online_dpo": ("online_dpo", {}),
+  "rejection_sampling": (
+    "ppo",
+    {"algorithm.flow": "examples.rejection_sampling:make_flow", "ppo.group_size": 4},
+  ),
+}
 
 
-def _config(name: str, steps: int):
-  cd = runpy.run_path(str(_ROOT / "configs" / f"{name}_tiny.py"))["get_config"]("colocated")
-  cd.total_steps = steps
-  cd.rollout.batch_size = 8
-  cd.rollout.max_new_tokens = 8
-  cd.eval.num_prompts = 0
-  cd.reward.model_coef = 0.5
-  if name == "dpo":
-    cd.rollout.max_prompt_len = 40
-    cd.rollout.max_new_tokens = 40
+def _changes(name: str, steps: int) -> tuple[str, dict]:
+  config, own = _RUNS[name]
+  return config, {**_COMMON, **own, "total_steps": steps}
+
+
+def _config(name: str, steps: int = _STEPS):
+  config, changes = _changes(name, steps)
+  cd = runpy.run_path(str(_ROOT / "configs" / f"{config}_tiny.py"))["get_config"]("colocated")
+  for dotted, value in changes.items():
+    *sections, field = dotted.split(".")
+    node = cd
+    for section in sections:
+      node = node[section]
+    node[field] = value
   return from_config_dict(cd)
+
+
+def _start(name: str, workdir: pathlib.Path) -> subprocess.Popen:
+  config, changes = _changes(name, _STEPS)
+  command = [
+    sys.executable,
+    str(_ROOT / "scripts" / "train.py"),
+    f"--config={_ROOT / 'configs' / f'{config}_tiny.py'}",
+    f"--workdir={workdir}",
+    *(f"--config.{k}={v}" for k, v in changes.items()),
+  ]
+  # cwd: the user flow's module (examples/) imports from the directory the script runs in.
+  # Its output goes to a file: a pipe nobody reads could fill and stall the run.
+  with open(workdir.parent / f"{workdir.name}.log", "w") as log:
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=_ROOT)
+
+
+def _kill_after_first_checkpoint(proc: subprocess.Popen, workdir: pathlib.Path) -> list[int]:
+  """SIGKILL once a checkpoint is complete; the steps complete when the process died."""
+  directory = workdir / "checkpoints"
+  deadline = time.monotonic() + 500
+  while not ckpt.complete_steps(directory):
+    if proc.poll() is not None:
+      log = (workdir.parent / f"{workdir.name}.log").read_text()
+      raise AssertionError(f"the run ended before its first checkpoint: {log[-3000:]}")
+    if time.monotonic() > deadline:
+      proc.kill()
+      raise AssertionError("no complete checkpoint within 500 s")
+    time.sleep(0.02)  # polling cadence; the event waited on is the checkpoint's commit marker
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+  return ckpt.complete_steps(directory)
 
 
 def _rows(workdir: pathlib.Path) -> list[dict]:
@@ -32,14 +105,54 @@ def _rows(workdir: pathlib.Path) -> list[dict]:
   return [{k: v for k, v in r.items() if not k.startswith(_VOLATILE)} for r in rows]
 
 
+def _final_fingerprints(workdir: pathlib.Path) -> dict:
+  step_dir = workdir / "checkpoints" / str(_STEPS)
+  return json.loads((step_dir / "fingerprints" / "metadata").read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """name -> the workdir of the uninterrupted run, run once per module."""
+  done = {}
+
+  def get(name: str) -> pathlib.Path:
+    if name not in done:
+      workdir = tmp_path_factory.mktemp(f"whole_{name}")
+      Runner(_config(name), str(workdir), show_progress=False).run()
+      assert ckpt.complete_steps(workdir / "checkpoints") == [2, _STEPS]
+      done[name] = workdir
+    return done[name]
+
+  return get
+
+
+def _assert_same_run(got: pathlib.Path, want: pathlib.Path) -> None:
+  assert [r["step"] for r in _rows(got)] == list(range(_STEPS))
+  assert _rows(got) == _rows(want)
+  assert _final_fingerprints(got) == _final_fingerprints(want)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo", "dapo", "dpo", "online_dpo"])
-def test_stopped_and_rerun_repeats_the_uninterrupted_run(name, tmp_path):
-  whole, parts = tmp_path / "whole", tmp_path / "parts"
-  Runner(_config(name, 4), str(whole), show_progress=False).run()
-  Runner(_config(name, 2), str(parts), show_progress=False).run()
-  resumed = Runner(_config(name, 4), str(parts), show_progress=False)
+@pytest.mark.parametrize("name", list(_RUNS))
+def test_killed_with_sigkill_and_rerun_repeats_the_uninterrupted_run(name, uninterrupted, tmp_path):
+  whole, workdir = uninterrupted(name), tmp_path / "run"
+  proc = _start(name, workdir)
+  complete = _kill_after_first_checkpoint(proc, workdir)
+  assert complete and complete[-1] < _STEPS, complete
+  resumed = Runner(_config(name), str(workdir), show_progress=False)
+  assert resumed.start_step == complete[-1]
+  resumed.run()
+  _assert_same_run(workdir, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo", "dpo"])  # the two data paths: prompts, preferences
+def test_stopped_and_rerun_for_more_steps_repeats_the_uninterrupted_run(
+  name, uninterrupted, tmp_path
+):
+  whole = uninterrupted(name)
+  Runner(_config(name, 2), str(tmp_path), show_progress=False).run()
+  resumed = Runner(_config(name), str(tmp_path), show_progress=False)
   assert resumed.start_step == 2
   resumed.run()
-  assert [r["step"] for r in _rows(parts)] == [0, 1, 2, 3]
-  assert _rows(parts) == _rows(whole)
+  _assert_same_run(tmp_path, whole)

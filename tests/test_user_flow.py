@@ -1,10 +1,11 @@
-"""A flow written in the user's own file (examples/rejection_sampling.py), run by the runner
-from `algorithm.flow='module:function'` on two placements and from scripts/train.py."""
+"""A flow written in the user's own file (examples/rejection_sampling.py, copied outside the
+repository as a user's file would be), run by the runner from `algorithm.flow='module:function'`
+on two placements, and by scripts/train.py from the directory holding the file."""
 
 import json
-import os
 import pathlib
 import runpy
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +18,12 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
 
 _ROOT = pathlib.Path(__file__).parent.parent
-_FLOW = "examples.rejection_sampling:make_flow"
+_MODULE = "user_best_of_k"
+_FLOW = f"{_MODULE}:make_flow"
+
+
+def _user_file(directory: pathlib.Path) -> None:
+  shutil.copy(_ROOT / "examples" / "rejection_sampling.py", directory / f"{_MODULE}.py")
 
 
 def _config(variant: str, **algorithm):
@@ -35,11 +41,22 @@ def _config(variant: str, **algorithm):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  out = {}
-  for variant in ("colocated", "disaggregated"):
-    runner = Runner(_config(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False)
-    before = jax.device_get(runner.cluster.states[Role.ACTOR].params)
-    out[variant] = (runner, runner.run(), before)
+  """Both placements import the flow from a user's directory (on sys.path, as PYTHONPATH puts
+  it), not from the repository."""
+  directory = tmp_path_factory.mktemp("user")
+  _user_file(directory)
+  sys.path.insert(0, str(directory))
+  try:
+    out = {}
+    for variant in ("colocated", "disaggregated"):
+      workdir = str(tmp_path_factory.mktemp(variant))
+      runner = Runner(_config(variant), workdir, show_progress=False)
+      before = jax.device_get(runner.cluster.states[Role.ACTOR].params)
+      out[variant] = (runner, runner.run(), before)
+    assert sys.modules[_MODULE].__file__ == str(directory / f"{_MODULE}.py")
+  finally:
+    sys.path.remove(str(directory))
+    sys.modules.pop(_MODULE, None)
   return out
 
 
@@ -76,6 +93,8 @@ def test_user_flow_trains_and_syncs_on_its_roles_meshes(runs, variant):
 def test_a_bad_flow_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match="cannot import flow 'examples.nothing:make_flow'"):
     Runner(_config("colocated", flow="examples.nothing:make_flow"), str(tmp_path))
+  with pytest.raises(ValueError, match="No module named 'nothing_here' .a module of your own"):
+    Runner(_config("colocated", flow="nothing_here:make_flow"), str(tmp_path))
   with pytest.raises(ConfigError, match="'algorithm.flow' must be 'module:function'"):
     _config("colocated", flow="examples.rejection_sampling")
   with pytest.raises(ValueError, match="'algorithm.name' must be one of .*grpo"):
@@ -83,12 +102,15 @@ def test_a_bad_flow_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_script_runs_a_user_flow(tmp_path):
+def test_train_script_runs_a_user_flow_from_a_file_in_the_current_directory(tmp_path):
+  """As a user: their own flow file in their own directory (outside the repository, not on
+  PYTHONPATH), `scripts/train.py` run from there on another placement than the runs above."""
+  _user_file(tmp_path)
   command = [
     sys.executable,
     str(_ROOT / "scripts" / "train.py"),
-    "--config=configs/ppo_tiny.py",
-    f"--workdir={tmp_path}",
+    f"--config={_ROOT / 'configs' / 'ppo_tiny.py'}:interleaved",
+    "--workdir=run",
     f"--config.algorithm.flow={_FLOW}",
     "--config.ppo.group_size=4",
     "--config.total_steps=2",
@@ -96,11 +118,8 @@ def test_train_script_runs_a_user_flow(tmp_path):
     "--config.rollout.max_new_tokens=8",
     "--config.eval.num_prompts=0",
   ]
-  env = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
-  }
-  done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=_ROOT, env=env)
+  done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
   assert done.returncode == 0, done.stderr[-3000:]
-  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 1] and "loss/sft" in rows[0]
+  assert rows[1]["loss/sft"] != rows[0]["loss/sft"]

@@ -1,9 +1,12 @@
-"""Online DPO (as in ChatLearn): the rollout samples two responses per prompt, the reward
-ranks them, and the actor takes a DPO step on the pair; the rollout then syncs as in PPO.
+"""Online DPO (as in ChatLearn): the rollout samples `ppo.group_size` responses per prompt (two
+by default), the reward ranks them, and the best and the worst form a preference pair; the actor
+takes DPO steps on the pairs, then the rollout syncs as in PPO.
 
-Pairs whose two responses score the same carry no preference and are left out of the loss
-(`pairs/valid`). The pairing happens on the actor's mesh; the reference scores the pairs on its
-own mesh, device to device both ways.
+Like PPO's update, the pairs of an iteration are shuffled on the actor's mesh and split into
+`ppo.mini_batches` mini-batches (of `ppo.micro_batches` micro-batches), for `ppo.ppo_epochs`
+epochs: one optimizer step per mini-batch. Pairs whose responses all score the same carry no
+preference and are left out of the loss (`pairs/valid`). The pairing happens on the actor's
+mesh; the reference scores the pairs on its own mesh, device to device both ways.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
@@ -26,19 +30,27 @@ from rlhfjax.training.optimizer import make_optimizer
 
 
 def make_pairs(
-  tokens_bs: jax.Array, attention_bs: jax.Array, response_mask_bt: jax.Array, scores_b: jax.Array
+  tokens_bs: jax.Array,
+  attention_bs: jax.Array,
+  response_mask_bt: jax.Array,
+  scores_b: jax.Array,
+  *,
+  group_size: int = 2,
 ) -> dict[str, jax.Array]:
-  """Rows `2i` and `2i + 1` (two samples of one prompt) as a preference pair, the higher score
-  chosen; `valid` is 0 where the scores tie. Loss masks mark the response columns."""
+  """Each group of `group_size` consecutive rows (the samples of one prompt) as one preference
+  pair: the best-scored sample chosen, the worst rejected (the first of equals). `valid` is 0
+  where every sample of the group scores the same: such a pair carries no preference. Loss
+  masks mark the response columns."""
   b, s = tokens_bs.shape
   loss_mask = jnp.concatenate(
     [jnp.zeros((b, s - response_mask_bt.shape[1]), jnp.float32), response_mask_bt], axis=1
   )
-  pairs_b2 = scores_b.reshape(b // 2, 2)
-  first = pairs_b2[:, 0] >= pairs_b2[:, 1]
-  base = jnp.arange(b // 2) * 2
-  chosen, rejected = jnp.where(first, base, base + 1), jnp.where(first, base + 1, base)
-  out = {"valid": (pairs_b2[:, 0] != pairs_b2[:, 1]).astype(jnp.float32)}
+  groups_gk = scores_b.reshape(b // group_size, group_size)
+  base = jnp.arange(b // group_size) * group_size
+  chosen = base + jnp.argmax(groups_gk, axis=1)
+  rejected = base + jnp.argmin(groups_gk, axis=1)
+  valid = jnp.max(groups_gk, axis=1) > jnp.min(groups_gk, axis=1)
+  out = {"valid": valid.astype(jnp.float32)}
   for name, rows in (("chosen", chosen), ("rejected", rejected)):
     out[f"{name}_tokens"] = tokens_bs[rows]
     out[f"{name}_mask"] = attention_bs[rows]
@@ -51,40 +63,58 @@ class OnlineDPOFlow(Flow):
 
   def __init__(self, ctx: FlowContext):
     self.ctx = ctx
-    cfg, cluster = ctx.cfg, ctx.cluster
-    if cfg.ppo.group_size != 2:
+    cfg, cluster, ppo = ctx.cfg, ctx.cluster, ctx.cfg.ppo
+    k = ppo.group_size
+    if k < 2:
       raise ConfigError(
-        f"online DPO pairs two samples per prompt: 'ppo.group_size' must be 2, "
-        f"got {cfg.ppo.group_size}"
+        f"online DPO pairs the samples of a prompt: 'ppo.group_size' must be at least 2, got {k}"
       )
-    if cfg.rollout.batch_size % 2:
-      raise ConfigError(f"'rollout.batch_size' must be even, got {cfg.rollout.batch_size}")
+    if cfg.rollout.batch_size % k:
+      raise ConfigError(
+        f"'rollout.batch_size'={cfg.rollout.batch_size} must be a multiple of 'ppo.group_size'={k}"
+      )
+    pairs, s = cfg.rollout.batch_size // k, cfg.rollout.max_seq_len
+    if pairs % (ppo.mini_batches * ppo.micro_batches):
+      raise ConfigError(
+        f"the {pairs} pairs of a batch ('rollout.batch_size' / 'ppo.group_size') must split "
+        f"into 'ppo.mini_batches' x 'ppo.micro_batches' = {ppo.mini_batches} x "
+        f"{ppo.micro_batches}"
+      )
     source = WeightSource(
       source=cfg.init.actor, what="init.actor", rng=initial_rngs(cfg.seed)[Role.ACTOR]
     )
-    cluster.train(Role.ACTOR, source, make_optimizer(cfg.actor_optimizer, cfg.total_steps))
+    updates = cfg.total_steps * ppo.ppo_epochs * ppo.mini_batches
+    cluster.train(Role.ACTOR, source, make_optimizer(cfg.actor_optimizer, updates))
     cluster.freeze(Role.REFERENCE, source)
     cluster.rollout_from(Role.ACTOR, ctx.tokenizer.pad_id)
     actor, ref = cluster.roles[Role.ACTOR], cluster.roles[Role.REFERENCE]
-    pairs, s = cfg.rollout.batch_size // 2, cfg.rollout.max_seq_len
     sharded = lambda shape: actor.batch_sharding(shape)
+    sides = [f"{n}_{k}" for n in ("chosen", "rejected") for k in ("tokens", "mask", "loss_mask")]
     self._pair = cluster.compile(
       "make_pairs",
-      make_pairs,
-      out_shardings={
-        "valid": sharded((pairs,)),
-        **{
-          f"{n}_{k}": sharded((pairs, s))
-          for n in ("chosen", "rejected")
-          for k in ("tokens", "mask", "loss_mask")
-        },
-      },
+      functools.partial(make_pairs, group_size=k),
+      out_shardings={"valid": sharded((pairs,)), **{n: sharded((pairs, s)) for n in sides}},
     )
     self._ref_logprobs = cluster.compile(
       "reference_logprobs",
       functools.partial(pair_logprobs, ref.model),
       out_shardings={n: ref.batch_sharding((pairs,)) for n in ("chosen", "rejected")},
       role=Role.REFERENCE,
+    )
+    shapes = {
+      "valid": (pairs,),
+      **{n: (pairs, s) for n in sides},
+      "ref_chosen": (pairs,),
+      "ref_rejected": (pairs,),
+    }
+    self._split = stages.minibatch_splitter(
+      ctx,
+      Role.ACTOR,
+      "pair_split",
+      shapes,
+      mini=ppo.mini_batches,
+      micro=ppo.micro_batches,
+      seed=cfg.seed,
     )
     dpo = cfg.dpo
     loss = functools.partial(
@@ -98,9 +128,10 @@ class OnlineDPOFlow(Flow):
     self.skipped_in_row = 0
 
   def iteration(self, iteration: int) -> dict[str, float]:
-    ctx, cluster = self.ctx, self.ctx.cluster
+    ctx, cluster, ppo = self.ctx, self.ctx.cluster, self.ctx.cfg.ppo
     start = cluster.timeline.now()
-    seqs = stages.generate_stage(ctx, iteration, stages.grouped_prompts(ctx, 2))
+    prompts = stages.grouped_prompts(ctx, ppo.group_size)
+    seqs = stages.generate_stage(ctx, iteration, prompts)
     exp = Experience(**cluster.upload(Role.ACTOR, Experience.from_sequences(seqs), "rollout"))
     scores = ctx.rewards.score(exp.tokens_bs, exp.attention_mask_bs, seqs, iteration)
     pairs = self._pair(exp.tokens_bs, exp.attention_mask_bs, exp.response_mask_bt, scores)
@@ -110,26 +141,34 @@ class OnlineDPOFlow(Flow):
       return {f"ref_{k}": v for k, v in ref.items()}
 
     (ref,) = cluster.run([cluster.stage(Role.REFERENCE, "score", reference)], iteration)
-    batch = jax.tree.map(lambda x: x[None], {**pairs, **cluster.move(Role.ACTOR, ref)})
+    batch = {**pairs, **cluster.move(Role.ACTOR, ref)}
 
-    def update():
-      cluster.states[Role.ACTOR], metrics = self._step(cluster.states[Role.ACTOR], batch)
+    def update(mini):
+      cluster.states[Role.ACTOR], metrics = self._step(cluster.states[Role.ACTOR], mini)
       return metrics
 
-    (metrics,) = cluster.run([cluster.stage(Role.ACTOR, "update", update)], iteration)
+    updates = []
+    for _ in range(ppo.ppo_epochs):
+      minis = self._split(batch, cluster.states[Role.ACTOR].step)
+      for mini in minis:
+        stage = cluster.stage(Role.ACTOR, "update", functools.partial(update, mini))
+        updates += cluster.run([stage], iteration)
     moved = cluster.sync(iteration)
-    metrics, reward, valid = cluster.fetch((metrics, jnp.mean(scores), jnp.mean(pairs["valid"])))
-    self.skipped_in_row = self.skipped_in_row + 1 if metrics["skipped"] else 0
+    updates, reward, valid = cluster.fetch((updates, jnp.mean(scores), jnp.mean(pairs["valid"])))
+    for m in updates:
+      self.skipped_in_row = self.skipped_in_row + 1 if m["skipped"] else 0
+    mean = lambda key: float(np.mean([m[key] for m in updates]))
     row = {
       "step": iteration,
       "reward/mean": float(reward),
       "pairs/valid": float(valid),
-      "actor/grad_norm": float(metrics["grad_norm"]),
+      "actor/grad_norm": mean("grad_norm"),
+      "update/skipped": float(sum(m["skipped"] for m in updates)),
       "update/skipped_in_row": float(self.skipped_in_row),
       "sync/bytes": float(moved),
       "time/iteration": cluster.timeline.now() - start,
     }
-    row.update({k: float(v) for k, v in metrics.items() if "/" in k})
+    row.update({k: mean(k) for k in updates[0] if "/" in k})
     return row
 
 

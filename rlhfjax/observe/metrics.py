@@ -5,11 +5,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
 
 class MetricsError(ValueError):
   """A metrics file cannot be read: a line that is not JSON (not a crash's cut-short last one)."""
+
+
+def _summary_writer() -> type:
+  """tensorboardX's `SummaryWriter`, imported without PyTorch unless it is loaded already.
+
+  tensorboardX imports torch whenever it is installed, only to accept torch tensors, which
+  rlhfjax never passes; that import costs seconds of start-up in every run. A `None` entry in
+  `sys.modules` makes `import torch` raise ImportError, which tensorboardX handles; the entry is
+  removed at once, so a later `import torch` works as usual.
+  """
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+  else:
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+      from tensorboardX import SummaryWriter
+    finally:
+      del sys.modules["torch"]
+  return SummaryWriter
 
 
 def _plain(value):
@@ -39,9 +59,7 @@ class MetricsWriter:
       os.makedirs(workdir, exist_ok=True)
       self._drop_rows_from(start_step)
       if tensorboard:
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step)
+        self._tb = _summary_writer()(os.path.join(workdir, "tb"), purge_step=start_step)
 
   def _drop_rows_from(self, step: int) -> None:
     if not os.path.exists(self.path):
