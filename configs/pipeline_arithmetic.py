@@ -31,12 +31,12 @@ def get_config() -> ml_collections.ConfigDict:
   sft.batch_size = 64
   sft.micro_batches = 1
   sft.max_len = 16
-  sft.total_steps = 300
+  sft.total_steps = 800
   sft.eval_every = 0
   sft.log_every = 25
   sft.optimizer.learning_rate = 3e-3
   sft.optimizer.warmup_steps = 20
-  sft.checkpoint.every_steps = 100
+  sft.checkpoint.every_steps = 400
   config.sft = sft
 
   grpo = runpy.run_path(os.path.join(_HERE, "grpo_tiny.py"))["get_config"]()
@@ -44,16 +44,17 @@ def get_config() -> ml_collections.ConfigDict:
   grpo.reward.fn = "rlhfjax.tasks:exact_match_reward"
   grpo.placement.num_devices = 2
   grpo.placement.rollout_tensor = 1
-  grpo.rollout.batch_size = 64
+  grpo.rollout.batch_size = 128
   grpo.rollout.max_prompt_len = 8
   grpo.rollout.max_new_tokens = 4
   grpo.ppo.group_size = 8
   grpo.ppo.ppo_epochs = 1
-  grpo.ppo.mini_batches = 1
-  grpo.total_steps = 40
+  grpo.ppo.mini_batches = 2
+  grpo.total_steps = 150
   grpo.log_every = 5
-  grpo.actor_optimizer.learning_rate = 1e-3
-  grpo.checkpoint.every_steps = 20
+  # Small steps: most groups score all 0 or all 1 (no signal), the rest are few and noisy.
+  grpo.actor_optimizer.learning_rate = 3e-5
+  grpo.checkpoint.every_steps = 50
   grpo.eval.num_prompts = 512
   config.ppo = grpo
   return config
