@@ -4,7 +4,8 @@
 cannot take `(prompts, responses, metadata)` is refused at load time, and at every call an
 exception it raises, or a result that is not `batch` finite numbers, becomes one
 `RewardFnError` naming the function (instead of a traceback through the trainer, or a NumPy
-message that names nothing).
+message that names nothing). A prompt record's missing or mistyped field
+(`rlhfjax.data.records.RecordFieldError`) is named by the record's 'file:line' and the field.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from rlhfjax.data.records import RecordFieldError
 
 
 class RewardFnError(ValueError):
@@ -42,6 +45,8 @@ def checked(name: str, fn: Callable) -> Callable[..., np.ndarray]:
   def call(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], metadata: dict):
     try:
       out = fn(prompts, responses, metadata)
+    except RecordFieldError as e:  # the data's fault: name the record and the field
+      raise RewardFnError(f"reward function {name!r}: {e}") from e
     except Exception as e:  # noqa: BLE001 - whatever user code raises, name the function
       raise RewardFnError(
         f"reward function {name!r} raised {type(e).__name__}: {' '.join(str(e).split())}"

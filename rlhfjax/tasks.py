@@ -2,13 +2,21 @@
 
 A reward function is called as `fn(prompts, responses, metadata) -> float32[batch]`, where
 `prompts` and `responses` are lists of int token-id arrays (no padding; a response includes its
-stop token if it produced one) and `metadata` is a dict with at least 'step'.
+stop token if it produced one) and `metadata` is a dict with 'step', 'tokenizer' and 'records'
+(per response, its prompt line's extra fields: `rlhfjax.data.records.Record`).
+
+Tasks:
+  vowels      continue a sentence with vowel-rich text (`vowel_reward`);
+  arithmetic  "37+48=" -> "85": a verifiable reward, exact match against the prompt record's
+              "answer" (`exact_match_reward`).
 """
 
 from __future__ import annotations
 
 import importlib
+import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +76,59 @@ def vowel_reward(
   return np.array([np.isin(r, _VOWELS).mean() if len(r) else 0.0 for r in responses], np.float32)
 
 
-TASK_REWARDS: dict[str, RewardFn] = {"vowels": vowel_reward}
+ARITHMETIC_SEED = 1729
+ARITHMETIC_DIGITS = 2
+ARITHMETIC_HELD_OUT = 0.1
+"""The bundled 'arithmetic' files: the seed, the operands' digits, the held-out fraction."""
+
+
+def arithmetic_datasets(
+  seed: int = ARITHMETIC_SEED,
+  digits: int = ARITHMETIC_DIGITS,
+  held_out: float = ARITHMETIC_HELD_OUT,
+) -> dict[str, list[dict[str, Any]]]:
+  """The 'arithmetic' task's records, a function of its arguments only.
+
+  Every sum `a+b=` of two operands of at most `digits` digits, in a seeded order. 'prompt':
+  all of them as {"prompt": "37+48=", "answer": "85"}, the last `held_out` fraction held out
+  (the configs' `eval_split`, 'train[90%:]' for 0.1); 'demonstration': the others as
+  {"prompt", "response"}, so SFT never sees a held-out sum.
+  """
+  top = 10**digits
+  sums = [(a, b) for a in range(top) for b in range(top)]
+  random.Random(seed).shuffle(sums)
+  split = len(sums) - round(held_out * len(sums))
+  prompts = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in sums]
+  demos = [{"prompt": p["prompt"], "response": p["answer"]} for p in prompts[:split]]
+  return {"prompt": prompts, "demonstration": demos}
+
+
+def response_texts(responses: Sequence[np.ndarray], tokenizer: Any) -> list[str]:
+  """Each response's text up to its stop token (EOS and other special ids dropped)."""
+  out = []
+  for r in responses:
+    ids = [int(i) for i in r]
+    if ids and ids[-1] == tokenizer.eos_id:
+      ids = ids[:-1]
+    out.append(tokenizer.decode(ids))
+  return out
+
+
+def exact_match_reward(
+  prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], metadata: dict
+) -> np.ndarray:
+  """1 where the response's text (up to its stop token, surrounding whitespace aside) equals
+  its prompt record's "answer" (a string or an integer), else 0."""
+  del prompts
+  records = metadata["records"]
+  if len(records) != len(responses):
+    raise ValueError(f"{len(responses)} responses but {len(records)} prompt records")
+  texts = response_texts(responses, metadata["tokenizer"])
+  answers = [str(r.require("answer", str, int)).strip() for r in records]
+  return np.array([t.strip() == a for t, a in zip(texts, answers, strict=True)], np.float32)
+
+
+TASK_REWARDS: dict[str, RewardFn] = {"vowels": vowel_reward, "arithmetic": exact_match_reward}
 """The rule that defines each task's goal: what evaluations report, whatever PPO optimises
 (a reward model trained on preferences only approximates it)."""
 

@@ -1,6 +1,8 @@
-"""Writes the bundled datasets of the 'vowels' task: prompts, demonstrations and preferences.
+"""Writes the bundled datasets of a task: 'vowels' (prompts, demonstrations and preferences) or
+'arithmetic' (prompts with their answers, demonstrations).
 
   python scripts/make_bundled_data.py   # rewrites rlhfjax/data/bundled/vowels/*.jsonl
+  python scripts/make_bundled_data.py --task=arithmetic   # rlhfjax/data/bundled/arithmetic/
 
 The output is deterministic (fixed seed, Python's `random`, whose `choice`/`shuffle` are stable
 across versions), so rerunning it leaves the committed files unchanged; commit the script and
@@ -28,10 +30,11 @@ from absl import app, flags
 
 from rlhfjax import tasks
 
+_TASK = flags.DEFINE_enum("task", "vowels", ["vowels", "arithmetic"], "The task to write.")
 _OUT_DIR = flags.DEFINE_string(
   "out_dir",
-  os.path.join(os.path.dirname(__file__), "..", "rlhfjax", "data", "bundled", "vowels"),
-  "Directory to write prompts.jsonl, demonstrations.jsonl and preferences.jsonl into.",
+  "",
+  "Directory to write the task's JSONL files into; empty: rlhfjax/data/bundled/TASK.",
 )
 
 _SEED = 20240605
@@ -116,7 +119,7 @@ def make_preferences(rng: random.Random, prompts: list[str]) -> list[dict[str, s
   return records
 
 
-def write_jsonl(path: str, records: list[dict[str, str]]) -> None:
+def write_jsonl(path: str, records: list[dict]) -> None:
   with open(path, "w", encoding="utf-8") as f:
     for record in records:
       f.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -124,8 +127,15 @@ def write_jsonl(path: str, records: list[dict[str, str]]) -> None:
 
 def main(argv: list[str]) -> None:
   del argv
-  out_dir = os.path.normpath(_OUT_DIR.value)
+  bundled = os.path.join(os.path.dirname(__file__), "..", "rlhfjax", "data", "bundled")
+  out_dir = os.path.normpath(_OUT_DIR.value or os.path.join(bundled, _TASK.value))
   os.makedirs(out_dir, exist_ok=True)
+  if _TASK.value == "arithmetic":
+    # The task's own generator (seeded); the held-out sums are the last 10% of prompts.jsonl.
+    for kind, records in tasks.arithmetic_datasets().items():
+      write_jsonl(os.path.join(out_dir, f"{kind}s.jsonl"), records)
+    print(f"wrote the bundled 'arithmetic' datasets to {out_dir}")
+    return
   rng = random.Random(_SEED)
   prompts = tasks.vowel_prompts()
   write_jsonl(os.path.join(out_dir, "prompts.jsonl"), [{"prompt": p} for p in prompts])

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
@@ -31,16 +32,33 @@ def _config(name: str, variant: str = "colocated", **changes):
   return from_config_dict(cd)
 
 
+_RECORDS: dict[tuple[str, str], list] = {}
+_RUN: list[tuple[str, str]] = []
+
+
+def logged_vowel_reward(prompts, responses, metadata):
+  """The configs' rule, logging the prompts and the records it was given (for the test of
+  `metadata["records"]`)."""
+  decode = metadata["tokenizer"].decode
+  _RECORDS.setdefault(_RUN[-1], []).append(
+    (metadata["step"], [decode(p) for p in prompts], [r.origin for r in metadata["records"]])
+  )
+  return tasks.vowel_reward(prompts, responses, metadata)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   out = {}
   for name in _ALGORITHMS:
     for variant in _VARIANTS:
+      _RUN.append((name, variant))
       # The reward model's continuous scores give every group non-zero advantages. With the
       # rule alone most groups of the untrained policy score all 0: their gradients are float
       # noise that differs with the layout's reduction order, and Adam (g / |g|) turns noise
       # into full-size steps, so placements would part after the first update.
-      cfg = _config(name, variant, reward__model_coef=0.5)
+      cfg = _config(
+        name, variant, reward__model_coef=0.5, reward__fn=f"{__name__}:logged_vowel_reward"
+      )
       runner = Runner(cfg, str(tmp_path_factory.mktemp(name)), show_progress=False)
       out[name, variant] = (runner, runner.run())
   return out
@@ -74,6 +92,25 @@ def test_no_critic_and_each_program_compiles_once(runs, name):
   assert {"reward/mean", "loss/policy", "time/iteration", "time/generate", "time/update"} <= set(
     rows[0]
   )
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_the_rule_gets_each_samples_prompt_record(runs, variant):
+  """`metadata["records"]` lines up with the responses on every placement: each row's record
+  names the line of the bundled file its prompt came from, and a group's samples share it."""
+  lines = pathlib.Path(data.bundled_path("vowels", "prompt")).read_text().splitlines()
+  for name in _ALGORITHMS:
+    k = runs[name, variant][0].cfg.ppo.group_size
+    calls = _RECORDS[name, variant]
+    assert [step for step, _, _ in calls] == [0, 1]
+    for _, prompts, origins in calls:
+      assert len(prompts) == len(origins) == 8
+      for i, (prompt, origin) in enumerate(zip(prompts, origins, strict=True)):
+        path, _, line = origin.rpartition(":")
+        assert path == data.bundled_path("vowels", "prompt")
+        assert json.loads(lines[int(line) - 1])["prompt"] == prompt
+        assert origin == origins[i - i % k]
+      assert len(set(origins)) == 8 // k
 
 
 def test_grpo_kl_loss_term_and_aggregation_change_the_update(runs, tmp_path):

@@ -1,7 +1,9 @@
 """The sequence score: `reward.model_coef` x the reward model + `reward.fn_coef` x a rule.
 
 The reward model scores on its own mesh; a rule (`reward.fn`, 'module:function') runs on the
-host with the token ids of the prompts and responses, the one host round trip of scoring.
+host with the token ids of the prompts and responses, the one host round trip of scoring. Its
+`metadata` holds 'step', 'tokenizer' and 'records': each response's prompt record (the extra
+fields of its prompt line, `rlhfjax.data.records.Record`), aligned with the responses.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Rewards:
 
       out.append(self.cluster.stage(Role.REWARD, "score", model))
     if self.fn is not None:
-      metadata = {"step": iteration, "tokenizer": self.tokenizer}
+      metadata = self.metadata(iteration, seqs)
       out.append(
         self.cluster.stage("reward_fn", "score", lambda: self._rule(self.fn, seqs, metadata))
       )
@@ -93,6 +95,11 @@ class Rewards:
       parts.append(self.cluster.upload(Role.ACTOR, results["reward_fn"], "reward_fn scores"))
     return self._combine(*parts)
 
+  def metadata(self, step: int, seqs: Any) -> dict[str, Any]:
+    """What a rule reward gets beside the token ids: the step, the tokenizer, and one prompt
+    record per response."""
+    return {"step": step, "tokenizer": self.tokenizer, "records": list(seqs.records)}
+
   def _rule(self, fn, seqs: Any, metadata: dict) -> np.ndarray:
     scores = np.asarray(fn(seqs.prompts, seqs.responses, metadata), np.float32)
     if scores.shape != (len(seqs.prompts),):
@@ -104,7 +111,7 @@ class Rewards:
 
   def evaluate(self, seqs: Any) -> dict[str, np.ndarray]:
     """Every part of the reward, their combination and the task's own rule, on the host."""
-    meta = {"step": -1, "tokenizer": self.tokenizer}
+    meta = self.metadata(-1, seqs)
     scores: dict[str, np.ndarray] = {}
     n = len(seqs.prompts)
     combined = np.zeros(n, np.float32)

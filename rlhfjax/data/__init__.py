@@ -25,6 +25,9 @@ _EXPORTS = {
   "preference_batches": "pipeline",
   "prompt_iterator": "pipeline",
   "sft_batches": "pipeline",
+  "PromptBatch": "records",
+  "Record": "records",
+  "RecordFieldError": "records",
   "ChatTemplate": "tokenizer",
   "HFTokenizer": "tokenizer",
   "Tokenizer": "tokenizer",
@@ -41,7 +44,10 @@ __all__ = [
   "DataError",
   "HFTokenizer",
   "PreparedDataset",
+  "PromptBatch",
   "PromptIterator",
+  "Record",
+  "RecordFieldError",
   "Tokenizer",
   "bundled_path",
   "default_data_dir",
@@ -72,6 +78,7 @@ if TYPE_CHECKING:
     prompt_iterator,
     sft_batches,
   )
+  from rlhfjax.data.records import PromptBatch, Record, RecordFieldError
   from rlhfjax.data.tokenizer import ChatTemplate, HFTokenizer, Tokenizer, load_tokenizer
 
 

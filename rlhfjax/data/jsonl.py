@@ -1,10 +1,14 @@
 """Local JSONL files as TFDS datasets (array_record, no TensorFlow), validated line by line.
 
-Three kinds of record, one JSON object per line (other fields are ignored):
+Three kinds of record, one JSON object per line:
 
   prompt         {"prompt": str}
   demonstration  {"prompt": str, "response": str}
   preference     {"prompt": str, "chosen": str, "rejected": str}
+
+Any other fields of a line are kept as its extra fields (canonical JSON in the 'extra' feature,
+with the line number in 'line'): a prompt's extra fields reach the reward function as its
+`rlhfjax.data.records.Record` (for example a reference answer).
 
 `prepare` writes the records once with a `tfds.core.GeneratorBasedBuilder` and returns random
 access data sources (`builder.as_data_source`) for grain. The builder config is named after the
@@ -25,10 +29,12 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
 from rlhfjax import workdir
+from rlhfjax.data import records
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ BAD_REASONS = (
 )
 """Why a record is bad; the keys of `PreparedDataset.bad_records`."""
 
-_VERSION = "1.0.0"
+_VERSION = "1.1.0"  # 1.1: extra fields and line numbers
 
 
 class DataError(ValueError):
@@ -66,10 +72,12 @@ class BadRecord(Exception):
 
 
 def parse_line(kind: str, line: bytes) -> dict[str, str] | None:
-  """The record of one JSONL line; None for a blank line.
+  """The record of one JSONL line (its kind's fields, and 'extra': the other fields as
+  JSON); None for a blank line.
 
   Raises:
-    BadRecord: the line is not UTF-8, not a JSON object, or lacks a non-empty string field.
+    BadRecord: the line is not UTF-8, not a JSON object, lacks a non-empty string field, or
+      holds a number JSON cannot represent (NaN, Infinity).
   """
   try:
     text = line.decode("utf-8")
@@ -94,6 +102,10 @@ def parse_line(kind: str, line: bytes) -> dict[str, str] | None:
     if not value[field].strip():
       raise BadRecord("empty_string", f"field {field!r} is empty")
     record[field] = value[field]
+  try:
+    record["extra"] = records.extra_fields(value, FIELDS[kind])
+  except ValueError as e:
+    raise BadRecord("invalid_json", str(e)) from None
   return record
 
 
@@ -168,11 +180,13 @@ class JsonlDataset(tfds.core.GeneratorBasedBuilder):
   def _info(self) -> tfds.core.DatasetInfo:
     # DatasetInfo(builder=self) rather than dataset_info_from_configs: the latter looks for
     # metadata files next to this module, which a builder outside the TFDS tree does not have.
-    fields = FIELDS[self.builder_config.kind]
+    fields = (*FIELDS[self.builder_config.kind], "extra")
+    features = {f: tfds.features.Text() for f in fields}
+    features["line"] = tfds.features.Scalar(dtype=np.int64)
     return tfds.core.DatasetInfo(
       builder=self,
       description=f"Local JSONL {self.builder_config.kind} records.",
-      features=tfds.features.FeaturesDict({f: tfds.features.Text() for f in fields}),
+      features=tfds.features.FeaturesDict(features),
       metadata=tfds.core.MetadataDict(),
       # Keep file order: evaluation passes and error reports then follow the file.
       disable_shuffling=True,
@@ -190,7 +204,7 @@ class JsonlDataset(tfds.core.GeneratorBasedBuilder):
     count = 0
     for number, record in read_records(config.kind, path, config.on_bad_record, log):
       count += 1
-      yield number, record
+      yield number, {**record, "line": number}
     if not count:
       raise DataError(_empty_message(config.kind, path, log))
 
@@ -238,6 +252,8 @@ class PreparedDataset:
   """Skipped records per reason of `BAD_REASONS` (all files together)."""
   first_bad_record: dict[str, str]
   """The first 'file:line: problem' of each reason, to show the user."""
+  paths: dict[str, str] = dataclasses.field(default_factory=dict)
+  """The (absolute) file of each split: records name their origin 'file:line' by it."""
 
   @property
   def splits(self) -> tuple[str, ...]:
@@ -249,12 +265,17 @@ class PreparedDataset:
   def source(self, split: str = "train") -> Any:
     """A random-access data source (len, getitem) of `split`; slices like 'train[:90%]' work.
 
-    Each example is a dict of the kind's fields as UTF-8 `bytes`.
+    Each example is a dict of the kind's fields and 'extra' (the other fields, JSON) as UTF-8
+    `bytes`, and 'line', its line in the file.
     """
     return self.builder.as_data_source(split=split)
 
+  def path(self, split: str = "train") -> str | None:
+    """The file `split` (or a slice of it, 'train[:90%]') was read from."""
+    return self.paths.get(split.partition("[")[0])
 
-BUNDLED_TASKS = ("vowels",)
+
+BUNDLED_TASKS = ("vowels", "arithmetic")
 _BUNDLED_FILES = {
   "prompt": "prompts.jsonl",
   "demonstration": "demonstrations.jsonl",
@@ -274,9 +295,12 @@ def bundled_path(task: str, kind: str) -> str:
     )
   if kind not in _BUNDLED_FILES:
     raise ValueError(f"unknown dataset kind {kind!r}; known kinds: {', '.join(_BUNDLED_FILES)}")
-  return os.path.join(
+  path = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "bundled", task, _BUNDLED_FILES[kind]
   )
+  if not os.path.isfile(path):
+    raise ValueError(f"the bundled task {task!r} has no {kind} data; give a file instead")
+  return path
 
 
 def default_data_dir() -> str:
@@ -350,4 +374,10 @@ def prepare(
       ", ".join(f"{n} {r}" for r, n in sorted(counts.items())),
       "; ".join(first.values()),
     )
-  return PreparedDataset(kind=kind, builder=builder, bad_records=counts, first_bad_record=first)
+  return PreparedDataset(
+    kind=kind,
+    builder=builder,
+    bad_records=counts,
+    first_bad_record=first,
+    paths=paths,
+  )

@@ -29,6 +29,7 @@ import grain
 import numpy as np
 
 from rlhfjax.data.jsonl import DataError
+from rlhfjax.data.records import PromptBatch, Record, record_of
 from rlhfjax.data.tokenizer import ChatTemplate, Tokenizer, encode_prompt_parts
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,15 @@ class Encoded(NamedTuple):
 
   `status` is 'ok', 'truncated' or 'too_long' (to be skipped, or raised under 'error');
   `parts` is (prompt,) for prompts, (prompt, response) for SFT and (prompt, chosen, rejected)
-  for preferences, each a token list; a response ends with EOS unless it was cut.
+  for preferences, each a token list; a response ends with EOS unless it was cut. `record`
+  holds the example's extra fields (prompts only).
   """
 
   index: int
   status: str
   length: int
   parts: tuple[list[int], ...]
+  record: Record | None = None
 
 
 def fit_to_length(
@@ -89,20 +92,25 @@ def encode_example(
   max_len: int,
   on_long_prompt: str,
   chat_template: ChatTemplate | None,
+  origin: str | None = None,
 ) -> Encoded:
-  """Tokenizes one record (prompt plus each of `response_fields`) and fits it to `max_len`."""
+  """Tokenizes one record (prompt plus each of `response_fields`) and fits it to `max_len`.
+
+  `origin` (the file of the source) given: the record's extra fields come along as a `Record`
+  named 'file:line'."""
   head, body, tail = encode_prompt_parts(tokenizer, _text(record["prompt"]), chat_template)
   responses = [
     tokenizer.encode(_text(record[f]), add_bos=False) + [tokenizer.eos_id] for f in response_fields
   ]
   prompt = head + body + tail
+  extra = record_of(record, index, origin) if origin is not None else None
   length = len(prompt) + max((len(r) for r in responses), default=0)
   if length <= max_len:
-    return Encoded(index, "ok", length, (prompt, *responses))
+    return Encoded(index, "ok", length, (prompt, *responses), extra)
   fitted = fit_to_length(head, body, tail, responses, max_len)
   if on_long_prompt != "truncate" or fitted is None:
-    return Encoded(index, "too_long", length, ())
-  return Encoded(index, "truncated", length, (fitted[0], *fitted[1]))
+    return Encoded(index, "too_long", length, (), extra)
+  return Encoded(index, "truncated", length, (fitted[0], *fitted[1]), extra)
 
 
 def _shuffle_seed(seed: int) -> int:
@@ -199,7 +207,8 @@ class _Stream:
 
 
 class PromptIterator(_Stream):
-  """Tokenized prompts, one `list[int]` per `next()`; `take(n)` for a PPO batch."""
+  """Tokenized prompts, one `list[int]` per `next()`; `take(n)` for a PPO batch, `take_batch(n)`
+  for one with the prompts' records."""
 
   _pipeline = "prompt"
 
@@ -208,6 +217,21 @@ class PromptIterator(_Stream):
 
   def take(self, n: int) -> list[list[int]]:
     return [next(self) for _ in range(n)]
+
+  def take_batch(self, n: int, *, allow_fewer: bool = False) -> PromptBatch:
+    """The next `n` prompts and their records (`allow_fewer`: an evaluation pass may end
+    before `n`)."""
+    tokens, records = [], []
+    for _ in range(n):
+      try:
+        example = self._next_example()
+      except StopIteration:
+        if not allow_fewer:
+          raise
+        break
+      tokens.append(example.parts[0])
+      records.append(example.record or Record({}, f"record {example.index}"))
+    return PromptBatch(tokens, records)
 
 
 class BatchIterator(_Stream):
@@ -286,10 +310,13 @@ def prompt_iterator(
   on_long_prompt: str = "truncate",
   chat_template: ChatTemplate | None = None,
   repeat: bool = True,
+  origin: str = "",
 ) -> PromptIterator:
   """Prompts (BOS first) of a 'prompt' source: shuffled and endless, or one pass in order.
 
   Any record with a 'prompt' field works, so demonstration and preference sources serve too.
+  `origin` is the source's file (`PreparedDataset.path`): each prompt's `Record` is named
+  'origin:line'.
   """
   encode = functools.partial(
     encode_example,
@@ -298,6 +325,7 @@ def prompt_iterator(
     max_len=max_prompt_len,
     on_long_prompt=on_long_prompt,
     chat_template=chat_template,
+    origin=origin,
   )
   return PromptIterator(
     source,

@@ -17,6 +17,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from rlhfjax.data.records import PromptBatch, Record
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sequences:
@@ -32,6 +34,8 @@ class Sequences:
   """float32, 1 on response tokens."""
   rollout_logprobs_bt: np.ndarray
   """float32 log-probs of the sampled tokens under the rollout policy's sampling distribution."""
+  records: list[Record] = dataclasses.field(default_factory=list)
+  """Each row's prompt record (its extra fields, for a rule reward): `metadata["records"]`."""
 
   @property
   def prompt_len(self) -> int:
@@ -59,9 +63,14 @@ def assemble(
   prompt_len: int,
   response_len: int,
   pad_id: int,
+  records: Sequence[Record] | None = None,
 ) -> Sequences:
-  """Lays prompts (left padded) and responses (right padded) out as `[b, p + t]` sequences."""
+  """Lays prompts (left padded) and responses (right padded) out as `[b, p + t]` sequences;
+  `records` (one per prompt; None: empty ones) ride along."""
   b = len(prompts)
+  records = list(records) if records is not None else PromptBatch.of(prompts).records
+  if len(records) != b:
+    raise ValueError(f"{b} prompts but {len(records)} records")
   tokens = np.full((b, prompt_len + response_len), pad_id, np.int32)
   attention = np.zeros((b, prompt_len + response_len), np.int32)
   response_mask = np.zeros((b, response_len), np.float32)
@@ -86,6 +95,7 @@ def assemble(
     attention_mask_bs=attention,
     response_mask_bt=response_mask,
     rollout_logprobs_bt=logprobs,
+    records=records,
   )
 
 
@@ -99,6 +109,7 @@ def take_rows(parts: Sequence[tuple[Sequences, Sequence[int]]]) -> Sequences:
     attention_mask_bs=pick("attention_mask_bs"),
     response_mask_bt=pick("response_mask_bt"),
     rollout_logprobs_bt=pick("rollout_logprobs_bt"),
+    records=[s.records[i] for s, rows in parts for i in rows],
   )
 
 

@@ -32,6 +32,7 @@ from rlhfjax import algorithms as alg
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
+from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import experience, stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import policy_roles, register
@@ -163,8 +164,9 @@ class PPOFlow:
     self._compile()
     self.kl_state = alg.KLControllerState(coef=ppo.kl_coef)
     self.skipped_in_row = 0
-    self.pending_prompts: list[list[int]] | None = None
-    """Prompts of the batch generated ahead (async rollout), saved with a checkpoint."""
+    self.pending_prompts: PromptBatch | None = None
+    """Prompts (and records) of the batch generated ahead (async rollout), saved with a
+    checkpoint."""
     self._pool = concurrent.futures.ThreadPoolExecutor(1) if ppo.async_rollout else None
     self._pending: concurrent.futures.Future | None = None
 
@@ -243,13 +245,14 @@ class PPOFlow:
   def meta(self) -> dict[str, Any]:
     return {
       "kl_coef": float(self.kl_state.coef),
-      "pending_prompts": self.pending_prompts,
+      "pending_prompts": (None if self.pending_prompts is None else self.pending_prompts.to_json()),
       "skipped_in_row": self.skipped_in_row,
     }
 
   def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
     self.kl_state = alg.KLControllerState(coef=float(meta["kl_coef"]))
-    self.pending_prompts = meta.get("pending_prompts")
+    pending = meta.get("pending_prompts")
+    self.pending_prompts = None if pending is None else PromptBatch.from_json(pending)
     self.skipped_in_row = int(meta.get("skipped_in_row", 0))
     if items.get("rollout") is not None:
       self.ctx.cluster.engine.update_params(items["rollout"])

@@ -15,6 +15,7 @@ import jax
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ExperimentConfig
+from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import experience
 from rlhfjax.flows.experience import Sequences
 from rlhfjax.placement.spec import Role
@@ -55,28 +56,31 @@ def rollout_seed(cfg: ExperimentConfig, iteration: int) -> int:
 
 
 def generate(
-  ctx: FlowContext, prompts: list[list[int]], params: SamplingParams, seed: int
+  ctx: FlowContext, prompts: PromptBatch | list[list[int]], params: SamplingParams, seed: int
 ) -> Sequences:
-  """Responses from the rollout engine laid out as sequences (host token ids).
+  """Responses from the rollout engine laid out as sequences (host token ids), each row with
+  its prompt's record.
 
   The engine's continuous batching admits prompts and returns finished responses through the
   host: the one named host transfer of generation."""
   cfg = ctx.cfg
+  prompts = PromptBatch.of(prompts)
   with ctx.cluster.host("generate"):
-    out = ctx.cluster.engine.generate(prompts, sampling=params, seed=seed)
+    out = ctx.cluster.engine.generate(prompts.tokens, sampling=params, seed=seed)
   return experience.assemble(
-    prompts,
+    prompts.tokens,
     out.tokens,
     out.lengths,
     out.logprobs,
     prompt_len=cfg.rollout.max_prompt_len,
     response_len=cfg.rollout.max_new_tokens,
     pad_id=ctx.tokenizer.pad_id,
+    records=prompts.records,
   )
 
 
 def generate_stage(
-  ctx: FlowContext, iteration: int, prompts: list[list[int]], attempt: int = 0
+  ctx: FlowContext, iteration: int, prompts: PromptBatch | list[list[int]], attempt: int = 0
 ) -> Sequences:
   """`generate` at the rollout's settings, recorded on the timeline (`attempt` > 0: another
   batch of the same iteration, with its own randomness)."""
@@ -88,10 +92,10 @@ def generate_stage(
     return generate(ctx, prompts, sampling(ctx.cfg, ctx.tokenizer), seed)
 
 
-def grouped_prompts(ctx: FlowContext, group_size: int) -> list[list[int]]:
-  """`rollout.batch_size / group_size` new prompts, each repeated `group_size` times."""
-  unique = ctx.prompts.take(ctx.cfg.rollout.batch_size // group_size)
-  return [p for p in unique for _ in range(group_size)]
+def grouped_prompts(ctx: FlowContext, group_size: int) -> PromptBatch:
+  """`rollout.batch_size / group_size` new prompts, each repeated `group_size` times (with its
+  record, so every sample of a group sees its prompt's fields)."""
+  return ctx.prompts.take_batch(ctx.cfg.rollout.batch_size // group_size).repeat(group_size)
 
 
 def logprob_scorer(ctx: FlowContext, role: Role, name: str) -> Any:

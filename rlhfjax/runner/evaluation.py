@@ -9,11 +9,12 @@ from typing import Any
 import numpy as np
 
 from rlhfjax import distributed
+from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import stages
 from rlhfjax.flows.stages import FlowContext
 
 
-def evaluate(ctx: FlowContext, eval_prompts: list[list[int]]) -> dict[str, Any]:
+def evaluate(ctx: FlowContext, eval_prompts: PromptBatch) -> dict[str, Any]:
   """The current policy on the held-out prompts: mean rewards and a few samples.
 
   Responses come from the rollout engine (at `eval.temperature`; 0 is greedy) with a fixed
@@ -27,9 +28,9 @@ def evaluate(ctx: FlowContext, eval_prompts: list[list[int]]) -> dict[str, Any]:
   parts: dict[str, list[np.ndarray]] = {}
   samples: list[dict[str, Any]] = []
   for start in range(0, len(eval_prompts), b):
-    chunk = eval_prompts[start : start + b]
-    n = len(chunk)
-    chunk = chunk + [chunk[-1]] * (b - n)  # the scorers are compiled for whole batches
+    n = min(b, len(eval_prompts) - start)
+    # The scorers are compiled for whole batches: the last one repeats its last prompt.
+    chunk = eval_prompts.rows([start + min(i, n - 1) for i in range(b)])
     seqs = stages.generate(ctx, chunk, sampling, seed=cfg.seed + 7919)
     scores = ctx.rewards.evaluate(seqs)
     for key, value in scores.items():
@@ -84,7 +85,7 @@ def format_evaluation(evaluation: dict[str, Any]) -> str:
     cells = [f"{evaluation[p][key]:.4f}" if key in evaluation[p] else "" for p in phases]
     lines.append(f"| {key} | " + " | ".join(cells) + " |")
   for phase in phases:
-    lines += ["", f"Samples {phase} PPO:", ""]
+    lines += ["", f"Samples {phase} training:", ""]
     for s in evaluation[phase]["samples"]:
       lines.append(f"- {s['prompt']!r} -> {s['response']!r} (reward {s['reward']:.3f})")
   return "\n".join(lines) + "\n"

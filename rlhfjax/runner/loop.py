@@ -27,6 +27,7 @@ from rlhfjax import data, distributed, signals
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import registry
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
@@ -92,7 +93,9 @@ class Runner:
     )
     self.flow = factory(self.ctx)
     if not self.cluster.uses(Role.ROLLOUT):
-      self.eval_prompts = []  # the held-out evaluation samples responses: a flow without a
+      self.eval_prompts = PromptBatch.of(
+        []
+      )  # the held-out evaluation samples responses: a flow without a
       # rollout (offline DPO) reports its own held-out metrics
     self.checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
     resume_step = self.checkpointer.latest_step() if cfg.checkpoint.resume else None
@@ -102,8 +105,9 @@ class Runner:
     else:
       self._restore(resume_step)
 
-  def _load_prompts(self) -> tuple[data.PromptIterator, list[list[int]]]:
-    """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones."""
+  def _load_prompts(self) -> tuple[data.PromptIterator, PromptBatch]:
+    """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones,
+    each with its record (the prompt line's extra fields, named 'file:line')."""
     cfg = self.cfg
     d = cfg.data
     dataset = distributed.primary_first(
@@ -123,14 +127,13 @@ class Runner:
       on_long_prompt=d.on_long_prompt,
       chat_template=template,
     )
-    train = stream(dataset.source(d.train_split))
-    eval_prompts = []
+    train = stream(dataset.source(d.train_split), origin=dataset.path(d.train_split))
+    eval_prompts = PromptBatch.of([])
     if cfg.eval.num_prompts:
-      held_out = stream(dataset.source(d.eval_split), repeat=False)
-      for prompt in held_out:
-        eval_prompts.append(prompt)
-        if len(eval_prompts) == cfg.eval.num_prompts:
-          break
+      held_out = stream(
+        dataset.source(d.eval_split), repeat=False, origin=dataset.path(d.eval_split)
+      )
+      eval_prompts = held_out.take_batch(cfg.eval.num_prompts, allow_fewer=True)
     return train, eval_prompts
 
   # -------------------------------------------------------------------------------------------
