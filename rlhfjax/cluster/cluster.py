@@ -256,8 +256,13 @@ class Cluster:
   def run(self, stages: Sequence[dispatch.Stage], iteration: int) -> list[Any]:
     """Runs stages, those on disjoint devices at the same time (see `dispatch`); offloaded
     state that they use comes to device memory first, the rest goes to host memory."""
-    self._place({(s.role, s.name) for s in stages})
+    self.prepare(stages)
     return dispatch.run_stages(stages, self.timeline, iteration)
+
+  def prepare(self, stages: Sequence[dispatch.Stage]) -> None:
+    """Offloaded state that `stages` use comes to device memory, the rest goes to host memory
+    (before stages dispatched outside `run`, as fused scoring does)."""
+    self._place({(s.role, s.name) for s in stages})
 
   # -------------------------------------------------------------------------------------------
   # Offload (`rlhfjax.mesh.offload`, ChatLearn's memory sharing).
