@@ -70,6 +70,10 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.rollout.top_k = 0
   config.rollout.top_p = 1.0
   config.rollout.slots = 0
+  config.rollout.tail_threshold = 0.0
+  # Fused scoring (RLHFuse): score finished samples in micro-batches while the rest generate.
+  config.rollout.fused_scoring = False
+  config.rollout.score_micro_batch = 0
 
   config.data = ml_collections.ConfigDict()
   config.data.task = "vowels"

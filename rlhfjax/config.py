@@ -237,6 +237,14 @@ class RolloutSection:
   tail_threshold: float = 0.0
   """Tail compaction: once at most this fraction of the slots still decode (and no prompt is
   queued), they move into a smaller decode batch on fewer replicas. 0: off."""
+  fused_scoring: bool = False
+  """Score finished samples in micro-batches while the rest still generate (RLHFuse): each
+  scoring role on its own mesh, concurrently when disjoint from the rollout's, between decode
+  chunks when co-located (`rlhfjax.flows.scoring`). Results equal the unfused ones at the same
+  `score_micro_batch`."""
+  score_micro_batch: int = 0
+  """Samples per scoring call. 0: the whole batch in one call unfused, a quarter of it (at
+  least 1) fused."""
 
   def __post_init__(self):
     ranges.check(
@@ -250,12 +258,25 @@ class RolloutSection:
       top_p=ranges.between(0, 1, low_open=True),
       slots=ranges.NON_NEGATIVE,
       tail_threshold=ranges.between(0, 1, high_open=True),
+      score_micro_batch=ranges.NON_NEGATIVE,
     )
+    if self.score_micro_batch > self.batch_size:
+      raise ConfigError(
+        f"'rollout.score_micro_batch'={self.score_micro_batch} exceeds "
+        f"'rollout.batch_size'={self.batch_size}"
+      )
 
   @property
   def max_seq_len(self) -> int:
     """Tokens per sequence the KV cache holds: prompt plus response."""
     return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def scoring_rows(self) -> int:
+    """Samples per scoring call (see `score_micro_batch`)."""
+    if self.score_micro_batch:
+      return self.score_micro_batch
+    return max(1, self.batch_size // 4) if self.fused_scoring else self.batch_size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

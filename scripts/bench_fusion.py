@@ -28,6 +28,12 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed iterations per configuratio
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds lengths, prompts and weights.")
 _PLACEMENTS = flags.DEFINE_list("placements", ["disaggregated", "co-located"], "Placements.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices to use (emulated on CPU).")
+_PREDICT = flags.DEFINE_string(
+  "predict_with",
+  None,
+  "A calibration JSON (scripts/calibrate.py): also print the planner's prediction (hardware "
+  "'local'); 'only' after it (--predict_with=FILE,only) skips the measurement.",
+)
 _OVERRIDES = {
   name: flags.DEFINE_integer(name, None, f"Override the size's {name}.")
   for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -57,6 +63,18 @@ def main(argv):
     placements=tuple(_PLACEMENTS.value),
     num_devices=_DEVICES.value,
   )
+  if _PREDICT.value:
+    from rlhfjax.planner import efficiency, fusion, hardware
+    from rlhfjax.rollout.benchmark import model_config
+
+    path, _, only = _PREDICT.value.partition(",")
+    model = model_config(bench.size, **bench.model_overrides)
+    hw, eff = hardware.load_hardware("local", path), efficiency.load_efficiency(path)
+    lengths = fusion_benchmark.tail_lengths(bench)
+    for record in fusion.predict_benchmark(bench, lengths, hw, eff, model):
+      print(json.dumps(record), flush=True)
+    if only == "only":
+      return
   for record in fusion_benchmark.run(bench):
     print(json.dumps(record), flush=True)
 

@@ -46,6 +46,13 @@ _OFFLOAD = flags.DEFINE_bool("offload", False, "Idle roles' parameters and momen
 _EFFICIENCY = flags.DEFINE_string("efficiency", None, "Efficiency JSON (profile or calibration).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the table.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per plan instead of the table.")
+_FUSION = flags.DEFINE_bool(
+  "fusion", False, "Also predict fused scoring + tail compaction under a long-tailed length mix."
+)
+flags.DEFINE_float("tail_fraction", 0.1, "--fusion: share of responses in the long tail.")
+flags.DEFINE_float("tail_ratio", 8.0, "--fusion: tail length over the median length.")
+flags.DEFINE_integer("fusion_micro_batch", 0, "--fusion: samples per scoring call (0: slots/4).")
+flags.DEFINE_float("tail_threshold", 0.25, "--fusion: share of slots left when compacting.")
 _TIMELINE = flags.DEFINE_string(
   "timeline", None, "Directory for the winner's predicted timeline.json and timeline.png."
 )
@@ -65,6 +72,15 @@ def main(argv):
       print(json.dumps(plan.to_json()))
   else:
     print(text)
+  if _FUSION.value:
+    from rlhfjax.planner import fusion
+
+    predictions, table = fusion.report_from_flags(flags.FLAGS, plans)
+    if _JSON.value:
+      for prediction in predictions:
+        print(json.dumps({"fusion": prediction.to_json()}))
+    else:
+      print("\n" + table)
   if _TIMELINE.value:
     from rlhfjax.planner.report import write_timeline
 

@@ -308,6 +308,11 @@ class Cluster:
     their state is prefetched during this call's last stage."""
     return self.residency.run(stages, self.timeline, iteration, then)
 
+  def prepare(self, stages: Sequence[dispatch.Stage]) -> None:
+    """Offloaded state that `stages` use comes to device memory, the rest goes to host memory
+    (before stages dispatched outside `run`, as fused scoring does)."""
+    self.residency.place({(s.role, s.name) for s in stages})
+
   # -------------------------------------------------------------------------------------------
   # Offload (`rlhfjax.mesh.offload`, ChatLearn's memory sharing).
 

@@ -32,21 +32,14 @@ class Rewards:
       raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
     self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
     self.task_fn = tasks.TASK_REWARDS.get(cfg.data.task)
-    b, s = cfg.rollout.batch_size, cfg.rollout.max_seq_len
+    b = cfg.rollout.batch_size
     if self.use_model:
       source = WeightSource(
         source=cfg.init.reward, what="init.reward", rng=initial_rngs(cfg.seed)[Role.REWARD]
       )
       cluster.freeze(Role.REWARD, source)
-      rt = cluster.roles[Role.REWARD]
-      batch = (rt.batch_sharding((b, s)), rt.batch_sharding((b, s)))
-      self._model_scores = cluster.compile(
-        "reward_scores",
-        functools.partial(steps.sequence_scores, rt.model),
-        in_shardings=(rt.param_shardings, *batch),
-        out_shardings=rt.batch_sharding((b,)),
-        role=Role.REWARD,
-      )
+      self._model_scores = self._model_program(b)
+      self._micro_scores: dict[int, Any] = {b: self._model_scores}
     mc, fc = reward.model_coef, reward.fn_coef
     parts = (self.use_model, self.fn is not None)
     combine = {
@@ -59,15 +52,33 @@ class Rewards:
       "combine_scores", combine, out_shardings=actor.batch_sharding((b,))
     )
 
+  def _model_program(self, rows: int) -> Any:
+    """The reward model's `fn(params, tokens_bs, attention_bs) -> scores_b` for `rows` rows."""
+    rt, s = self.cluster.roles[Role.REWARD], self.cfg.rollout.max_seq_len
+    batch = (rt.batch_sharding((rows, s)), rt.batch_sharding((rows, s)))
+    tag = "" if rows == self.cfg.rollout.batch_size else f"_{rows}rows"
+    return self.cluster.compile(
+      "reward_scores" + tag,
+      functools.partial(steps.sequence_scores, rt.model),
+      in_shardings=(rt.param_shardings, *batch),
+      out_shardings=rt.batch_sharding((rows,)),
+      role=Role.REWARD,
+    )
+
   def stages(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
-    """Scoring stages: the reward model on its mesh (from the tokens on any mesh), the rule on
-    the host (from the rollout's token ids)."""
+    """Scoring stages of some rows (the batch, or a micro-batch of fused scoring): the reward
+    model on its mesh (from the tokens on any mesh), the rule on the host (from the rollout's
+    token ids)."""
     out = []
     if self.use_model:
+      rows = tokens_bs.shape[0]
+      if rows not in self._micro_scores:
+        self._micro_scores[rows] = self._model_program(rows)
+      program = self._micro_scores[rows]
 
       def model():
         # The weights as they are when the stage runs (offload may have moved them since).
-        return self._model_scores(
+        return program(
           self.cluster.params[Role.REWARD],
           *self.cluster.move(Role.REWARD, (tokens_bs, attention_bs)),
         )

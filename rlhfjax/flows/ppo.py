@@ -33,7 +33,7 @@ from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
 from rlhfjax.data.records import PromptBatch
-from rlhfjax.flows import experience, stages
+from rlhfjax.flows import experience, scoring, stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
@@ -130,6 +130,12 @@ class PPOFlow:
         f"'ppo.overlong_buffer'={ppo.overlong_buffer} must be below "
         f"'rollout.max_new_tokens'={cfg.rollout.max_new_tokens}"
       )
+    if cfg.rollout.fused_scoring and (ppo.async_rollout or ppo.dynamic_sampling_rounds):
+      raise ConfigError(
+        "'rollout.fused_scoring' scores each batch while it generates, with the actor's "
+        "weights of this iteration: it does not combine with 'ppo.async_rollout' or "
+        "'ppo.dynamic_sampling_rounds'"
+      )
     if ppo.async_rollout and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
       raise ValueError(
         "ppo.async_rollout needs the rollout on its own devices "
@@ -174,10 +180,14 @@ class PPOFlow:
     ctx, cfg, ppo, cluster = self.ctx, self.ctx.cfg, self.ctx.cfg.ppo, self.ctx.cluster
     b, p, t = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
     s = p + t
-    self._actor_logprobs = stages.logprob_scorer(ctx, Role.ACTOR, "actor_logprobs")
-    self._reference_logprobs = stages.logprob_scorer(ctx, Role.REFERENCE, "reference_logprobs")
+    rows = cfg.rollout.scoring_rows
+    tag = "" if rows >= b else f"_{rows}rows"  # scorers of micro-batches (fused scoring)
+    self._actor_logprobs = stages.logprob_scorer(ctx, Role.ACTOR, "actor_logprobs" + tag, rows)
+    self._reference_logprobs = stages.logprob_scorer(
+      ctx, Role.REFERENCE, "reference_logprobs" + tag, rows
+    )
     if self.use_critic:
-      self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values")
+      self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values" + tag, rows)
     settings = AdvantageSettings(
       kl_estimator=ppo.kl_estimator,
       estimator=self.estimator,
@@ -269,10 +279,16 @@ class PPOFlow:
     ctx, cfg, cluster = self.ctx, self.ctx.cfg, self.ctx.cluster
     start = cluster.timeline.now()
     sampled: dict[str, float] = {}
+    scores = None
     if self._pending is None:
       prompts = self.pending_prompts or stages.grouped_prompts(ctx, cfg.ppo.group_size)
       self.pending_prompts = None
-      seqs = stages.generate_stage(ctx, iteration, prompts)
+      if cfg.rollout.fused_scoring:
+        seqs, scores = scoring.generate_and_score(
+          ctx, iteration, prompts, self._scoring_stages(iteration), cfg.rollout.scoring_rows
+        )
+      else:
+        seqs = stages.generate_stage(ctx, iteration, prompts)
       if cfg.ppo.dynamic_sampling_rounds:
         seqs, sampled = self._dynamic_sampling(iteration, seqs)
     else:
@@ -288,7 +304,7 @@ class PPOFlow:
         self._pending = self._pool.submit(
           stages.generate_stage, ctx, iteration + 1, self.pending_prompts
         )
-    exp = self._score(iteration, seqs)
+    exp = self._score(iteration, seqs, scores)
     exp, stats = self._compute_advantages(iteration, exp)
     update_metrics = self._update(iteration, exp)
     if self._pool is None:
@@ -342,22 +358,36 @@ class PPOFlow:
     out = experience.take_rows(kept)
     return out, {"dapo/rounds": float(rounds), "dapo/filled_groups": float(filled)}
 
-  def _score(self, iteration: int, seqs: Sequences) -> Experience:
-    """The rollout batch on the actor's mesh, scored by every role (on their meshes)."""
-    ctx, cluster = self.ctx, self.ctx.cluster
+  def _scoring_stages(self, iteration: int) -> scoring.StagesFn:
+    """The scoring stages of some samples: every role on its own mesh, the rule on the host."""
+    ctx = self.ctx
+
+    def todo(tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Sequences):
+      score = functools.partial(
+        stages.score_stage, ctx, tokens_bs=tokens_bs, attention_bs=attention_bs
+      )
+      out = [
+        score(Role.ACTOR, self._actor_logprobs),
+        score(Role.REFERENCE, self._reference_logprobs),
+      ]
+      if self.use_critic:
+        out.append(score(Role.CRITIC, self._critic_values))
+      return out + ctx.rewards.stages(tokens_bs, attention_bs, seqs, iteration)
+
+    return todo
+
+  def _score(self, iteration: int, seqs: Sequences, out: dict[str, Any] | None) -> Experience:
+    """The rollout batch on the actor's mesh with every role's scores (`out`: those fused
+    scoring computed during generation; None: scored now, see `rlhfjax.flows.scoring`)."""
+    ctx, cluster, cfg = self.ctx, self.ctx.cluster, self.ctx.cfg
     exp = Experience(**cluster.upload(Role.ACTOR, Experience.from_sequences(seqs), "rollout"))
-    tokens, attention = exp.tokens_bs, exp.attention_mask_bs
-    score = functools.partial(stages.score_stage, ctx, tokens_bs=tokens, attention_bs=attention)
-    todo = [
-      score(Role.ACTOR, self._actor_logprobs),
-      score(Role.REFERENCE, self._reference_logprobs),
-    ]
-    if self.use_critic:
-      todo.append(score(Role.CRITIC, self._critic_values))
-    todo += ctx.rewards.stages(tokens, attention, seqs, iteration)
-    # The update comes next: its optimizer states (if offloaded) come back during the scoring.
-    results = cluster.run(todo, iteration, then=self._update_keys)
-    out = dict(zip([s.role for s in todo], results, strict=True))
+    if out is None:
+      rows = cfg.rollout.scoring_rows
+      tokens = (exp.tokens_bs, exp.attention_mask_bs)
+      # The update comes next: its optimizer states (if offloaded) come back during the scoring.
+      out = scoring.score(
+        ctx, iteration, seqs, self._scoring_stages(iteration), rows, tokens, self._update_keys
+      )
     with cluster.timeline.stage(
       iteration, "actor", "advantages", cluster.roles[Role.ACTOR].devices
     ):

@@ -98,27 +98,29 @@ def grouped_prompts(ctx: FlowContext, group_size: int) -> PromptBatch:
   return ctx.prompts.take_batch(ctx.cfg.rollout.batch_size // group_size).repeat(group_size)
 
 
-def logprob_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
-  """`fn(params, tokens_bs, attention_bs) -> logprobs_bt` compiled on `role`'s mesh."""
+def logprob_scorer(ctx: FlowContext, role: Role, name: str, rows: int | None = None) -> Any:
+  """`fn(params, tokens_bs, attention_bs) -> logprobs_bt` compiled on `role`'s mesh for `rows`
+  rows (None: the rollout batch)."""
   cfg, rt = ctx.cfg, ctx.cluster.roles[role]
-  b, p, t = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
+  b, p, t = rows or cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
   fn = functools.partial(
     steps.response_logprobs, rt.model, prompt_len=p, temperature=cfg.rollout.temperature
   )
   return _scorer(ctx, role, name, fn, (b, t))
 
 
-def value_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
-  """`fn(params, tokens_bs, attention_bs) -> values_bt` compiled on `role`'s mesh."""
+def value_scorer(ctx: FlowContext, role: Role, name: str, rows: int | None = None) -> Any:
+  """`fn(params, tokens_bs, attention_bs) -> values_bt` compiled on `role`'s mesh for `rows`
+  rows (None: the rollout batch)."""
   cfg, rt = ctx.cfg, ctx.cluster.roles[role]
-  b, p, t = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
+  b, p, t = rows or cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
   fn = functools.partial(steps.response_values, rt.model, prompt_len=p)
   return _scorer(ctx, role, name, fn, (b, t))
 
 
 def _scorer(ctx: FlowContext, role: Role, name: str, fn: Any, out_shape: tuple[int, ...]):
   rt = ctx.cluster.roles[role]
-  b, s = ctx.cfg.rollout.batch_size, ctx.cfg.rollout.max_seq_len
+  b, s = out_shape[0], ctx.cfg.rollout.max_seq_len
   batch = (rt.batch_sharding((b, s)), rt.batch_sharding((b, s)))
   return ctx.cluster.compile(
     name,

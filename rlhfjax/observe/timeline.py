@@ -23,6 +23,9 @@ class StageRecord:
   """Seconds since the timeline began."""
   end: float
   devices: tuple[int, ...]
+  chunk: int = -1
+  """A fused scoring block: the index of the micro-batch of samples it scored (-1: a whole
+  stage)."""
 
   @property
   def seconds(self) -> float:
@@ -58,6 +61,11 @@ class Timeline:
       )
       with self._lock:
         self.records.append(record)
+
+  def add(self, record: StageRecord) -> None:
+    """Adds a record timed by the caller (work waited for in another thread)."""
+    with self._lock:
+      self.records.append(record)
 
   def for_iteration(self, iteration: int) -> list[StageRecord]:
     with self._lock:
@@ -139,16 +147,18 @@ def _draw(ax, records: Sequence[StageRecord], lanes, colours) -> None:
       lane,
       record.seconds,
       left=record.start,
-      height=0.6,
+      height=0.6 if record.chunk < 0 else 0.3,  # fused scoring blocks show over generation
       color=colours[record.stage],
       edgecolor="black",
       linewidth=0.3,
+      hatch=None if record.chunk < 0 else "//",
+      zorder=2 if record.chunk < 0 else 3,
     )
     if record.seconds > 0:
       ax.text(
         record.start + record.seconds / 2,
         lane,
-        record.role,
+        record.role if record.chunk < 0 else f"{record.role} #{record.chunk}",
         ha="center",
         va="center",
         fontsize=6,

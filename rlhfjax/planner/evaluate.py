@@ -37,6 +37,8 @@ class Plan:
   fits: bool
   why_not: str = ""
   tokens_per_s_per_device: float = 0.0
+  slots: int = 0
+  """Sequences one rollout data group decodes at once (after the memory check)."""
 
   @property
   def iteration_s(self) -> float:
@@ -191,6 +193,7 @@ def evaluate(
     fits=fits,
     why_not=why_not,
     tokens_per_s_per_device=tokens / result.iteration_s / len(spec.devices),
+    slots=slots,
   )
 
 

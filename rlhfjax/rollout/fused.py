@@ -50,7 +50,7 @@ FIELDS = ("indices", "tokens", "logprobs", "lengths", "stopped")
 
 
 @jax.jit
-def _in_order(parts: tuple[Any, ...], rows_n: jax.Array) -> Any:
+def in_order(parts: tuple[Any, ...], rows_n: jax.Array) -> Any:
   """Concatenates the micro-batches' results and picks row `rows_n[i]` for sample `i`."""
   return jax.tree.map(lambda *xs: jnp.take(jnp.concatenate(xs), rows_n, axis=0), *parts)
 
@@ -114,7 +114,7 @@ def score_stream(
     flush(sum(len(b.indices) for b in buffered))
   if not seen.all():
     raise ValueError(f"the stream never handed out samples {np.flatnonzero(~seen).tolist()}")
-  return _in_order(tuple(parts), rows_n)
+  return in_order(tuple(parts), rows_n)
 
 
 def logprob_scorer(

@@ -31,7 +31,6 @@ Placements over the devices: 'disaggregated' (rollout on the first half, scorer 
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from collections.abc import Iterator, Mapping
@@ -44,6 +43,7 @@ from rlhfjax import models
 from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import fused
+from rlhfjax.rollout import lengths as length_dist
 from rlhfjax.rollout.benchmark import model_config
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
@@ -84,19 +84,15 @@ class FusionBench:
 
 
 def tail_lengths(bench: FusionBench) -> np.ndarray:
-  """Seeded per-request response lengths (see the module docstring).
-
-  Stratified: request `i` draws its quantile from its own slice `[j, j + 1) / batch` of [0, 1)
-  (`j` a seeded permutation of the requests), so the batch holds the distribution's tail in
-  proportion (a batch of 40 has exactly 4 draws above the 0.9 quantile) rather than by luck.
-  """
-  normal = statistics.NormalDist()
-  sigma = math.log(bench.tail_ratio) / normal.inv_cdf(1 - bench.tail_fraction)
-  median = bench.mean_len / math.exp(sigma**2 / 2)
-  rng = np.random.default_rng(bench.seed)
-  quantiles = (rng.permutation(bench.batch) + rng.uniform(size=bench.batch)) / bench.batch
-  z = np.array([normal.inv_cdf(min(max(q, 1e-12), 1 - 1e-12)) for q in quantiles])
-  return np.clip(np.rint(median * np.exp(sigma * z)), 1, bench.max_len).astype(np.int32)
+  """Seeded per-request response lengths (`rlhfjax.rollout.lengths.tail_lengths`)."""
+  return length_dist.tail_lengths(
+    bench.batch,
+    mean=bench.mean_len,
+    max_len=bench.max_len,
+    tail_fraction=bench.tail_fraction,
+    tail_ratio=bench.tail_ratio,
+    seed=bench.seed,
+  )
 
 
 def length_stats(lengths: np.ndarray, tail_ratio: float) -> dict[str, float]:

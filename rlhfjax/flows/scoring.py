@@ -1,0 +1,223 @@
+"""Scoring a rollout batch by every role: whole, in micro-batches, or fused with generation.
+
+The PPO-family flows score each sample with the actor (old log-probs), the reference, the
+critic, the reward model and a rule. `score` does it after generation; `generate_and_score`
+(`rollout.fused_scoring`, RLHFuse's sample-level fusion) while generation continues: the
+rollout stream (`rlhfjax.rollout.streaming`) hands out finished samples, and every
+`rollout.scoring_rows` of them the scoring stages are dispatched on their roles' meshes.
+
+* Disaggregated or interleaved placements (scorers' devices not the rollout's): a dispatched
+  program returns at once, so the scorers work while the next decode chunk runs.
+* Co-located: JAX runs the programs of a device in dispatch order, so scoring interleaves with
+  the decode chunks.
+
+Advantages need the whole batch (whitening, groups), so they start when `result` has put every
+role's scores back in the batch's order (one gather per role, rows exact copies).
+
+Synchronous results do not depend on fusion: a sample's scores come from the same compiled
+program (one per row count), with the same per-device shapes, whichever samples share its
+micro-batch (row `i` of a forward depends on row `i` only) and whenever it runs. Scoring in
+micro-batches of another size than the whole batch may change the last bit: XLA's CPU matmul
+orders its accumulation by the per-device row count (`tests/test_fused_scoring.py` measures it
+against the spread of the unfused path across placements).
+
+Every micro-batch's work on a device group is one timeline record (stage 'score', `chunk` its
+index), from its dispatch (or the end of the group's previous block) to its completion.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlhfjax.cluster import dispatch
+from rlhfjax.cluster.residency import Key
+from rlhfjax.data.records import PromptBatch
+from rlhfjax.flows import experience, stages
+from rlhfjax.flows.experience import Sequences
+from rlhfjax.flows.stages import FlowContext
+from rlhfjax.observe.timeline import StageRecord
+from rlhfjax.placement.spec import Role
+from rlhfjax.rollout import fused
+from rlhfjax.rollout.streaming import RolloutStream
+
+StagesFn = Callable[[jax.Array, jax.Array, Sequences], list[dispatch.Stage]]
+"""`fn(tokens_bs, attention_bs, seqs) -> stages`: the scoring stages of the rows of `seqs`
+(tokens on the actor's mesh); each stage's result has those rows in that order."""
+
+
+class MicroBatchScoring:
+  """Scoring stages dispatched micro-batch by micro-batch; `result` in the batch's order."""
+
+  def __init__(self, ctx: FlowContext, iteration: int, stages_fn: StagesFn, rows: int):
+    self.ctx, self.iteration, self.stages_fn, self.rows = ctx, iteration, stages_fn, rows
+    self._parts: dict[str, list[Any]] = {}
+    self._indices: list[np.ndarray] = []
+    self._lanes: dict[tuple[int, ...], concurrent.futures.ThreadPoolExecutor] = {}
+    self._lane_end: dict[tuple[int, ...], float] = {}
+    self._waits: list[concurrent.futures.Future] = []
+
+  def add(self, indices: np.ndarray, seqs: Sequences) -> None:
+    """Dispatches the scoring of `seqs` (samples `indices` of the batch, at most `rows`),
+    padded to `rows` rows by repeating its last one."""
+    cluster, n = self.ctx.cluster, len(indices)
+    if not 0 < n <= self.rows:
+      raise ValueError(f"a micro-batch holds 1 to {self.rows} samples, got {n}")
+    padded = experience.take_rows([(seqs, np.minimum(np.arange(self.rows), n - 1))])
+    tokens = cluster.upload(
+      Role.ACTOR, (padded.tokens_bs, padded.attention_mask_bs), "rollout micro-batch"
+    )
+    todo = self.stages_fn(*tokens, padded)
+    if not self._indices:
+      cluster.prepare(todo)  # offloaded weights of the scorers come to device memory
+    chunk = len(self._indices)
+    self._indices.append(np.asarray(indices))
+    for stage in todo:
+      dispatched = cluster.timeline.now()
+      out = stage.fn()  # device stages return once dispatched; a host stage runs here
+      self._parts.setdefault(stage.role, []).append(out)
+      lane = self._lanes.setdefault(stage.devices, concurrent.futures.ThreadPoolExecutor(1))
+      self._waits.append(lane.submit(self._record, stage, out, dispatched, chunk))
+
+  def _record(self, stage: dispatch.Stage, out: Any, dispatched: float, chunk: int) -> None:
+    """Waits for one block (in its device group's thread, in dispatch order) and records it."""
+    jax.block_until_ready(out)
+    timeline = self.ctx.cluster.timeline
+    start = max(dispatched, self._lane_end.get(stage.devices, 0.0))
+    end = self._lane_end[stage.devices] = timeline.now()
+    timeline.add(
+      StageRecord(
+        iteration=self.iteration,
+        role=stage.role,
+        stage=stage.name,
+        start=start,
+        end=end,
+        devices=stage.devices,
+        chunk=chunk,
+      )
+    )
+
+  def result(self) -> dict[str, Any]:
+    """Every stage's results for the whole batch in its order, by role name: device results on
+    their role's mesh (rows split as the unfused scorer's), host results as NumPy."""
+    try:
+      for wait in self._waits:
+        wait.result()
+    finally:
+      for lane in self._lanes.values():
+        lane.shutdown(wait=True)
+    order = np.concatenate(self._indices)
+    num = len(order)
+    if sorted(order.tolist()) != list(range(num)):
+      raise ValueError(f"the micro-batches do not hold each of {num} samples once")
+    positions = np.concatenate(
+      [k * self.rows + np.arange(len(idx)) for k, idx in enumerate(self._indices)]
+    )
+    rows_n = np.empty(num, np.int32)
+    rows_n[order] = positions
+    out = {}
+    for role, parts in self._parts.items():
+      if isinstance(parts[0], np.ndarray):
+        out[role] = np.concatenate(parts)[rows_n]
+      else:
+        out[role] = self.ctx.cluster.move(Role(role), fused.in_order(tuple(parts), rows_n))
+    return out
+
+
+def score(
+  ctx: FlowContext,
+  iteration: int,
+  seqs: Sequences,
+  stages_fn: StagesFn,
+  rows: int,
+  tokens: tuple[jax.Array, jax.Array],
+  then: Sequence[Key] = (),
+) -> dict[str, Any]:
+  """Scores a generated batch (`tokens`: its tokens and attention mask on the actor's mesh):
+  in one call per stage (`rows` >= the batch, stages on disjoint devices at the same time),
+  else in micro-batches of `rows` samples. `then`: the (role, stage) that runs next, whose
+  offloaded state is prefetched during the last scoring stage (`Cluster.run`)."""
+  cluster, num = ctx.cluster, len(seqs.prompts)
+  if rows >= num:
+    todo = stages_fn(*tokens, seqs)
+    results = cluster.run(todo, iteration, then=then)
+    return dict(zip([s.role for s in todo], results, strict=True))
+  scoring = MicroBatchScoring(ctx, iteration, stages_fn, rows)
+  for start in range(0, num, rows):
+    idx = np.arange(start, min(start + rows, num))
+    scoring.add(idx, experience.take_rows([(seqs, idx)]))
+  return scoring.result()
+
+
+def generate_and_score(
+  ctx: FlowContext,
+  iteration: int,
+  prompts: PromptBatch | Sequence[Sequence[int]],
+  stages_fn: StagesFn,
+  rows: int,
+) -> tuple[Sequences, dict[str, Any]]:
+  """Generates responses to `prompts` and scores them in micro-batches of `rows` samples as
+  they finish (see the module docstring); returns the batch (as `stages.generate_stage` does)
+  and `score`'s results. The 'generate' record spans the stream."""
+  cfg, cluster = ctx.cfg, ctx.cluster
+  batch = PromptBatch.of(prompts)
+  r = cfg.rollout
+  layout = dict(prompt_len=r.max_prompt_len, response_len=r.max_new_tokens)
+  stream = RolloutStream(
+    cluster.engine,
+    batch.tokens,
+    sampling=stages.sampling(cfg, ctx.tokenizer),
+    seed=stages.rollout_seed(cfg, iteration),
+    min_yield=rows,
+  )
+  num, width = stream.num_prompts, stream.width
+  tokens = np.full((num, width), ctx.tokenizer.pad_id, np.int32)
+  logprobs = np.zeros((num, width), np.float32)
+  lengths = np.zeros(num, np.int32)
+  scoring = MicroBatchScoring(ctx, iteration, stages_fn, rows)
+  waiting: list[int] = []
+
+  def flush(idx: list[int]) -> None:
+    sub = experience.assemble(
+      [batch.tokens[i] for i in idx],
+      tokens[idx],
+      lengths[idx],
+      logprobs[idx],
+      pad_id=ctx.tokenizer.pad_id,
+      records=batch.rows(idx).records,
+      **layout,
+    )
+    scoring.add(np.asarray(idx), sub)
+
+  finished = iter(stream)
+  with cluster.timeline.stage(
+    iteration, "rollout", "generate", cluster.roles[Role.ROLLOUT].devices
+  ):
+    while True:
+      with cluster.host("generate"):
+        done = next(finished, None)
+      if done is None:
+        break
+      tokens[done.indices] = done.tokens
+      logprobs[done.indices] = done.logprobs
+      lengths[done.indices] = done.lengths
+      waiting += done.indices.tolist()
+      while len(waiting) >= rows:
+        flush(waiting[:rows])
+        waiting = waiting[rows:]
+  if waiting:
+    flush(waiting)
+  seqs = experience.assemble(
+    batch.tokens,
+    tokens,
+    lengths,
+    logprobs,
+    pad_id=ctx.tokenizer.pad_id,
+    records=batch.records,
+    **layout,
+  )
+  return seqs, scoring.result()

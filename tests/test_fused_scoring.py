@@ -1,0 +1,173 @@
+"""Fused scoring in the training loop: the same iterations as unfused, on every placement.
+
+With `rollout.fused_scoring`, finished samples are scored in micro-batches while the rest
+still generate (`rlhfjax.flows.scoring`). For a fixed seed and scoring micro-batch, fused and
+unfused iterations give bit-identical samples, log-probs, values, scores, advantages, returns,
+metrics and weights. Against scoring the whole batch in one call, micro-batches differ in the
+last bits (XLA's CPU matmul accumulates by the per-device row count); that difference stays
+within the spread of the unfused whole-batch path across placements.
+"""
+
+import functools
+import pathlib
+import runpy
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.observe.timeline import Timeline
+from rlhfjax.runner import Runner
+
+pytestmark = pytest.mark.slow
+
+_CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
+_PLACEMENTS = ("colocated", "interleaved", "disaggregated")
+_FIELDS = (
+  "tokens_bs",
+  "attention_mask_bs",
+  "response_mask_bt",
+  "rollout_logprobs_bt",
+  "old_logprobs_bt",
+  "ref_logprobs_bt",
+  "values_bt",
+  "scores_b",
+  "advantages_bt",
+  "returns_bt",
+)
+_MICRO = 2
+
+
+def _config(algo: str, placement: str, **rollout):
+  cd = runpy.run_path(str(_CONFIGS / f"{algo}_tiny.py"))["get_config"](placement)
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.rollout.slots = 4  # continuous batching: the first samples finish while others decode
+  cd.reward.model_coef = 0.5  # the reward model and the rule both score
+  cd.eval.num_prompts = 0
+  for field, value in rollout.items():
+    cd.rollout[field] = value
+  return from_config_dict(cd)
+
+
+class _Run:
+  """A finished run: the experience each update got, the metrics, the trained weights."""
+
+  def __init__(self, cfg, workdir: str):
+    runner = Runner(cfg, workdir, show_progress=False)
+    self.experiences = []
+    update = runner.flow._update
+
+    def record(iteration, exp):
+      self.experiences.append(jax.tree.map(np.asarray, exp))
+      return update(iteration, exp)
+
+    runner.flow._update = record
+    result = runner.run()
+    self.metrics = result.metrics
+    self.compilations = result.compilations
+    self.params = {
+      role.value: jax.tree.map(np.asarray, state.params)
+      for role, state in runner.cluster.states.items()
+    }
+    self.timeline = Timeline.read_json(str(pathlib.Path(workdir) / "timeline.json"))
+
+
+@functools.cache
+def _run(tmp_root: str, algo: str, placement: str, fused: bool, micro: int) -> _Run:
+  cfg = _config(algo, placement, fused_scoring=fused, score_micro_batch=micro)
+  workdir = pathlib.Path(tmp_root) / f"{algo}-{placement}-{fused}-{micro}"
+  return _Run(cfg, str(workdir))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp("fused"))
+  return functools.partial(_run, root)
+
+
+def _differences(a: _Run, b: _Run) -> dict[str, float]:
+  """Largest absolute difference of each compared quantity (0: bit-identical)."""
+  out = {}
+  for i, (x, y) in enumerate(zip(a.experiences, b.experiences, strict=True)):
+    for field in _FIELDS:
+      u, v = getattr(x, field), getattr(y, field)
+      out[f"{i}/{field}"] = 0.0 if np.array_equal(u, v) else float(np.max(np.abs(u - v)))
+  for i, (x, y) in enumerate(zip(a.metrics, b.metrics, strict=True)):
+    for key in x:
+      if not key.startswith(("time/", "throughput/")):
+        out[f"{i}/{key}"] = abs(x[key] - y[key])
+  leaves = zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True)
+  out["params"] = max(float(np.max(np.abs(u - v))) for u, v in leaves)
+  return out
+
+
+@pytest.mark.parametrize("placement", _PLACEMENTS)
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_fused_iterations_equal_unfused_ones(run, algo, placement):
+  unfused, fused = run(algo, placement, False, _MICRO), run(algo, placement, True, _MICRO)
+  assert len(fused.experiences) == 2
+  diff = _differences(fused, unfused)
+  assert {k: v for k, v in diff.items() if v} == {}
+  # Not trivially equal: the scorers ran, the weights moved, the second batch differs.
+  exp = fused.experiences
+  assert np.all(exp[0].old_logprobs_bt[exp[0].response_mask_bt > 0] < 0)
+  assert not np.array_equal(exp[0].tokens_bs, exp[1].tokens_bs)
+  assert fused.metrics[0]["loss/policy"] != fused.metrics[1]["loss/policy"]
+  # Each micro-batch scorer compiled once; the whole-batch ones were never built.
+  assert set(fused.compilations.values()) == {1}
+  assert f"reference_logprobs_{_MICRO}rows" in fused.compilations
+  assert "reference_logprobs" not in fused.compilations
+
+
+@pytest.mark.parametrize("placement", _PLACEMENTS)
+def test_fused_timeline_has_scoring_blocks_over_generation(run, placement):
+  timeline = run("ppo", placement, True, _MICRO).timeline
+  for iteration in (0, 1):
+    records = [r for r in timeline if r.iteration == iteration]
+    (generate,) = [r for r in records if r.stage == "generate"]
+    chunks = [r for r in records if r.stage == "score" and r.chunk >= 0]
+    # Every scoring role, every micro-batch of 8 samples: actor, reference, critic, reward
+    # model and rule.
+    assert sorted({(r.role, r.chunk) for r in chunks}) == sorted(
+      (role, k)
+      for role in ("actor", "reference", "critic", "reward", "reward_fn")
+      for k in range(8 // _MICRO)
+    )
+    during = [r for r in chunks if r.start < generate.end and r.devices]
+    assert during, "no scoring block started while generating"
+    assert all(r.end > r.start >= generate.start for r in chunks)
+
+
+def test_unfused_timeline_scores_whole_batches(run):
+  timeline = run("ppo", "colocated", False, 0).timeline
+  assert all(r.chunk == -1 for r in timeline)
+  assert {r.stage for r in timeline} >= {"generate", "score", "update"}
+
+
+def test_micro_batches_differ_from_the_whole_batch_within_the_placement_spread(run):
+  """Scoring in micro-batches changes the last bits of log-probs (see the module docstring):
+  no more than the unfused whole-batch path changes from one placement to another."""
+  whole = {p: run("ppo", p, False, 0) for p in _PLACEMENTS}
+  spread: dict[str, float] = {}
+  for a in _PLACEMENTS:
+    for b in _PLACEMENTS:
+      if a < b:
+        for key, value in _differences(whole[a], whole[b]).items():
+          spread[key] = max(spread.get(key, 0.0), value)
+  for placement in _PLACEMENTS:
+    diff = _differences(run("ppo", placement, True, _MICRO), whole[placement])
+    assert diff["0/tokens_bs"] == 0.0  # the samples of the first batch are the same
+    over = {k: (v, spread[k]) for k, v in diff.items() if v > spread[k]}
+    assert over == {}, placement
+
+
+def test_fused_scoring_refuses_what_it_cannot_do(tmp_path):
+  with pytest.raises(ConfigError, match="score_micro_batch"):
+    _config("ppo", "colocated", score_micro_batch=9)
+  cd = runpy.run_path(str(_CONFIGS / "ppo_tiny.py"))["get_config"]("disaggregated_async")
+  cd.rollout.fused_scoring = True
+  with pytest.raises(ConfigError, match="fused_scoring"):
+    Runner(from_config_dict(cd), str(tmp_path), show_progress=False)
