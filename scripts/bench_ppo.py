@@ -1,6 +1,7 @@
 """PPO iteration time per placement on one fixed config: one JSON object per placement.
 
   python scripts/bench_ppo.py --iterations=6 --hidden=256 --layers=4 --batch=32 --new_tokens=32
+  python scripts/bench_ppo.py --check=4 --placements=colocated,interleaved_split,disaggregated
 
 Each line: placement, setup and compile time, steady-state iteration time (median after the
 first iteration), per-stage times, tokens/s/device, and the stage that dominates. On 2 CPU
@@ -31,6 +32,13 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Response tokens per sequen
 _PREDICT = flags.DEFINE_string(
   "predict", None, "Calibration JSON of scripts/calibrate.py: add the planner's prediction."
 )
+_CHECK = flags.DEFINE_integer(
+  "check",
+  0,
+  "Instead: calibrate, then run the placements this many rounds one iteration at a time in "
+  "alternating order, load-corrected by a probe matmul, and print predicted against measured "
+  "per stage with the spread (rlhfjax.planner.localcheck.check).",
+)
 
 
 def _config(variant: str):
@@ -57,6 +65,26 @@ def main(argv):
 
   from rlhfjax.runner import Runner
 
+  if _CHECK.value:
+    from rlhfjax.planner import localcheck
+
+    result = localcheck.check(
+      [p for p in _PLACEMENTS.value if p != "disaggregated_async"],
+      rounds=_CHECK.value,
+      devices=_DEVICES.value,
+      progress=lambda line: print(line, flush=True),
+      size=_SIZE.value,
+      hidden=_HIDDEN.value,
+      layers=_LAYERS.value,
+      mlp=_MLP.value,
+      batch=_BATCH.value,
+      new_tokens=_NEW_TOKENS.value,
+    )
+    print(json.dumps(result.to_json()))
+    for kind, rows in localcheck.agreements(result).items():
+      for what, ok in rows:
+        print(f"{kind}: {'ok' if ok else 'NOT MET'}: {what}")
+    return
   for variant in _PLACEMENTS.value:
     start = time.perf_counter()
     trainer = Runner(_config(variant), tempfile.mkdtemp(), show_progress=False)

@@ -49,6 +49,26 @@ def _matmul_rate(devices, dtype, size: int) -> float:
   return 2 * size * size * size * len(devices) / seconds / len(devices)
 
 
+class Probe:
+  """A fixed sharded matmul, compiled once, timed between measurements: on a shared machine
+  its time follows the load, so stage times divided by its slowdown since calibration are
+  comparable across moments (`rlhfjax.planner.localcheck`)."""
+
+  def __init__(self, devices=None, size: int = 256):
+    devices = list(devices or jax.devices())
+    mesh = Mesh(np.array(devices), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x", None))
+    self._a = jax.device_put(jnp.ones((size * len(devices), size), jnp.float32), rows)
+    self._b = jax.device_put(
+      jnp.ones((size, size), jnp.float32), NamedSharding(mesh, PartitionSpec())
+    )
+    self._fn = jax.jit(lambda a, b: a @ b, out_shardings=rows)
+
+  def seconds(self, repeats: int = 3) -> float:
+    """Median seconds of one matmul (after a warm-up call)."""
+    return _timed(self._fn, self._a, self._b, repeats=repeats)
+
+
 def _copy_rate(devices, num_bytes: int) -> float:
   mesh = Mesh(np.array(devices), ("x",))
   x = jax.device_put(

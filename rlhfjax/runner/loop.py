@@ -185,6 +185,11 @@ class Runner:
       times[f"time/{stage}"] = (max(r.end for r in rs) - min(r.start for r in rs)) if rs else 0.0
     return times
 
+  def iterate(self, iteration: int) -> dict[str, float]:
+    """One iteration outside `run` (a benchmark alternating runners): its metrics row with
+    the stage times; nothing written."""
+    return self._iteration(iteration)
+
   def _iteration(self, iteration: int) -> dict[str, float]:
     row = self.flow.iteration(iteration)
     self.cluster.park()  # offloaded state waits in host memory until its next stage
