@@ -192,7 +192,7 @@ def test_offload_section_names_only_roles_it_can_park():
 
 
 def _prefetch_run(offload_section: dict):
-  """Two iterations of [actor, reference, reward] scoring then the actor's update, on one
+  """Three iterations of [actor, reference, reward] scoring then the actor's update, on one
   co-located cluster; each stage records the memory kinds of the state it uses as it runs."""
   cfg = _ppo_config(**offload_section)
   cluster = Cluster(cfg, strategies.build_placement(cfg.placement, 8))
@@ -234,7 +234,7 @@ def _prefetch_run(offload_section: dict):
     cluster.states[Role.ACTOR] = update(cluster.states[Role.ACTOR])
 
   between = []
-  for it in range(2):
+  for it in range(3):
     todo = [scorer(Role.ACTOR), scorer(Role.REFERENCE), scorer(Role.REWARD)]
     scores.append(np.asarray(cluster.run(todo, it, then=[("actor", "update")])))
     kinds = lambda: (
@@ -256,9 +256,9 @@ def test_offload_prefetches_the_next_stage_during_the_current_one():
   # Each stage found its state in device memory; between the calls it is in host memory, but
   # for the actor's moments, which the scoring call prefetched for the update that follows.
   device, host = {"device"}, {"pinned_host"}
-  assert len(seen) == 8
+  assert len(seen) == 12
   assert [kinds for *_, kinds in seen] == [device] * len(seen)
-  assert between == [(host, host, device), (host, host, host)] * 2
+  assert between == [(host, host, device), (host, host, host)] * 3
   # Same numbers as the resident run, every program compiled once.
   for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(final_ref), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -285,8 +285,8 @@ def test_offload_prefetches_the_next_stage_during_the_current_one():
     ("end", "actor", "update", ()),
     ("park", "actor", "optimizer", ()),
   ]
-  assert events == one_iteration * 2
-  assert [e.iteration for e in cluster.residency.events] == [0] * 14 + [1] * 14
+  assert events == one_iteration * 2  # the log keeps the last two iterations
+  assert [e.iteration for e in cluster.residency.events] == [1] * 14 + [2] * 14
   # Without offload nothing moves: only the stages are logged, and everything stays on device.
   assert {e.event for e in resident.residency.events} == {"start", "end"}
   assert [kinds for *_, kinds in seen_ref] == [device] * len(seen_ref)

@@ -9,9 +9,10 @@ before the current stage runs overlaps them with it where the backend copies con
 GPU's copy engines). After its stage a part goes back to host memory unless a later stage of the
 call, or of the next call (`then`), uses it.
 
-Every decision is written to `events`, in the order it was taken on each device group: a stage's
-'start' (with the memory kinds its parts then report) and 'end', and each part's 'prefetch' and
-'park'. Tests read the order from there, not from clocks.
+Every decision is written to `events` (the current and the previous iteration's), in the order
+it was taken on each device group: a stage's 'start' (with the memory kinds its parts then
+report) and 'end', and each part's 'prefetch' and 'park'. Tests read the order from there, not
+from clocks.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ class Residency:
     self._parts, self._get, self._put, self._devices = parts, get, put, devices
     self._lock = threading.Lock()
     self.events: list[Event] = []
+    """The decisions of the current and the previous iteration, in order."""
 
   def _log(self, iteration: int, event: str, role: str, what: str, kinds=()) -> None:
     with self._lock:
+      if self.events and iteration > self.events[-1].iteration:
+        # A long run keeps the events of the last two iterations only.
+        self.events = [e for e in self.events if e.iteration >= iteration - 1]
       self.events.append(Event(iteration=iteration, event=event, role=role, what=what,
                                memory_kinds=tuple(sorted(kinds))))  # fmt: skip
 
@@ -128,7 +133,10 @@ class Residency:
         if n + 1 < len(group):
           following[i] = self._used([keys[group[n + 1]]])
         else:
-          nxt = [p for p in self._used(then) if devices & set(self._devices(p.role))]
+          # Each `then` part goes with one group (its moves then stay in one thread).
+          nxt = [
+            p for p in self._used(then) if p not in claimed and devices & set(self._devices(p.role))
+          ]
           following[i] = nxt
           claimed.update(nxt)
     # `then` parts on devices this call does not use: prefetched at once.

@@ -130,10 +130,20 @@ def rotary(x_btxn: jax.Array, positions_bt: jax.Array, inv_freq_m: jax.Array) ->
   return out.astype(x_btxn.dtype)
 
 
-def _write_cache(cache_bskn: jax.Array, new_btkn: jax.Array, index_b: jax.Array) -> jax.Array:
-  """Writes each row's `t` new entries at its own offset `index_b[row]`."""
-  write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i, axis=0)
-  return jax.vmap(write)(cache_bskn, new_btkn, index_b)
+def _write_cache(
+  cache_lbskn: jax.Array, layer: jax.Array, new_btkn: jax.Array, index_b: jax.Array
+) -> jax.Array:
+  """Writes each row's `t` new entries into layer `layer` at the row's own offset `index_b[row]`.
+
+  The whole cache `[l, b, s, k, n]` is the layer scan's carry, so this is one scatter of the new
+  entries into the carried buffer, in place; carried as the scan's xs/ys instead, every layer's
+  slice was copied out and back (and the stacked ys copied again) at every decode step."""
+  b, t = new_btkn.shape[:2]
+  rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  slots_bt = index_b[:, None] + jnp.arange(t)[None, :]
+  return cache_lbskn.at[layer, rows_bt, slots_bt].set(
+    new_btkn.astype(cache_lbskn.dtype), indices_are_sorted=True, unique_indices=True
+  )
 
 
 def einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype) -> jax.Array:
@@ -221,7 +231,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_bts, cache, cache_index_b):
+  def __call__(self, x_btd, positions_bt, mask_bts, cache, layer, cache_index_b):
     cfg = self.config
     d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
@@ -267,9 +277,13 @@ class Attention(nn.Module):
     if cache is None:
       keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
     else:
-      keys_bskn = _write_cache(cache["k"], k_btkn, cache_index_b)
-      values_bskn = _write_cache(cache["v"], v_btkn, cache_index_b)
-      new_cache = {"k": keys_bskn, "v": values_bskn}
+      new_cache = {
+        "k": _write_cache(cache["k"], layer, k_btkn, cache_index_b),
+        "v": _write_cache(cache["v"], layer, v_btkn, cache_index_b),
+      }
+      keys_bskn, values_bskn = (
+        jax.lax.dynamic_index_in_dim(new_cache[name], layer, keepdims=False) for name in "kv"
+      )
 
     out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask_bts)
     out_bthn = checkpoint_name(out_bthn, "attention_out")
@@ -316,15 +330,18 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_bts, cache, cache_index_b):
+  def __call__(self, carry, positions_bt, mask_bts, layer, cache_index_b):
+    """`carry`: the residual stream and the whole KV cache `[l, ...]` (or None), which layer
+    `layer` updates in place."""
+    x_btd, cache = carry
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
     attn_btd, new_cache = Attention(cfg, name="attn")(
-      norm(name="attn_norm")(x_btd), positions_bt, mask_bts, cache, cache_index_b
+      norm(name="attn_norm")(x_btd), positions_bt, mask_bts, cache, layer, cache_index_b
     )
     x_btd = x_btd + attn_btd
     x_btd = x_btd + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x_btd))
-    return constrain_activations(x_btd), new_cache
+    return (constrain_activations(x_btd), new_cache), None
 
 
 def remat_policy(name: str):
@@ -379,8 +396,8 @@ class Transformer(nn.Module):
       length=cfg.num_layers,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
-    x_btd, new_cache = stack(cfg, name="layers")(
-      x_btd, positions_bt, mask_bts, cache, cache_index_b
+    (x_btd, new_cache), _ = stack(cfg, name="layers")(
+      (x_btd, cache), positions_bt, mask_bts, jnp.arange(cfg.num_layers), cache_index_b
     )
     x_btd = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="final_norm")(x_btd)
     if self.hidden_only:
