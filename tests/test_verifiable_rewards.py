@@ -68,6 +68,16 @@ def test_records_carry_the_extra_fields_named_by_file_and_line(tmp_path):
   ):
     batch.records[2].require("id", str)
   assert batch.records[2].require("id", int) == 2 and batch.records[2].get("nope") is None
+  # A line with no extra field still names its origin (an empty record).
+  plain = data.prepare("prompt", _write(tmp_path / "plain.jsonl", [{"prompt": "z"}]), tmp_path)
+  (record,) = (
+    data.prompt_iterator(
+      plain.source(), _BYTE, max_prompt_len=8, seed=0, repeat=False, origin=plain.path()
+    )
+    .take_batch(1)
+    .records
+  )
+  assert record == {} and record.origin == f"{plain.path()}:1"
 
 
 def test_records_resume_with_the_stream(tmp_path):
