@@ -4,10 +4,11 @@
   python scripts/run_pipeline.py --config=configs/pipeline_arithmetic.py --workdir=workdirs/arith
 
 SFT teaches the format and some of the sums from the demonstrations (never a held-out sum);
-GRPO then samples 8 answers per prompt and reinforces the exact ones. The evaluation before and
-after GRPO (greedy, on held-out sums) reports the exact-match accuracy as `task_reward`, and
-summary.md shows it. No reward model stage: the rule is the reward. Two devices per stage keep
-the whole pipeline to a few minutes on a laptop's CPU.
+GRPO then samples 8 answers for each of 16 prompts per iteration and reinforces the exact ones.
+The evaluation before and after GRPO (greedy, on 512 held-out sums) reports the exact-match
+accuracy as `task_reward`, and summary.md shows it. No reward model stage: the rule is the
+reward. Two devices per stage keep the whole pipeline to about 1.5 CPU-minutes. Measured rises
+(README, "Verifiable rewards") depend on the seed.
 """
 
 import os

@@ -68,6 +68,16 @@ def test_records_carry_the_extra_fields_named_by_file_and_line(tmp_path):
   ):
     batch.records[2].require("id", str)
   assert batch.records[2].require("id", int) == 2 and batch.records[2].get("nope") is None
+  # A line with no extra field still names its origin (an empty record).
+  plain = data.prepare("prompt", _write(tmp_path / "plain.jsonl", [{"prompt": "z"}]), tmp_path)
+  (record,) = (
+    data.prompt_iterator(
+      plain.source(), _BYTE, max_prompt_len=8, seed=0, repeat=False, origin=plain.path()
+    )
+    .take_batch(1)
+    .records
+  )
+  assert record == {} and record.origin == f"{plain.path()}:1"
 
 
 def test_records_resume_with_the_stream(tmp_path):
@@ -300,26 +310,28 @@ def test_the_arithmetic_pipeline_config_validates():
   assert grpo.algorithm.name == "grpo" and grpo.reward.fn == "rlhfjax.tasks:exact_match_reward"
 
 
-# Held-out exact-match accuracy of the pipeline as shipped, before -> after GRPO, three seeds
-# (sft.seed = ppo.seed), measured on this machine: see the README's "Verifiable rewards".
-_MIN_RISE = None
+# Held-out exact-match accuracy (greedy, 512 held-out sums) of the pipeline as shipped, before
+# -> after GRPO, measured on this machine with sft.seed = ppo.seed = 0, 1, 2: 0.217 -> 0.328,
+# 0.158 -> 0.176, 0.141 -> 0.139. The rise depends on the seed, so no margin is asserted here:
+# a rise that holds across seeds is still to be found (see the README).
 
 
 @pytest.mark.slow
-def test_arithmetic_pipeline_raises_held_out_accuracy(tmp_path):
+def test_arithmetic_pipeline_reports_held_out_accuracy_before_and_after(tmp_path):
   command = [
     sys.executable,
     str(_ROOT / "scripts" / "run_pipeline.py"),
     f"--config={_ROOT / 'configs' / 'pipeline_arithmetic.py'}",
     f"--workdir={tmp_path / 'arith'}",
+    "--config.ppo.total_steps=10",
   ]
   done = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=_ROOT)
   assert done.returncode == 0, done.stderr[-3000:]
   evaluation = json.loads((tmp_path / "arith" / "ppo" / "eval.json").read_text())
   before, after = evaluation["before"]["task_reward"], evaluation["after"]["task_reward"]
   assert evaluation["before"]["num_prompts"] == 512
-  # SFT leaves room both ways, and GRPO raises the accuracy well beyond run-to-run noise.
+  # SFT leaves room both ways (the shipped SFT, any of the seeds above: 0.14 to 0.22).
   assert 0.05 < before < 0.8, before
-  assert after - before > _MIN_RISE, (before, after)
   summary = (tmp_path / "arith" / "summary.md").read_text()
   assert f"Held-out task reward before -> after GRPO: {before:.4f} -> {after:.4f}" in summary
+  assert not (tmp_path / "arith" / "rm").exists()

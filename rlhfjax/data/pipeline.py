@@ -230,7 +230,8 @@ class PromptIterator(_Stream):
           raise
         break
       tokens.append(example.parts[0])
-      records.append(example.record or Record({}, f"record {example.index}"))
+      record = example.record
+      records.append(record if record is not None else Record({}, f"record {example.index}"))
     return PromptBatch(tokens, records)
 
 
