@@ -122,7 +122,9 @@ class MicroBatchScoring:
       if isinstance(parts[0], np.ndarray):
         out[role] = np.concatenate(parts)[rows_n]
       else:
-        out[role] = self.ctx.cluster.move(Role(role), fused.in_order(tuple(parts), rows_n))
+        with self.ctx.cluster.host("scoring order"):  # `rows_n` goes to the devices
+          ordered = fused.in_order(tuple(parts), rows_n)
+        out[role] = self.ctx.cluster.move(Role(role), ordered)
     return out
 
 
