@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.mesh.transfer import no_host_transfers
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.runner import Runner
 
@@ -148,6 +149,20 @@ def test_unfused_timeline_scores_after_generation(run):
     chunks = [r for r in records if r.stage == "score"]
     assert len(chunks) == 5 * (8 // _MICRO)
     assert all(r.start >= generate.end for r in chunks)
+
+
+def test_fused_iterations_make_only_named_host_transfers(tmp_path):
+  """As `test_transfer_guard`, fused: micro-batches' token ids go up (named), scores stay on
+  the devices apart from the reorder's row indices (named)."""
+  cfg = _config("ppo", "disaggregated", fused_scoring=True, score_micro_batch=_MICRO)
+  runner = Runner(cfg, str(tmp_path), show_progress=False)
+  with no_host_transfers():
+    for iteration in range(2):
+      runner.flow.iteration(iteration)
+  runner.flow.close()
+  fused_names = {"rollout micro-batch", "scoring order"}
+  named = {"generate", "rollout", "reward_fn scores", "kl_coef", "metrics"} | fused_names
+  assert fused_names <= set(runner.cluster.host_transfers) <= named, runner.cluster.host_transfers
 
 
 def test_fused_scoring_refuses_what_it_cannot_do(tmp_path):
