@@ -70,17 +70,15 @@ def _emulate_devices() -> None:
 # rlhfjax (this interpreter).
 
 
-def _rlhfjax_times(placement: str) -> list[float]:
+def rlhfjax_config(placement: str, iterations: int):
+  """The `ExperimentConfig` of rlhfjax's side: configs/grpo_tiny.py at the benchmark's sizes."""
   import runpy
 
-  from rlhfjax import launch
   from rlhfjax.config import from_config_dict
-  from rlhfjax.runner import Runner
 
-  launch.quiet_logging()
   variant = "disaggregated_async" if placement == "disaggregated" else "colocated"
   cd = runpy.run_path(os.path.join(_ROOT, "configs", "grpo_tiny.py"))["get_config"](variant)
-  cd.total_steps = _ITERATIONS.value
+  cd.total_steps = iterations
   cd.model.overrides = dict(MODEL)
   cd.rollout.batch_size = PROMPTS * SAMPLES
   cd.rollout.max_new_tokens = NEW_TOKENS
@@ -110,8 +108,16 @@ def _rlhfjax_times(placement: str) -> list[float]:
   cd.placement.explicit.colocate = (
     (together + ("rollout",),) if placement == "colocated" else (together,)
   )
-  runner = Runner(from_config_dict(cd), tempfile.mkdtemp(), show_progress=False)
-  rows = runner.run().metrics
+  return from_config_dict(cd)
+
+
+def _rlhfjax_times(placement: str) -> list[float]:
+  from rlhfjax import launch
+  from rlhfjax.runner import Runner
+
+  launch.quiet_logging()
+  cfg = rlhfjax_config(placement, _ITERATIONS.value)
+  rows = Runner(cfg, tempfile.mkdtemp(), show_progress=False).run().metrics
   return [r["time/iteration"] for r in rows]
 
 
