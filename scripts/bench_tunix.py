@@ -209,7 +209,11 @@ def _tunix_times(placement: str) -> list[float]:
   learner = grpo_learner.GRPOLearner(
     rl_cluster=cluster,
     algo_config=grpo_learner.GRPOConfig(
-      num_generations=SAMPLES, num_iterations=1, beta=KL_COEF, epsilon=0.2
+      num_generations=SAMPLES,
+      num_iterations=1,
+      beta=KL_COEF,
+      kl_loss_mode="low_var_kl",  # k3, as configs/grpo_tiny.py
+      epsilon=0.2,
     ),
     reward_fns=[_vowel_reward],
   )
