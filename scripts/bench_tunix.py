@@ -20,8 +20,11 @@ is still measured and the Tunix line says why (the command and its last error li
 rlhfjax's roles are data parallel (explicit placement, `data` axis): at this size the weights
 fit every device, and the co-located rollout then reads the actor's arrays with no copy
 (`rlhfjax.mesh.sharing`). Tunix shards over its default ('fsdp', 'tp') axes with tp = 1.
+`--with_fsdp` also runs rlhfjax in the strategies' FSDP layout (`rlhfjax_fsdp` lines), the
+layout of the earlier measurements, alternating with the other two.
 """
 
+import functools
 import json
 import os
 import statistics
@@ -39,7 +42,12 @@ _PLACEMENTS = flags.DEFINE_list("placements", ["colocated", "disaggregated"], "P
 _ITERATIONS = flags.DEFINE_integer("iterations", 12, "GRPO iterations per run.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "First iterations left out (compiles).")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Alternating rounds of both systems.")
-_WORKER = flags.DEFINE_string("worker", "", "Internal: 'rlhfjax' or 'tunix' in a child.")
+_WITH_FSDP = flags.DEFINE_bool(
+  "with_fsdp",
+  False,
+  "Also run rlhfjax in the strategies' FSDP training layout (a copy to the rollout each sync).",
+)
+_WORKER = flags.DEFINE_string("worker", "", "Internal: the system a child runs.")
 _PLACEMENT = flags.DEFINE_string("placement", "colocated", "Internal: the child's placement.")
 
 DEVICES = 8
@@ -70,17 +78,16 @@ def _emulate_devices() -> None:
 # rlhfjax (this interpreter).
 
 
-def _rlhfjax_times(placement: str) -> list[float]:
+def rlhfjax_config(placement: str, iterations: int, fsdp: bool = False):
+  """The `ExperimentConfig` of rlhfjax's side: configs/grpo_tiny.py at the benchmark's sizes,
+  data parallel (or, with `fsdp`, the `colocated` / `disaggregated` strategies' FSDP)."""
   import runpy
 
-  from rlhfjax import launch
   from rlhfjax.config import from_config_dict
-  from rlhfjax.runner import Runner
 
-  launch.quiet_logging()
   variant = "disaggregated_async" if placement == "disaggregated" else "colocated"
   cd = runpy.run_path(os.path.join(_ROOT, "configs", "grpo_tiny.py"))["get_config"](variant)
-  cd.total_steps = _ITERATIONS.value
+  cd.total_steps = iterations
   cd.model.overrides = dict(MODEL)
   cd.rollout.batch_size = PROMPTS * SAMPLES
   cd.rollout.max_new_tokens = NEW_TOKENS
@@ -92,6 +99,9 @@ def _rlhfjax_times(placement: str) -> list[float]:
   cd.eval.num_prompts = 0
   cd.checkpoint.every_steps = 0
   cd.checkpoint.async_save = False
+  if fsdp:
+    cd.placement.tensor = cd.placement.rollout_tensor = 1
+    return from_config_dict(cd)
   training = tuple(range(DEVICES)) if placement == "colocated" else tuple(range(DEVICES // 2))
   rollout = training if placement == "colocated" else tuple(range(DEVICES // 2, DEVICES))
   cd.placement.strategy = "explicit"
@@ -110,8 +120,16 @@ def _rlhfjax_times(placement: str) -> list[float]:
   cd.placement.explicit.colocate = (
     (together + ("rollout",),) if placement == "colocated" else (together,)
   )
-  runner = Runner(from_config_dict(cd), tempfile.mkdtemp(), show_progress=False)
-  rows = runner.run().metrics
+  return from_config_dict(cd)
+
+
+def _rlhfjax_times(placement: str, fsdp: bool = False) -> list[float]:
+  from rlhfjax import launch
+  from rlhfjax.runner import Runner
+
+  launch.quiet_logging()
+  cfg = rlhfjax_config(placement, _ITERATIONS.value, fsdp)
+  rows = Runner(cfg, tempfile.mkdtemp(), show_progress=False).run().metrics
   return [r["time/iteration"] for r in rows]
 
 
@@ -203,7 +221,11 @@ def _tunix_times(placement: str) -> list[float]:
   learner = grpo_learner.GRPOLearner(
     rl_cluster=cluster,
     algo_config=grpo_learner.GRPOConfig(
-      num_generations=SAMPLES, num_iterations=1, beta=KL_COEF, epsilon=0.2
+      num_generations=SAMPLES,
+      num_iterations=1,
+      beta=KL_COEF,
+      kl_loss_mode="low_var_kl",  # k3, as configs/grpo_tiny.py
+      epsilon=0.2,
     ),
     reward_fns=[_vowel_reward],
   )
@@ -235,7 +257,7 @@ def _tunix_times(placement: str) -> list[float]:
 
 
 def _child(system: str, placement: str) -> dict:
-  python = sys.executable if system == "rlhfjax" else _TUNIX_PYTHON.value
+  python = _TUNIX_PYTHON.value if system == "tunix" else sys.executable
   command = [
     python,
     os.path.abspath(__file__),
@@ -255,7 +277,8 @@ def _child(system: str, placement: str) -> dict:
 
 
 def _drive() -> None:
-  systems = ["rlhfjax"] + (["tunix"] if _TUNIX_PYTHON.value else [])
+  systems = ["rlhfjax"] + (["rlhfjax_fsdp"] if _WITH_FSDP.value else [])
+  systems += ["tunix"] if _TUNIX_PYTHON.value else []
   times: dict[tuple[str, str], list[float]] = {}
   errors: dict[tuple[str, str], dict] = {}
   for _ in range(_ROUNDS.value):
@@ -273,15 +296,15 @@ def _drive() -> None:
   for placement in _PLACEMENTS.value:
     ours = times.get(("rlhfjax", placement))
     base = statistics.median(ours) if ours else None
-    for system in ("rlhfjax", "tunix"):
+    for system in systems if "tunix" in systems else [*systems, "tunix"]:
       key = (system, placement)
       row = {"system": system, "placement": placement, "load_1min": round(load, 2)}
       if key in times:
         steady = statistics.median(times[key])
         row["iteration_s"] = round(steady, 4)
         row["iterations_measured"] = len(times[key])
-        if system == "tunix" and base:
-          row["tunix_over_rlhfjax"] = round(steady / base, 3)
+        if system != "rlhfjax" and base:
+          row[f"{system}_over_rlhfjax"] = round(steady / base, 3)
       elif key in errors:
         row.update(errors[key])
       else:
@@ -295,7 +318,11 @@ def main(argv):
     _drive()
     return
   _emulate_devices()
-  run = {"rlhfjax": _rlhfjax_times, "tunix": _tunix_times}[_WORKER.value]
+  run = {
+    "rlhfjax": _rlhfjax_times,
+    "rlhfjax_fsdp": functools.partial(_rlhfjax_times, fsdp=True),
+    "tunix": _tunix_times,
+  }[_WORKER.value]
   print(json.dumps({"times": run(_PLACEMENT.value)}), flush=True)
 
 

@@ -142,3 +142,23 @@ def test_other_layouts_and_dtypes_still_copy(tmp_path):
     Engine(
       rollout.model, cluster.engine.config, rollout.mesh, param_shardings=actor.param_shardings
     )
+
+
+def test_the_tunix_benchmarks_rlhfjax_side_has_the_issues_sizes_and_shares_weights():
+  from rlhfjax.placement import plan_placement
+
+  bench = runpy.run_path(str(_ROOT / "scripts" / "bench_tunix.py"), run_name="bench_tunix")
+  cfg = bench["rlhfjax_config"]("colocated", 3)
+  actor = cfg.model.for_role("actor")
+  sizes = (actor.num_layers, actor.hidden_size, actor.num_heads, actor.head_dim)
+  assert sizes == (2, 128, 4, 32)
+  assert (actor.num_kv_heads, actor.intermediate_size, actor.vocab_size) == (2, 512, 1024)
+  assert (cfg.rollout.batch_size, cfg.ppo.group_size, cfg.rollout.max_new_tokens) == (32, 4, 32)
+  assert (cfg.ppo.ppo_epochs, cfg.ppo.mini_batches, cfg.total_steps) == (1, 1, 3)
+  spec = plan_placement(cfg, 8)
+  assert spec[Role.ACTOR].devices == spec[Role.ROLLOUT].devices == _EVERY
+  disaggregated = bench["rlhfjax_config"]("disaggregated", 3)
+  assert disaggregated.ppo.async_rollout and not cfg.ppo.async_rollout  # one step off
+  split = plan_placement(disaggregated, 8)
+  assert split[Role.ACTOR].devices == (0, 1, 2, 3)
+  assert split[Role.ROLLOUT].devices == (4, 5, 6, 7)
