@@ -42,7 +42,11 @@ _ASYNC = flags.DEFINE_bool("async_rollout", False, "One-step off-policy generati
 _CONTINUOUS = flags.DEFINE_bool("continuous_batching", False, "Rollout refills finished slots.")
 _REMAT = flags.DEFINE_enum("remat", "none", ["none", "dots_saveable", "full"], "Remat policy.")
 _CHUNK = flags.DEFINE_integer("logits_chunk", 0, "Log-prob chunk tokens (0: all at once).")
-_OFFLOAD = flags.DEFINE_bool("offload", False, "Idle roles' parameters and moments on the host.")
+_OFFLOAD = flags.DEFINE_bool(
+  "offload",
+  False,
+  "Reference and reward parameters and actor and critic moments in host memory while idle.",
+)
 _EFFICIENCY = flags.DEFINE_string("efficiency", None, "Efficiency JSON (profile or calibration).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the table.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per plan instead of the table.")

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
     config.model,
     config.rollout,
     train_rows=placement.train_rows(config),
-    options=placement.memory_options(config),
+    offload=config.offload,
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))

@@ -29,7 +29,7 @@ from rlhfjax.placement import (
   plan_placement,
   strategies,
 )
-from rlhfjax.placement.memory import device_totals
+from rlhfjax.placement.memory import device_totals, option_effects, option_peaks
 from rlhfjax.placement.validate import check_spec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -390,6 +390,94 @@ def test_roles_sharing_a_device_must_fit_together():
   assert colocated_peak == persistent + max(e.transient for e in estimates.values())
 
 
+_REWARD_MODEL = {"model_coef": 1.0}  # all five roles placed: PPO with a reward model
+
+
+def _offload_estimates(strategy: str, offload: dict):
+  """The placement of `strategy` with `offload`, and its estimates without and with it."""
+  config = _config(placement={"strategy": strategy}, reward=_REWARD_MODEL, offload=offload)
+  spec = plan_placement(config, 8)
+  rows = strategies.train_rows(config)
+  plain = estimate_placement_memory(spec, config.model, config.rollout, train_rows=rows)
+  off = estimate_placement_memory(
+    spec, config.model, config.rollout, train_rows=rows, offload=config.offload
+  )
+  return config, spec, plain, off
+
+
+def test_offloading_the_reference_params_leaves_the_trained_roles_counted():
+  _, _, plain, off = _offload_estimates("colocated", {"params": ("reference",)})
+  for role in (Role.ACTOR, Role.CRITIC, Role.REWARD, Role.ROLLOUT):
+    assert off[role] == plain[role]
+  for role in (Role.ACTOR, Role.CRITIC):
+    e = off[role]
+    assert e.params > 0 and e.optimizer > 0 and e.persistent == e.params + e.optimizer
+  reference = off[Role.REFERENCE]
+  assert reference.total == plain[Role.REFERENCE].total  # back on the devices for its scoring
+  assert reference.parked == reference.params > 0 and reference.persistent == 0
+
+
+@pytest.mark.parametrize("strategy", ["colocated", "interleaved"])
+@pytest.mark.parametrize(
+  "offload",
+  [
+    {"params": ("reference",)},
+    {"params": ("reference", "reward"), "optimizer": ("actor",)},
+    {"optimizer": ("actor", "critic")},
+  ],
+)
+def test_device_peak_with_offload_is_the_hand_computation(strategy, offload):
+  config, spec, plain, off = _offload_estimates(strategy, offload)
+  # By hand, device by device, from the estimates without offload: a role keeps its params and
+  # moments while idle except the parts `offload` names; the role whose stage runs holds all.
+  idle = {
+    role: e.params * (role.value not in offload.get("params", ()))
+    + e.optimizer * (role.value not in offload.get("optimizer", ()))
+    for role, e in plain.items()
+  }
+  totals = device_totals(spec, off)
+  for device in range(8):
+    here = [role for role in spec.roles if device in spec[role].devices]
+    hand = sum(idle[r] for r in here) + max(plain[r].total - idle[r] for r in here)
+    assert totals[device] == hand, device
+  # show_placement's options table reports the same peak (one computation, not two).
+  effects = option_effects(
+    spec,
+    config.model,
+    config.rollout,
+    train_rows=strategies.train_rows(config),
+    offload=config.offload,
+  )
+  assert option_peaks(spec, effects)["configured"] == max(totals.values())
+  assert max(totals.values()) < max(device_totals(spec, plain).values())
+
+
+def test_memory_check_counts_trained_params_when_the_config_offloads():
+  offload = {"params": ("reference", "reward"), "optimizer": ("actor", "critic")}
+  _, spec, _, off = _offload_estimates("colocated", offload)
+  peak = max(device_totals(spec, off).values())
+  # What zeroing every role's params and moments gave (the largest single role): it would fit
+  # a budget just under the real peak, which keeps the trained roles' params resident.
+  zeroed = max(
+    e.total - (e.params + e.optimizer if r in (Role.ACTOR, Role.CRITIC) else 0)
+    for r, e in off.items()
+  )
+  assert zeroed < peak - 1 and all(e.total <= peak - 1 for e in off.values())
+  tight = _config(
+    placement={"strategy": "colocated", "memory_per_device_gb": (peak - 1) / 2**30},
+    reward=_REWARD_MODEL,
+    offload=offload,
+  )
+  with pytest.raises(PlacementError, match=r"^device 0 holds actor \+ critic \+ reference"):
+    plan_placement(tight, 8)
+  exact = _config(
+    placement={"strategy": "colocated", "memory_per_device_gb": peak / 2**30},
+    reward=_REWARD_MODEL,
+    offload=offload,
+  )
+  plan_placement(exact, 8)
+
+
 # --- Memory estimate --------------------------------------------------------------------------
 
 
@@ -598,6 +686,7 @@ def get_config():
   cd = runpy.run_path("configs/ppo_tiny.py")["get_config"]("colocated")
   cd.model.roles = {"actor": {"remat": "full", "logprob_chunk_size": 16}}
   cd.offload = {"params": ("reference",), "optimizer": ("actor",)}
+  cd.reward.model_coef = 0.5  # a reward model: all five roles placed
   return cd
 """
 

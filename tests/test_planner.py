@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from rlhfjax.cluster.role import RoleRuntime
-from rlhfjax.config import from_config_dict
+from rlhfjax.config import OffloadSection, from_config_dict
 from rlhfjax.models.config import get_model_config
 from rlhfjax.observe.timeline import Timeline
-from rlhfjax.placement import plan_placement
+from rlhfjax.placement import plan_placement, strategies
 from rlhfjax.placement.memory import model_options
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.planner import efficiency, hardware, memory, search
+from rlhfjax.planner import efficiency, evaluate, hardware, memory, search
 from rlhfjax.planner.replay import StageCost, replay
-from rlhfjax.planner.workload import Workload, resolve_model
+from rlhfjax.planner.workload import OFFLOAD_ALL, Workload, resolve_model
 from rlhfjax.training import steps
 from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
 
@@ -93,8 +93,14 @@ def test_remat_and_chunking_shrink_the_estimate():
   none, dots, full = (total(remat=r) for r in ("none", "dots_saveable", "full"))
   assert none.activations > dots.activations > full.activations > 0
   assert total(logits_chunk=256).logits < none.logits
+  # Offloaded parts wait in host memory while the role is idle and are back for its step.
   offloaded = total(offload_params=True, offload_optimizer=True)
-  assert offloaded.params == offloaded.optimizer == 0 and offloaded.grads == none.grads
+  assert offloaded.total == none.total and offloaded.params == none.params > 0
+  assert offloaded.parked == none.params + none.optimizer and offloaded.persistent == 0
+  assert total(offload_optimizer=True).persistent == none.params
+  # DeepSpeed's ZeRO-Offload keeps and updates the moments on the host: never on the device.
+  on_host = total(optimizer_on_host=True)
+  assert on_host.optimizer == 0 and on_host.total == none.total - none.optimizer
 
 
 # --- Replay --------------------------------------------------------------------------------
@@ -162,6 +168,32 @@ def test_too_little_memory_says_why():
   plans = search.search(_workload(), hw, efficiency.load_efficiency(None), 8)
   assert not any(p.fits for p in plans)
   assert "GiB > 16" in plans[0].why_not
+
+
+def test_offload_flag_parks_frozen_params_and_moments_only_while_idle():
+  hw, eff = hardware.load_hardware("a800"), efficiency.load_efficiency(None)
+  spec = strategies.colocated(8)
+  plain, off = (
+    evaluate.evaluate(
+      spec, _workload(offload=OFFLOAD_ALL if o else OffloadSection()), hw, eff, micro_batch=1
+    )
+    for o in (False, True)
+  )
+  for role in (Role.ACTOR, Role.CRITIC, Role.REFERENCE, Role.REWARD):
+    # Every part is back for the role's own stage: its stage-time bytes do not change.
+    assert off.memory[role].total == plain.memory[role].total
+    assert off.memory[role].params == plain.memory[role].params > 0
+  # By hand: frozen roles keep no parameters while idle, trained roles keep theirs but no moments.
+  idle = {}
+  for role, e in off.memory.items():
+    parked = e.params if role in (Role.REFERENCE, Role.REWARD) else 0
+    parked += e.optimizer if role in (Role.ACTOR, Role.CRITIC) else 0
+    idle[role] = e.params + e.optimizer - parked
+  assert idle[Role.ACTOR] > 0 and idle[Role.CRITIC] > 0
+  hand = sum(idle.values()) + max(e.total - idle[r] for r, e in off.memory.items())
+  assert off.peak_memory_gib * hardware.GIB == hand
+  assert hand > max(e.total for e in off.memory.values())  # not just the largest single role
+  assert off.peak_memory_gib < plain.peak_memory_gib
 
 
 def test_named_strategy_and_fixed_rollout_split():

@@ -9,7 +9,6 @@ from rlhfjax.placement.strategies import (
   disaggregated,
   from_explicit,
   interleaved,
-  memory_options,
   plan_placement,
   register_strategy,
   strategy_names,
@@ -36,7 +35,6 @@ __all__ = [
   "plan_placement",
   "register_strategy",
   "strategy_names",
-  "memory_options",
   "option_report",
   "train_rows",
 ]

@@ -12,16 +12,18 @@ the weight sync's temporary buffer from the shapes alone. This module feeds it a
   as the trainer does;
 - a device's need is the persistent state (parameters, moments) of every role on it plus the
   largest transient set of any of them: stages sharing a device run one at a time and free
-  their temporaries. With offloaded parameters, idle roles wait in host memory.
+  their temporaries. Offload is per role (`config.offload`): a part a role offloads waits in
+  host memory while the role is idle and comes back for its stage, so it counts in that role's
+  transient set and not in what the role keeps on its devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from rlhfjax.config import ModelSection, RolloutSection
+from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
 from rlhfjax.models.config import ModelConfig
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner.memory import (
@@ -64,6 +66,7 @@ __all__ = [
   "Options",
   "estimate_memory",
   "estimate_placement_memory",
+  "offload_options",
   "option_effects",
   "option_peaks",
 ]
@@ -87,6 +90,7 @@ def estimate_memory(
   train_rows: int | None = None,
   receives_sync: bool = False,
   options: Options | None = None,
+  offload: OffloadSection | None = None,
 ) -> MemoryEstimate:
   """Estimates the bytes one device of `role` needs when placed as `spec`.
 
@@ -97,11 +101,13 @@ def estimate_memory(
     rollout: the rollout batch shape (sequence length; slots of the rollout).
     train_rows: sequences per micro-step of a trained role (default: the whole batch).
     receives_sync: the rollout gets the actor's weights from other devices.
-    options: offload flags and backend numerics; remat, the logits chunk and fused attention
-      are always the role's model's own.
+    options: backend numerics; remat, the logits chunk and fused attention are always the
+      role's model's own, and the offload flags are `role`'s own in `offload`.
+    offload: the roles whose parameters or moments wait in host memory while idle (none when
+      None); `role`'s offloaded parts count in its stage only (`MemoryEstimate.parked`).
   """
   role = Role(role)
-  options = model_options(model, options)
+  options = offload_options(model_options(model, options), role, offload)
   sharding = sharding_of(spec)
   seq_len = rollout.max_seq_len
   if role == Role.ROLLOUT:
@@ -126,6 +132,16 @@ def model_options(model: ModelConfig, options: Options | None = None) -> Options
   )
 
 
+def offload_options(options: Options, role: Role | str, offload: OffloadSection | None) -> Options:
+  """`options` with the offload flags of `role` in `offload` (none when None): the memory model
+  takes offload one role at a time."""
+  name = Role(role).value
+  off = offload or OffloadSection()
+  return dataclasses.replace(
+    options, offload_params=name in off.params, offload_optimizer=name in off.optimizer
+  )
+
+
 def estimate_placement_memory(
   placement: PlacementSpec,
   model: ModelSection,
@@ -133,8 +149,10 @@ def estimate_placement_memory(
   *,
   train_rows: int | None = None,
   options: Options | None = None,
+  offload: OffloadSection | None = None,
 ) -> dict[Role, MemoryEstimate]:
-  """`estimate_memory` of every role of `placement`, with the model each role runs."""
+  """`estimate_memory` of every role of `placement`, with the model each role runs and its own
+  offload in `offload`."""
   actor_devices = set(placement[Role.ACTOR].devices)
   return {
     role: estimate_memory(
@@ -145,27 +163,30 @@ def estimate_placement_memory(
       train_rows=train_rows,
       receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
       options=options,
+      offload=offload,
     )
     for role, spec in placement.roles.items()
   }
 
 
 def device_totals(
-  placement: PlacementSpec,
-  estimates: Mapping[Role, MemoryEstimate],
-  *,
-  offload_params: bool = False,
+  placement: PlacementSpec, estimates: Mapping[Role, MemoryEstimate]
 ) -> dict[int, int]:
-  """Bytes each device needs at its peak: every role's persistent state on it plus the largest
-  transient set (with `offload_params`, the largest single role)."""
-  roles = tuple(estimates)
+  """Bytes each device needs at its peak: what every role on it keeps while idle (offloaded
+  parts are out) plus the largest extra of any one of them during its stage (offloaded parts
+  back in)."""
+  return stage_peaks(placement, {role: (e.persistent, e.total) for role, e in estimates.items()})
+
+
+def stage_peaks(placement: PlacementSpec, needs: Mapping[Role, tuple[int, int]]) -> dict[int, int]:
+  """Bytes each device needs at its peak, from each role's (bytes kept while idle, bytes during
+  its stage): the roles' idle bytes summed, plus the largest stage-time extra among them
+  (stages sharing a device run one at a time)."""
+  roles = tuple(needs)
   totals: dict[int, int] = {}
   for key, devices in cells(tuple(placement[role].devices for role in roles)).items():
-    here = [estimates[roles[i]] for i in key]
-    if offload_params:
-      need = max(e.total for e in here)
-    else:
-      need = sum(e.persistent for e in here) + max(e.transient for e in here)
+    here = [needs[roles[i]] for i in key]
+    need = sum(idle for idle, _ in here) + max(stage - idle for idle, stage in here)
     totals.update(dict.fromkeys(devices, need))
   return totals
 
@@ -199,11 +220,10 @@ def option_effects(
   rollout: RolloutSection,
   *,
   train_rows: int | None,
-  offload_params: Sequence[str] = (),
-  offload_optimizer: Sequence[str] = (),
+  offload: OffloadSection | None = None,
 ) -> dict[Role, OptionEffect]:
   """Each role's `OptionEffect`: `estimate_memory` of its model with and without its remat and
-  log-prob chunk, and its idle bytes with and without the named roles' parts offloaded."""
+  log-prob chunk, and its idle bytes with and without its own parts of `offload`."""
   actor_devices = set(placement[Role.ACTOR].devices)
   out = {}
   for role, spec in placement.roles.items():
@@ -217,34 +237,27 @@ def option_effects(
         rollout,
         train_rows=train_rows,
         receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
+        offload=offload,
       )
 
     plain = total(config.replace(remat="none", logprob_chunk_size=None)).total
     configured = total(config)
-    parked = (configured.params if role.value in offload_params else 0) + (
-      configured.optimizer if role.value in offload_optimizer else 0
-    )
     out[role] = OptionEffect(
       plain=plain,
       remat=total(config.replace(logprob_chunk_size=None)).total - plain,
       chunk=total(config.replace(remat="none")).total - plain,
       configured=configured.total,
-      idle=configured.persistent,
-      idle_offloaded=configured.persistent - parked,
+      idle=configured.params + configured.optimizer,
+      idle_offloaded=configured.persistent,
     )
   return out
 
 
 def option_peaks(placement: PlacementSpec, effects: Mapping[Role, OptionEffect]) -> dict[str, int]:
-  """The largest need of any device, plain (no remat, no chunks, no offload) and configured:
-  what every role on it keeps while idle plus the largest extra of the one whose stage runs."""
-  roles = tuple(effects)
-  plain = configured = 0
-  for key in cells(tuple(placement[role].devices for role in roles)):
-    here = [effects[roles[i]] for i in key]
-    plain = max(plain, sum(e.idle for e in here) + max(e.plain - e.idle for e in here))
-    configured = max(
-      configured,
-      sum(e.idle_offloaded for e in here) + max(e.configured - e.idle_offloaded for e in here),
-    )
-  return {"plain": plain, "configured": configured}
+  """The largest need of any device (`stage_peaks`, as the placement check counts it), plain
+  (no remat, no chunks, no offload) and configured."""
+  plain = stage_peaks(placement, {role: (e.idle, e.plain) for role, e in effects.items()})
+  configured = stage_peaks(
+    placement, {role: (e.idle_offloaded, e.configured) for role, e in effects.items()}
+  )
+  return {"plain": max(plain.values()), "configured": max(configured.values())}

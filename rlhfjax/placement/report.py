@@ -118,7 +118,7 @@ def format_option_table(
   """
   unit, scale = _unit(max(max(e.plain, e.configured) for e in effects.values()))
   rows = [_OPTION_HEADER]
-  for role in Role:
+  for role in (r for r in Role if r in effects):  # the roles the flow places
     e = effects[role]
     rows.append(
       (
@@ -150,11 +150,10 @@ def option_report(config: ExperimentConfig, spec: PlacementSpec, train_rows: int
     config.model,
     config.rollout,
     train_rows=train_rows,
-    offload_params=off.params,
-    offload_optimizer=off.optimizer,
+    offload=off,
   )
   settings = {}
-  for role in Role:
+  for role in effects:
     model = config.model.for_role(role.value)
     parked = [
       k

@@ -30,7 +30,6 @@ from rlhfjax.placement.validate import (
   check_spec,
   resolve_num_devices,
 )
-from rlhfjax.planner.memory import Options
 
 Builder = Callable[[PlacementSection, int], PlacementSpec]
 """Builds a placement from the config section for a job of the given number of devices."""
@@ -281,16 +280,9 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     config.rollout,
     config.placement.memory_per_device_gb,
     train_rows=train_rows(config),
-    options=memory_options(config),
+    offload=config.offload,
   )
   return spec
-
-
-def memory_options(config: ExperimentConfig) -> Options:
-  """The config's offload settings as the memory model takes them."""
-  return Options(
-    offload_params=bool(config.offload.params), offload_optimizer=bool(config.offload.optimizer)
-  )
 
 
 def _device_range(start: int, stop: int) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from rlhfjax.config import ModelSection, RolloutSection
+from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
 from rlhfjax.placement import memory
 from rlhfjax.placement.report import format_devices
 from rlhfjax.placement.spec import LAYOUT_AXES, PlacementSpec, Role, RoleSpec
@@ -66,6 +66,7 @@ def check_models(
   *,
   train_rows: int | None = None,
   options: memory.Options | None = None,
+  offload: OffloadSection | None = None,
 ) -> None:
   """Checks that every role's model can be laid out on its mesh and fits its devices.
 
@@ -75,7 +76,9 @@ def check_models(
     rollout: the rollout batch shape.
     memory_per_device_gb: the budget of one device in GiB; None skips the memory checks.
     train_rows: sequences per micro-step of the trained roles (see `estimate_memory`).
-    options: remat, logits chunk, offload and backend settings of the memory model.
+    options: backend settings of the memory model (remat and chunks are each model's own).
+    offload: the roles whose parameters or moments wait in host memory while idle; a role's
+      offloaded parts count during its own stage and not while it is idle.
 
   Raises:
     PlacementError: a `tensor` size does not divide a model's heads or KV heads, the rollout
@@ -102,10 +105,9 @@ def check_models(
     )
   if memory_per_device_gb is not None:
     estimates = memory.estimate_placement_memory(
-      spec, model, rollout, train_rows=train_rows, options=options
+      spec, model, rollout, train_rows=train_rows, options=options, offload=offload
     )
-    offload = options is not None and options.offload_params
-    _check_memory(spec, estimates, memory_per_device_gb, offload)
+    _check_memory(spec, estimates, memory_per_device_gb)
 
 
 def _check_devices(role: Role, spec: RoleSpec, num_devices: int) -> None:
@@ -150,7 +152,6 @@ def _check_memory(
   spec: PlacementSpec,
   estimates: Mapping[Role, memory.MemoryEstimate],
   memory_per_device_gb: float,
-  offload_params: bool,
 ) -> None:
   budget = memory_per_device_gb * memory.GIB
   budget_text = f"the budget is {memory_per_device_gb:.3g} GiB (placement.memory_per_device_gb)"
@@ -163,9 +164,7 @@ def _check_memory(
         f"logits {_gib(estimate.logits)}, kv cache {_gib(estimate.kv_cache)}) on its "
         f"{len(spec[role].devices)} devices but {budget_text}"
       )
-  for device, total in sorted(
-    memory.device_totals(spec, estimates, offload_params=offload_params).items()
-  ):
+  for device, total in sorted(memory.device_totals(spec, estimates).items()):
     if total > budget:
       roles = [role.value for role, s in spec.roles.items() if device in s.devices]
       raise PlacementError(

@@ -46,6 +46,7 @@ def workload_of(config: ExperimentConfig) -> Workload:
     ppo_epochs=ppo.ppo_epochs,
     optimizer_steps=ppo.mini_batches,
     train_rows=rollout.batch_size // ppo.mini_batches // ppo.micro_batches,
+    offload=config.offload,
   )
 
 

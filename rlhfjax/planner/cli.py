@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlhfjax.config import OffloadSection
 from rlhfjax.planner import efficiency, hardware, report, search
 from rlhfjax.planner.evaluate import Plan
-from rlhfjax.planner.workload import Workload, resolve_model
+from rlhfjax.planner.workload import OFFLOAD_ALL, Workload, resolve_model
 
 
 def workload_from_flags(f) -> Workload:
@@ -37,8 +38,7 @@ def workload_from_flags(f) -> Workload:
     static_batching=not f.continuous_batching,
     remat=f.remat,
     logits_chunk=f.logits_chunk,
-    offload_params=f.offload,
-    offload_optimizer=f.offload,
+    offload=OFFLOAD_ALL if f.offload else OffloadSection(),
   )
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from rlhfjax.placement.memory import device_totals, sharding_of
+from rlhfjax.placement.memory import device_totals, offload_options, sharding_of
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import costs, memory
 from rlhfjax.planner.efficiency import Efficiency
@@ -88,8 +88,7 @@ def options(workload: Workload, hw: Hardware, eff: Efficiency) -> memory.Options
   return memory.Options(
     remat=workload.remat,
     logits_chunk=workload.logits_chunk,
-    offload_params=workload.offload_params,
-    offload_optimizer=workload.offload_optimizer,
+    optimizer_on_host=workload.optimizer_on_host,
     optimizer_dtype=workload.optimizer_dtype,
     native_half=hw.native_half,
     replicated_activations=eff.replicated_activations,
@@ -108,7 +107,8 @@ def role_memory(
 ) -> memory.MemoryEstimate:
   """Per-device memory of `role` on its group of `spec`."""
   config, rs = model_for(workload, role), spec[role]
-  sharding, opts = sharding_of(rs), options(workload, hw, eff)
+  sharding = sharding_of(rs)
+  opts = offload_options(options(workload, hw, eff), role, workload.offload)
   if role == Role.ROLLOUT:
     return memory.rollout_memory(
       config,
@@ -119,10 +119,8 @@ def role_memory(
       receives_sync=not set(rs.devices) <= set(spec[Role.ACTOR].devices),
     )
   kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
-  if role in (Role.ACTOR, Role.CRITIC):
-    return memory.train_memory(config, HEADS[role], sharding, **kwargs)
-  frozen = dataclasses.replace(opts, offload_params=False)
-  return memory.forward_memory(config, HEADS[role], sharding, **{**kwargs, "options": frozen})
+  fn = memory.train_memory if role in (Role.ACTOR, Role.CRITIC) else memory.forward_memory
+  return fn(config, HEADS[role], sharding, **kwargs)
 
 
 def evaluate(
@@ -167,7 +165,7 @@ def evaluate(
 
   costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots)
   result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
-  peaks = device_totals(spec, estimates, offload_params=workload.offload_params)
+  peaks = device_totals(spec, estimates)
   peak_device = max(peaks, key=peaks.get)
   fits = peaks[peak_device] <= budget
   why_not = ""

@@ -5,7 +5,9 @@ Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens eac
 
 - Persistent (lives between stages): parameters in `param_dtype`, and for trained roles the two
   Adam moments (optax keeps them in the parameters' dtype unless told otherwise), sharded over
-  the layout's parameter axes. Offloaded state is in host memory and counts zero here.
+  the layout's parameter axes. A part this role offloads (`Options.offload_params`,
+  `offload_optimizer`: set per role) waits in host memory while the role is idle and comes back
+  for its stage: it counts in the stage (`transient`, as `parked`), not between stages.
 - Transient, trained roles (`accumulate_and_apply`): a float32 gradient accumulator and the
   averaged gradients in `param_dtype`, both sharded like the parameters; two layers' weights
   gathered whole (the layer in use and the next, as FSDP prefetches) in the compute dtype; the
@@ -62,10 +64,14 @@ class MemoryEstimate:
   """KV cache (rollout)."""
   transfer: int = 0
   """The weight sync's temporary buffer (rollout)."""
+  parked: int = 0
+  """Of `params` and `optimizer`, the bytes offloaded to host memory while the role is idle;
+  they are back on the device during its stage."""
 
   @property
   def persistent(self) -> int:
-    return self.params + self.optimizer
+    """Kept on the device while the role is idle (between its stages)."""
+    return self.params + self.optimizer - self.parked
 
   @property
   def transient(self) -> int:
@@ -103,7 +109,13 @@ class Options:
   remat: str = "none"
   logits_chunk: int = 0
   offload_params: bool = False
+  """This role's parameters wait in host memory while it is idle (one role's setting:
+  `rlhfjax.placement.memory.offload_options` sets it per role)."""
   offload_optimizer: bool = False
+  """This role's optimizer moments wait in host memory while it is idle (one role's setting)."""
+  optimizer_on_host: bool = False
+  """The moments live and are updated in host memory (DeepSpeed's ZeRO-Offload): no device
+  memory at any time."""
   optimizer_dtype: str | None = None
   native_half: bool = True
   """False on backends that run 16-bit matmuls in float32 (XLA on CPU)."""
@@ -140,8 +152,8 @@ def train_memory(
   pb = _BYTES[config.param_dtype]
   ob = _BYTES[options.optimizer_dtype or config.param_dtype]
   c = activation_bytes(config, options.native_half)
-  params = 0 if options.offload_params else _ceil_div(p * pb, ps)
-  optimizer = 0 if options.offload_optimizer else _ceil_div(2 * p * ob, ps)
+  params = _ceil_div(p * pb, ps)
+  optimizer = 0 if options.optimizer_on_host else _ceil_div(2 * p * ob, ps)
   grads = _ceil_div(p * (4 + pb), ps)
   gathered = 2 * _ceil_div(layer_params(config) * c, sharding.tensor) if ps > 1 else 0
   global_tokens = micro_batch * sharding.batch_shards * seq_len
@@ -154,6 +166,7 @@ def train_memory(
     gathered=gathered,
     activations=acts,
     logits=logits,
+    parked=_parked(params, optimizer, options),
   )
 
 
@@ -173,11 +186,13 @@ def forward_memory(
   gathered = (
     2 * _ceil_div(layer_params(config) * c, sharding.tensor) if sharding.param_shards > 1 else 0
   )
+  params = param_bytes(config, head, sharding.param_shards)
   return MemoryEstimate(
-    params=param_bytes(config, head, sharding.param_shards),
+    params=params,
     gathered=gathered,
     activations=int(global_tokens * per_token),
     logits=_logits(config, head, global_tokens, sharding, options, copies=2),
+    parked=_parked(params, 0, options),
   )
 
 
@@ -208,6 +223,11 @@ def rollout_memory(
     logits=logits,
     transfer=transfer,
   )
+
+
+def _parked(params: int, optimizer: int, options: Options) -> int:
+  """The bytes of `params` and `optimizer` that wait in host memory while the role is idle."""
+  return (params if options.offload_params else 0) + (optimizer if options.offload_optimizer else 0)
 
 
 def _dims(config: ModelConfig) -> tuple[int, int, int, int, int]:

@@ -12,12 +12,15 @@ import dataclasses
 import json
 import os
 
+from rlhfjax.config import OffloadSection
 from rlhfjax.models.config import ModelConfig, get_model_config, model_sizes
 
 ALGORITHMS = ("ppo", "grpo", "dpo")
 """PPO (a critic), critic-free policy gradient (GRPO, RLOO, ...: no critic), DPO (no rollout:
 preference pairs scored by the reference and trained on)."""
 REMAT_POLICIES = ("none", "dots_saveable", "full")
+OFFLOAD_ALL = OffloadSection(params=("reference", "reward"), optimizer=("actor", "critic"))
+"""Every part offload can park: the frozen roles' parameters and the trained roles' moments."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,10 +62,12 @@ class Workload:
   """Rematerialisation of the train step: 'none', 'dots_saveable' or 'full'."""
   logits_chunk: int = 0
   """Tokens per chunk of the log-prob computation; 0 materialises all logits at once."""
-  offload_params: bool = False
-  """Idle roles' parameters wait in host memory while another role runs on their devices."""
-  offload_optimizer: bool = False
-  """Optimizer moments live in host memory outside the update."""
+  offload: OffloadSection = dataclasses.field(default_factory=OffloadSection)
+  """The roles whose parameters or optimizer moments wait in host memory while idle, as a
+  config's `offload` section names them; they count during the role's own stages only."""
+  optimizer_on_host: bool = False
+  """ZeRO-Offload (DeepSpeed's `offload_optimizer`, OpenRLHF's `--adam_offload`): the trained
+  roles' moments live and are updated in host memory; they never take device memory."""
   optimizer_dtype: str | None = None
   """Dtype of the Adam moments; None: the parameters' dtype (optax's default)."""
 
