@@ -22,6 +22,7 @@ from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.data.records import PromptBatch, Record, RecordFieldError
 from rlhfjax.flows import experience
 from rlhfjax.flows.ppo import PPOFlow
+from rlhfjax.observe.metrics import MetricsWriter
 from rlhfjax.reward_fn_check import RewardFnError
 from rlhfjax.runner import Runner
 
@@ -312,8 +313,13 @@ def test_the_arithmetic_pipeline_config_validates():
 
 # Held-out exact-match accuracy (greedy, 512 held-out sums) of the pipeline as shipped, before
 # -> after GRPO, measured on this machine with sft.seed = ppo.seed = 0, 1, 2: 0.217 -> 0.328,
-# 0.158 -> 0.176, 0.141 -> 0.139. The rise depends on the seed, so no margin is asserted here:
-# a rise that holds across seeds is still to be found (see the README).
+# 0.158 -> 0.176, 0.141 -> 0.139. The rise depends on the seed, so no held-out margin is
+# asserted here (see the README for why: GRPO's gains on the sums it samples do not transfer to
+# new sums from this SFT policy). What is asserted is that GRPO learns the sums it revisits:
+# from the same SFT policies, 40 iterations on a fixed set of 16 training sums (lr 1e-4, 10
+# warm-up steps) raised their sampled reward, mean of the last 5 logged iterations minus mean of
+# the first 3, by 0.22, 0.28 and 0.23 (seeds 0, 1, 2), and by 0.18 in this test (0.14 -> 0.36).
+_FIXED_SUMS = 16
 
 
 @pytest.mark.slow
@@ -335,3 +341,19 @@ def test_arithmetic_pipeline_reports_held_out_accuracy_before_and_after(tmp_path
   summary = (tmp_path / "arith" / "summary.md").read_text()
   assert f"Held-out task reward before -> after GRPO: {before:.4f} -> {after:.4f}" in summary
   assert not (tmp_path / "arith" / "rm").exists()
+
+  # GRPO from that SFT policy learns sums it sees again: 16 training sums, every iteration.
+  fixed = _write(tmp_path / "fixed.jsonl", tasks.arithmetic_datasets()["prompt"][:_FIXED_SUMS])
+  cd = runpy.run_path(str(_ROOT / "configs" / "pipeline_arithmetic.py"))["get_config"]().ppo
+  cd.init.actor = str(tmp_path / "arith" / "sft" / "checkpoints")
+  cd.data.prompts = fixed
+  cd.data.train_split = cd.data.eval_split = "train"
+  cd.total_steps, cd.log_every, cd.eval.num_prompts = 40, 2, _FIXED_SUMS
+  cd.actor_optimizer.learning_rate, cd.actor_optimizer.warmup_steps = 1e-4, 10
+  Runner(from_config_dict(cd), str(tmp_path / "fixed"), show_progress=False).run()
+  rewards = [
+    row["reward/mean"] for row in MetricsWriter.read(str(tmp_path / "fixed" / "metrics.jsonl"))
+  ]
+  assert len(rewards) == 21, len(rewards)
+  rise = np.mean(rewards[-5:]) - np.mean(rewards[:3])
+  assert rise > 0.1, rewards
