@@ -8,6 +8,7 @@ last bits: see `rlhfjax.flows.scoring`.)
 """
 
 import functools
+import json
 import pathlib
 import runpy
 
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.mesh.transfer import no_host_transfers
 from rlhfjax.observe.timeline import Timeline
@@ -37,6 +39,17 @@ _FIELDS = (
   "returns_bt",
 )
 _MICRO = 2
+_RULE_CALLS: dict[str, list] = {}
+_CURRENT: list[str] = []
+
+
+def logged_vowel_reward(prompts, responses, metadata):
+  """The configs' rule, logging each call's prompts and records (fused: one call per
+  micro-batch of finished samples, in the order they finished)."""
+  decode = metadata["tokenizer"].decode
+  origins = [r.origin for r in metadata["records"]]
+  _RULE_CALLS.setdefault(_CURRENT[-1], []).append(([decode(p) for p in prompts], origins))
+  return tasks.vowel_reward(prompts, responses, metadata)
 
 
 def _config(algo: str, placement: str, **rollout):
@@ -46,6 +59,7 @@ def _config(algo: str, placement: str, **rollout):
   cd.rollout.max_new_tokens = 8
   cd.rollout.slots = 4  # continuous batching: the first samples finish while others decode
   cd.reward.model_coef = 0.5  # the reward model and the rule both score
+  cd.reward.fn = f"{__name__}:logged_vowel_reward"  # the same scores as the configs' rule
   cd.eval.num_prompts = 0
   for field, value in rollout.items():
     cd.rollout[field] = value
@@ -79,6 +93,7 @@ class _Run:
 def _run(tmp_root: str, algo: str, placement: str, fused: bool, micro: int) -> _Run:
   cfg = _config(algo, placement, fused_scoring=fused, score_micro_batch=micro)
   workdir = pathlib.Path(tmp_root) / f"{algo}-{placement}-{fused}-{micro}"
+  _CURRENT.append(workdir.name)
   return _Run(cfg, str(workdir))
 
 
@@ -120,6 +135,16 @@ def test_fused_iterations_equal_unfused_ones(run, algo, placement):
   assert set(fused.compilations.values()) == {1}
   assert f"reference_logprobs_{_MICRO}rows" in fused.compilations
   assert "reference_logprobs" not in fused.compilations
+  # The rule saw each micro-batch's own prompt records (`metadata["records"]`), row for row.
+  lines = pathlib.Path(data.bundled_path("vowels", "prompt")).read_text().splitlines()
+  calls = _RULE_CALLS[f"{algo}-{placement}-True-{_MICRO}"]
+  assert len(calls) == 2 * 8 // _MICRO
+  for prompts, origins in calls:
+    assert len(prompts) == len(origins) == _MICRO
+    for prompt, origin in zip(prompts, origins, strict=True):
+      path, _, line = origin.rpartition(":")
+      assert path == data.bundled_path("vowels", "prompt")
+      assert json.loads(lines[int(line) - 1])["prompt"] == prompt
 
 
 @pytest.mark.parametrize("placement", _PLACEMENTS)
