@@ -1,7 +1,7 @@
 """GRPO side by side with Tunix (the JAX peer) on one model, batch and machine.
 
-  python -m venv /tmp/tunix-venv && /tmp/tunix-venv/bin/pip install google-tunix==0.1.7
-  python scripts/bench_tunix.py --tunix_python=/tmp/tunix-venv/bin/python
+  python -m venv .venv-tunix && .venv-tunix/bin/pip install google-tunix==0.1.7
+  python scripts/bench_tunix.py --tunix_python=.venv-tunix/bin/python
 
 This script installs nothing. Both systems run a Llama of 2 layers, width 128, 4 heads of 32,
 2 KV heads, MLP 512 and a vocabulary of 1024 (random weights, byte tokens) on 8 emulated
