@@ -83,7 +83,9 @@ class MicroBatchScoring:
       dispatched = cluster.timeline.now()
       out = stage.fn()  # device stages return once dispatched; a host stage runs here
       self._parts.setdefault(stage.role, []).append(out)
-      lane = self._lanes.setdefault(stage.devices, concurrent.futures.ThreadPoolExecutor(1))
+      if stage.devices not in self._lanes:
+        self._lanes[stage.devices] = concurrent.futures.ThreadPoolExecutor(1)
+      lane = self._lanes[stage.devices]
       self._waits.append(lane.submit(self._record, stage, out, dispatched, chunk))
 
   def _record(self, stage: dispatch.Stage, out: Any, dispatched: float, chunk: int) -> None:
