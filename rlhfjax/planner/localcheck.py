@@ -39,6 +39,8 @@ def bench_config(
   cd = runpy.run_path(os.path.normpath(_PPO_TINY))["get_config"](variant)
   cd.total_steps = iterations
   cd.placement.num_devices = devices
+  if devices < cd.placement.rollout_tensor:  # one accelerator: the co-located placement only
+    cd.placement.rollout_tensor = math.gcd(devices, cd.placement.rollout_tensor)
   cd.model.size = size
   overrides = {"hidden_size": hidden, "num_layers": layers, "intermediate_size": mlp}
   cd.model.overrides = {k: v for k, v in overrides.items() if v}
@@ -95,14 +97,22 @@ def compare(
   row = {}
   for stage in COMPARED:
     p, m = plan.stages[stage], measured[stage]
-    row[stage] = {"predicted": round(p, 4), "measured": round(m, 4), "ratio": round(p / m, 3)}
+    row[stage] = {"predicted": round(p, 4), "measured": round(m, 4), "ratio": _ratio(p, m)}
   m = measured["iteration"]
   row["iteration"] = {
     "predicted": round(plan.iteration_s, 4),
     "measured": round(m, 4),
-    "ratio": round(plan.iteration_s / m, 3),
+    "ratio": _ratio(plan.iteration_s, m),
   }
   return row
+
+
+def _ratio(predicted: float, measured: float) -> float | None:
+  """predicted / measured; 1 when both are 0 (a stage that does not run, such as the sync of a
+  rollout that reads the actor's own weights), None when only the measurement is 0."""
+  if measured == 0:
+    return 1.0 if predicted == 0 else None
+  return round(predicted / measured, 3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
