@@ -208,8 +208,8 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
   w = workload
   roles = tuple(groups)
 
-  def micro_steps(role, sequences):
-    return max(1, math.ceil(sequences / (micro_batch * groups[role].replicas)))
+  def micro_steps(role, sequences, batch=0):
+    return max(1, math.ceil(sequences / ((batch or micro_batch) * groups[role].replicas)))
 
   if Role.ROLLOUT not in roles:  # nothing generated (DPO): no generation, no weight sync
     actor = spec[Role.ACTOR].devices
@@ -224,7 +224,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     w.actor,
     groups[Role.ROLLOUT],
     sequences=w.sequences,
-    prompt_len=w.prompt_len,
+    prompt_len=w.prompt_tokens,
     response_mean=w.response_len_mean,
     response_max=w.response_len_max,
     slots=slots,
@@ -254,7 +254,8 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
       groups[role],
       sequences=w.sequences,
       seq_len=w.compute_len,
-      micro_steps=micro_steps(role, w.sequences),
+      micro_steps=micro_steps(role, w.sequences, w.score_micro_batch),
+      offload=_offload(w, spec, groups, role, trained=False),
     )
     scores.append(
       StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
@@ -285,11 +286,25 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps):
       micro_steps=w.optimizer_steps * micro_steps(role, per_step),
       remat=w.remat,
       optimizer_dtype=w.optimizer_dtype,
+      offload=_offload(w, spec, groups, role, trained=True),
     )
     updates.append(
       StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=seconds)
     )
   return advantages, updates
+
+
+def _offload(w, spec, groups, role, *, trained):
+  """What `role` keeps on the host. Trained roles on disjoint devices update at the same time
+  and share the host's CPUs (DeepSpeed's ZeRO-Offload); co-located ones take turns."""
+  if not trained:
+    return costs.Offload(params=w.params_on_host)
+  if not w.optimizer_on_host:
+    return costs.Offload()
+  trained_roles = [r for r in (Role.ACTOR, Role.CRITIC) if r in groups]
+  mine = set(spec[role].devices)
+  sharers = 1 + sum(1 for r in trained_roles if r != role and not mine & set(spec[r].devices))
+  return costs.Offload(optimizer=True, params=w.params_on_host, host_sharers=sharers)
 
 
 def _sync_cost(spec, w, hw, eff):
