@@ -475,3 +475,27 @@ def test_prompt_mean_sets_the_real_tokens_and_padding_keeps_the_maximum():
   assert Workload(actor=actor, prompt_len=100).mean_tokens == 100 + 512  # mean: the maximum
   with pytest.raises(ValueError, match="prompt_len_mean"):
     Workload(actor=actor, prompt_len=100, prompt_len_mean=101)
+
+
+def test_offloaded_updates_share_a_host_only_when_they_run_at_once_on_its_node():
+  from rlhfjax.planner import validation
+
+  work = Workload(actor=resolve_model("tiny"), critic=resolve_model("tiny"), optimizer_on_host=True)
+
+  def sharers(actor, critic, per_node):
+    spec = validation._spec(
+      {
+        "all": {"devices": [0, 8], "data": 8},
+        "actor": {"devices": actor, "data": actor[1] - actor[0]},
+        "critic": {"devices": critic, "data": critic[1] - critic[0]},
+        "rollout": {"devices": [0, 8], "data": 8, "tensor": 1},
+      }
+    )
+    offload = evaluate._offload(work, spec, Role.ACTOR, trained=True, per_node=per_node)
+    return offload.host_sharers
+
+  assert sharers([0, 8], [0, 8], 8) == 1  # co-located: the updates take turns
+  assert sharers([0, 4], [4, 8], 8) == 2  # side by side on one node's host
+  assert sharers([0, 4], [4, 8], 4) == 1  # on two nodes, each with its own host
+  on_device = work.replace(optimizer_on_host=False)
+  assert evaluate._offload(on_device, None, Role.ACTOR, trained=True) == costs.Offload()

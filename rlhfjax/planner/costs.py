@@ -170,17 +170,17 @@ def train_time(
   collectives += epochs * optimizer_steps * 2 * _ring(shard_bytes, group.data, bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
   if offload.optimizer:
+    steps = epochs * optimizer_steps
     updates = _host_update(
       hw,
       eff,
       config,
       head,
       group,
-      epochs,
-      micro_steps,
-      optimizer_steps,
-      offload,
-      devices_per_node or hw.devices_per_node,
+      steps=steps,
+      micro_steps=epochs * micro_steps,
+      sharers=offload.host_sharers,
+      devices_per_node=devices_per_node or hw.devices_per_node,
     )
     if offload.params and fsdp > 1:  # every gather copies the device's shard in first
       shard = param_bytes / fsdp
@@ -196,11 +196,10 @@ def train_time(
   return compute + collectives + tp + updates + overhead
 
 
-def _host_update(
-  hw, eff, config, head, group, epochs, micro_steps, optimizer_steps, offload, devices_per_node
-) -> float:
-  """ZeRO-Offload's host side of the update: gradient partitions out every micro-step, CPU-Adam
-  over the role's parameters and the updated partitions back every optimizer step."""
+def _host_update(hw, eff, config, head, group, *, steps, micro_steps, sharers, devices_per_node):
+  """ZeRO-Offload's host side of `steps` optimizer steps over `micro_steps` micro-steps:
+  gradient partitions through PCIe, CPU-Adam over the role's parameters (the node's rate split
+  among `sharers` roles), the updated partitions back."""
   params = matmul_params(config, head)
   partition = params * _BYTES[config.param_dtype] / group.devices  # each device's share
   link = hw.host_bw * eff.host_bw
@@ -208,12 +207,12 @@ def _host_update(
   # partition in and sends the sum back (DeepSpeed 0.13 stage_1_and_2.py,
   # async_accumulate_grad_in_cpu_via_gpu); at the boundary the partition goes out to the
   # float32 buffer, and after CPU-Adam the updated 16-bit partition comes back.
-  accumulation = micro_steps / optimizer_steps
+  accumulation = micro_steps / steps
   per_step = (2 * accumulation if accumulation > 1 else 0) + 2
-  copies = epochs * optimizer_steps * per_step * partition / link
+  copies = steps * per_step * partition / link
   # A node's host updates the partitions of the role's devices on that node.
   on_node = params * min(group.devices, devices_per_node) / group.devices
-  adam = epochs * optimizer_steps * on_node * offload.host_sharers / hw.host_adam_rate
+  adam = steps * on_node * sharers / hw.host_adam_rate
   return copies + adam
 
 

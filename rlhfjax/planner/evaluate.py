@@ -163,7 +163,7 @@ def evaluate(
     slots = math.ceil(slots / 2)
     estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
-  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots)
+  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node)
   result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
   peaks = device_totals(spec, estimates)
   peak_device = max(peaks, key=peaks.get)
@@ -204,7 +204,7 @@ def _group(rs: RoleSpec, per_node: int) -> costs.Group:
   )
 
 
-def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
+def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node):
   w = workload
   roles = tuple(groups)
 
@@ -215,7 +215,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     actor = spec[Role.ACTOR].devices
     generate = StageCost(role="rollout", stage="generate", devices=actor, seconds=0.0)
     sync = StageCost(role="rollout", stage="sync", devices=actor, seconds=0.0)
-    advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps)
+    advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps, per_node)
     return generate, _score_costs(spec, w, hw, eff, groups, micro_steps), advantages, updates, sync
   rollout = spec[Role.ROLLOUT]
   prefill, decode = costs.generate_time(
@@ -235,7 +235,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
   )
   scores = _score_costs(spec, w, hw, eff, groups, micro_steps)
-  advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps)
+  advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps, per_node)
   sync = _sync_cost(spec, w, hw, eff)
   return generate, scores, advantages, updates, sync
 
@@ -255,7 +255,7 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
       sequences=w.sequences,
       seq_len=w.compute_len,
       micro_steps=micro_steps(role, w.sequences, w.score_micro_batch),
-      offload=_offload(w, spec, groups, role, trained=False),
+      offload=_offload(w, spec, role, trained=False),
     )
     scores.append(
       StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
@@ -263,7 +263,7 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
   return scores
 
 
-def _train_costs(spec, w, hw, eff, groups, micro_steps):
+def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
   roles = tuple(groups)
   advantages = StageCost(
     role="actor", stage="advantages", devices=spec[Role.ACTOR].devices, seconds=eff.stage_s
@@ -286,7 +286,8 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps):
       micro_steps=w.optimizer_steps * micro_steps(role, per_step),
       remat=w.remat,
       optimizer_dtype=w.optimizer_dtype,
-      offload=_offload(w, spec, groups, role, trained=True),
+      offload=_offload(w, spec, role, trained=True, per_node=per_node),
+      devices_per_node=per_node,
     )
     updates.append(
       StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=seconds)
@@ -294,16 +295,24 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps):
   return advantages, updates
 
 
-def _offload(w, spec, groups, role, *, trained):
-  """What `role` keeps on the host. Trained roles on disjoint devices update at the same time
-  and share the host's CPUs (DeepSpeed's ZeRO-Offload); co-located ones take turns."""
+def _offload(w, spec, role, *, trained, per_node=1):
+  """What `role` keeps on the host. Trained roles on disjoint devices of a common node update
+  at the same time and share its host's CPUs (DeepSpeed's ZeRO-Offload); co-located ones take
+  turns."""
   if not trained:
     return costs.Offload(params=w.params_on_host)
   if not w.optimizer_on_host:
     return costs.Offload()
-  trained_roles = [r for r in (Role.ACTOR, Role.CRITIC) if r in groups]
   mine = set(spec[role].devices)
-  sharers = 1 + sum(1 for r in trained_roles if r != role and not mine & set(spec[r].devices))
+  nodes = {d // per_node for d in mine}
+  sharers = 1 + sum(
+    1
+    for other in (Role.ACTOR, Role.CRITIC)
+    if other != role
+    and other in spec.roles
+    and not mine & set(spec[other].devices)
+    and nodes & {d // per_node for d in spec[other].devices}
+  )
   return costs.Offload(optimizer=True, params=w.params_on_host, host_sharers=sharers)
 
 

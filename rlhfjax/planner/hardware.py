@@ -90,10 +90,10 @@ class Hardware:
 # Host side (ZeRO-Offload): PCIe per device per direction, from the same pages -- A100/A800
 # "PCIe Gen4: 64 GB/s" (both directions: 32 GB/s each way), H100 SXM PCIe Gen5 128 GB/s
 # (64 each way), V100 SXM2 PCIe Gen3 32 GB/s (16 each way), H20 PCIe Gen5. CPU-Adam: the
-# ZeRO-Offload paper (Ren et al., USENIX ATC 2021, https://arxiv.org/abs/2101.06840, Table 3:
-# DeepSpeed's CPU-Adam updates 1B parameters in about 0.22 s on a DGX-2 host, 2x 24-core
-# Xeon Platinum 8168; DeepSpeed's tutorial: 5-7x PyTorch's CPU Adam): 4.5e9 parameters/s per
-# host, taken for every GPU server (their hosts are of that class or larger). TPU hosts keep
+# ZeRO-Offload paper (Ren et al., USENIX ATC 2021, https://arxiv.org/abs/2101.06840: its
+# CPU-Adam latency comparison puts DeepSpeed's CPU-Adam at about 0.22 s per 1B parameters on a
+# DGX-2's two-socket host; DeepSpeed's ZeRO-Offload tutorial: 5-7x PyTorch's CPU Adam):
+# 4.5e9 parameters/s per host, taken for every GPU server (their hosts are of that class). TPU hosts keep
 # the defaults (PCIe Gen3/4 class); nothing shipped offloads an optimizer there.
 # TPU "nodes" here are ICI slices (the planner treats a whole slice as one fast domain); DCN
 # between slices is taken as 25 GB/s per chip. FP32 on TPU is emulated with several bf16

@@ -6,7 +6,10 @@ shared by every case that engine ran). The prediction is compared with the publi
 every absolute time within a factor of 2, and every ratio between two placements of the same job
 within 25% of the published ratio. 'generate' in the sources is the whole experience making
 (generation and the scoring forwards: DeepSpeed-Chat's and OpenRLHF's `print_throughput_step3`
-time `make_experience`), 'train' the PPO updates with the weight sync.
+time `make_experience`), 'train' the PPO updates with the weight sync; a case whose source
+times generation alone lists the predicted stages it covers (`experience_stages`). A case
+states its settings (micro-batches, optimizer steps, offload) in `workload`; without a
+`micro_batch` the largest that fits is taken.
 """
 
 from __future__ import annotations
