@@ -93,8 +93,8 @@ class Hardware:
 # ZeRO-Offload paper (Ren et al., USENIX ATC 2021, https://arxiv.org/abs/2101.06840: its
 # CPU-Adam latency comparison puts DeepSpeed's CPU-Adam at about 0.22 s per 1B parameters on a
 # DGX-2's two-socket host; DeepSpeed's ZeRO-Offload tutorial: 5-7x PyTorch's CPU Adam):
-# 4.5e9 parameters/s per host, taken for every GPU server (their hosts are of that class). TPU hosts keep
-# the defaults (PCIe Gen3/4 class); nothing shipped offloads an optimizer there.
+# 4.5e9 parameters/s per host, taken for every GPU server (their hosts are of that class).
+# TPU hosts keep the defaults (PCIe Gen3/4 class); nothing shipped offloads an optimizer there.
 # TPU "nodes" here are ICI slices (the planner treats a whole slice as one fast domain); DCN
 # between slices is taken as 25 GB/s per chip. FP32 on TPU is emulated with several bf16
 # passes: taken as a sixth of the bf16 rate.
