@@ -1,5 +1,6 @@
 """The placement planner: memory against XLA, replay semantics, search, the scripts, auto."""
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -19,7 +20,7 @@ from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement import plan_placement, strategies
 from rlhfjax.placement.memory import model_options
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.planner import efficiency, evaluate, hardware, memory, search
+from rlhfjax.planner import costs, efficiency, evaluate, hardware, memory, search
 from rlhfjax.planner.replay import StageCost, replay
 from rlhfjax.planner.workload import OFFLOAD_ALL, Workload, resolve_model
 from rlhfjax.training import steps
@@ -99,8 +100,12 @@ def test_remat_and_chunking_shrink_the_estimate():
   assert offloaded.parked == none.params + none.optimizer and offloaded.persistent == 0
   assert total(offload_optimizer=True).persistent == none.params
   # DeepSpeed's ZeRO-Offload keeps and updates the moments on the host: never on the device.
+  # It also accumulates the float32 gradients there: the device keeps the 16-bit ones only.
   on_host = total(optimizer_on_host=True)
-  assert on_host.optimizer == 0 and on_host.total == none.total - none.optimizer
+  assert on_host.optimizer == 0 and none.optimizer > 0
+  pb, b = memory.param_bytes(config, "lm", 8), {"float32": 4, "bfloat16": 2}[config.param_dtype]
+  assert on_host.grads == pb and none.grads == pytest.approx(pb * (4 + b) / b, abs=8)
+  assert on_host.total == none.total - none.optimizer - (none.grads - on_host.grads)
 
 
 # --- Replay --------------------------------------------------------------------------------
@@ -370,7 +375,7 @@ def test_predicted_and_measured_timelines_drawn_in_two_panels(tmp_path):
   assert two.shape[1] == one.shape[1] and two.shape[0] > 1.5 * one.shape[0]
 
 
-def test_published_cases_are_predicted_with_fixed_profiles():
+def test_published_cases_meet_every_target_with_one_profile_per_engine():
   from rlhfjax.planner import validation
 
   table = validation.load_table()
@@ -378,12 +383,119 @@ def test_published_cases_are_predicted_with_fixed_profiles():
   cases = {c["name"] for c in table["cases"]}
   assert {r["case"] for r in result["absolute"]} == cases
   assert all(c["source"] and c["profile"] in efficiency.profile_names() for c in table["cases"])
-  # The whole-iteration targets: every time within 2x, every placement ratio within 25%.
-  iterations = [r for r in result["absolute"] if r["what"] == "iteration_s"]
-  assert len(iterations) == len(cases) and all(r["ok"] for r in iterations), iterations
-  ratios = {(r["ratio"].split(" / ")[0], r["what"]): r for r in result["ratios"]}
-  assert len(ratios) == 4
-  # Met with OpenRLHF's published GPU split (published.json cites it): the 7B iteration and
-  # experience-making ratios.
-  for key in (("dschat_7b_colocated", "iteration_s"), ("dschat_7b_colocated", "generate_s")):
-    assert ratios[key]["ok"], ratios[key]
+  # One profile per engine: the cases an engine ran share one file.
+  by_engine = {}
+  for c in table["cases"]:
+    engine = efficiency.load_efficiency(c["profile"]).generation_engine
+    by_engine.setdefault(engine, set()).add(c["profile"])
+  assert all(len(profiles) == 1 for profiles in by_engine.values()), by_engine
+  # Every published time is checked and within a factor of 2 ...
+  assert len(result["absolute"]) == sum(len(c["published"]) for c in table["cases"]) == 15
+  assert all(r["ok"] for r in result["absolute"]), [r for r in result["absolute"] if not r["ok"]]
+  # ... and every ratio between the two placements of one job (7B, 13B: iteration, generation,
+  # training) within 25% of the published one.
+  assert len(result["ratios"]) == 6
+  assert all(r["ok"] for r in result["ratios"]), [r for r in result["ratios"] if not r["ok"]]
+  for r in result["ratios"]:
+    assert abs(r["predicted"] / r["published"] - 1) <= validation.RATIO_TOLERANCE
+
+
+def test_validation_flags_a_ratio_or_time_off_target():
+  from rlhfjax.planner import validation
+
+  table = json.loads(json.dumps(validation.load_table()))
+  case = next(c for c in table["cases"] if c["name"] == "dschat_7b_colocated")
+  case["published"]["train_s"] *= 1.4  # DeepSpeed-Chat's training 40% slower than published
+  case["published"]["generate_s"] *= 2.2
+  result = validation.validate(table)
+  ratio = {r["what"]: r for r in result["ratios"] if r["ratio"].startswith(case["name"])}
+  assert not ratio["train_s"]["ok"] and ratio["iteration_s"]["ok"]
+  absolute = {r["what"]: r for r in result["absolute"] if r["case"] == case["name"]}
+  assert not absolute["generate_s"]["ok"] and absolute["train_s"]["ok"]
+
+
+def test_zero_offload_costs_the_host_copies_and_cpu_adam():
+  hw = hardware.load_hardware("a800")
+  eff = efficiency.load_efficiency("openrlhf_vllm")
+  config = get_model_config("7b").replace(param_dtype="bfloat16", dtype="bfloat16")
+  p = costs.matmul_params(config, "lm")
+  kwargs = dict(sequences=64, seq_len=128, epochs=1, optimizer_steps=2, micro_steps=8, remat="full")
+
+  def train(group, **offload):
+    return costs.train_time(
+      hw, eff, config, "lm", group, offload=costs.Offload(**offload), **kwargs
+    )
+
+  two = costs.Group(devices=2, data=2)
+  on_device = train(two)
+  state = p / 2 * (2 * 2 + 4 * 2 + 4 + 2)  # params, moments and grads read and written
+  device_update = 2 * state / (hw.memory_bw * eff.optimizer_bw)
+  # Per optimizer step: 4 micro-steps bring the accumulated partition in and out (8 copies),
+  # the boundary sends it out, the update comes back: 10 copies of p * 2 / 2 bytes; CPU-Adam
+  # over all p parameters on the node.
+  copies = 2 * 10 * (p * 2 / 2) / (hw.host_bw * eff.host_bw)
+  adam = 2 * p / hw.host_adam_rate
+  host = train(two, optimizer=True)
+  assert host - on_device == pytest.approx(copies + adam - device_update, rel=1e-9)
+  # Two roles updating at once on the node split its CPUs.
+  assert train(two, optimizer=True, host_sharers=2) - host == pytest.approx(adam, rel=1e-9)
+  # Parameters on the host cost a copy per gather only where the layout gathers (FSDP).
+  assert train(two, optimizer=True, params=True) == host
+  fsdp = costs.Group(devices=2, data=1)
+  shard_in = 8 * 3 * (p * 2 / 2) / (hw.host_bw * eff.host_bw)  # 3 gathers per micro-step
+  extra = train(fsdp, optimizer=True, params=True) - train(fsdp, optimizer=True)
+  assert extra == pytest.approx(shard_in, rel=1e-9)
+
+
+def test_static_waves_of_an_engine_that_frees_finished_answers():
+  hw = hardware.load_hardware("a800")
+  config = get_model_config("7b").replace(param_dtype="bfloat16", dtype="bfloat16")
+  group = costs.Group(devices=1)
+
+  def decode(frees, mean):
+    eff = dataclasses.replace(efficiency.load_efficiency("openrlhf_vllm"), frees_finished=frees)
+    kw = dict(sequences=64, prompt_len=512, response_max=1024, slots=16, static_batching=True)
+    return costs.generate_time(hw, eff, config, group, response_mean=mean, **kw)[1]
+
+  # A wave lasts as long as its longest answer either way; freed slots stop reading KV.
+  assert decode(True, 512) < decode(False, 512)
+  assert decode(True, 1024) == pytest.approx(decode(False, 1024))
+  step = costs.decode_step_time(
+    hw, efficiency.load_efficiency("openrlhf_vllm"), config, group, batch=8, context=768
+  )
+  assert decode(True, 512) == pytest.approx(4 * 1024 * step)
+
+
+def test_prompt_mean_sets_the_real_tokens_and_padding_keeps_the_maximum():
+  actor = resolve_model("tiny")
+  work = Workload(actor=actor, prompt_len=1024, prompt_len_mean=256, response_len_mean=512)
+  assert work.mean_tokens == 768 and work.prompt_tokens == 1024 and work.compute_len == 2048
+  real = work.replace(padded=False)
+  assert real.prompt_tokens == 256 and real.compute_len == 768
+  assert Workload(actor=actor, prompt_len=100).mean_tokens == 100 + 512  # mean: the maximum
+  with pytest.raises(ValueError, match="prompt_len_mean"):
+    Workload(actor=actor, prompt_len=100, prompt_len_mean=101)
+
+
+def test_offloaded_updates_share_a_host_only_when_they_run_at_once_on_its_node():
+  from rlhfjax.planner import validation
+
+  work = Workload(actor=resolve_model("tiny"), critic=resolve_model("tiny"), optimizer_on_host=True)
+
+  def sharers(actor, critic, per_node):
+    spec = validation._spec(
+      {
+        "all": {"devices": [0, 8], "data": 8},
+        "actor": {"devices": actor, "data": actor[1] - actor[0]},
+        "critic": {"devices": critic, "data": critic[1] - critic[0]},
+        "rollout": {"devices": [0, 8], "data": 8, "tensor": 1},
+      }
+    )
+    offload = evaluate._offload(work, spec, Role.ACTOR, trained=True, per_node=per_node)
+    return offload.host_sharers
+
+  assert sharers([0, 8], [0, 8], 8) == 1  # co-located: the updates take turns
+  assert sharers([0, 4], [4, 8], 8) == 2  # side by side on one node's host
+  assert sharers([0, 4], [4, 8], 4) == 1  # on two nodes, each with its own host
+  on_device = work.replace(optimizer_on_host=False)
+  assert evaluate._offload(on_device, None, Role.ACTOR, trained=True) == costs.Offload()

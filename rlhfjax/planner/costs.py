@@ -19,6 +19,13 @@ Every function returns seconds for one stage of one iteration on a role's device
   collective moves `(g - 1) / g` of the buffer over each device's link.
 - The weight sync moves the actor's parameters into the generation layout: each rollout device
   receives its tensor shard over the slowest link between the two groups.
+- ZeRO-Offload (`Offload.optimizer`, DeepSpeed's `offload_optimizer`): the moments and float32
+  master weights live on the host. Every micro-step each device copies its gradient partition
+  to the host over its own PCIe link (DeepSpeed accumulates the gradients there), every
+  optimizer step the host's CPUs run Adam over the role's parameters (the node's CPU-Adam rate,
+  shared by the roles that update at the same time on that node) and each device copies its
+  updated partition back. With `Offload.params` (DeepSpeed's `offload_param`, ZeRO-3 only) the
+  parameter shards also live on the host: every gather first copies the device's shard in.
 """
 
 from __future__ import annotations
@@ -52,6 +59,19 @@ class Group:
   def fsdp(self) -> int:
     """Devices one copy of the parameters is sharded over, per tensor rank."""
     return self.devices // self.tensor // self.data
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Offload:
+  """What of a role lives in host memory while it computes (DeepSpeed's ZeRO-Offload)."""
+
+  optimizer: bool = False
+  """Moments and master weights on the host, updated there by the CPUs."""
+  params: bool = False
+  """Parameter shards on the host, copied in for every gather (FSDP layouts only)."""
+  host_sharers: int = 1
+  """Roles whose host-side updates run at the same time on this role's nodes (they split the
+  host's CPU-Adam rate)."""
 
 
 def matmul_params(config: ModelConfig, head: str) -> int:
@@ -100,6 +120,7 @@ def forward_time(
   sequences: int,
   seq_len: int,
   micro_steps: int,
+  offload: Offload = Offload(),
 ) -> float:
   """A scoring forward over `sequences` padded sequences of `seq_len` tokens."""
   tokens = sequences * seq_len
@@ -108,6 +129,8 @@ def forward_time(
   fsdp = group.fsdp
   param_bytes = matmul_params(config, head) * _BYTES[config.param_dtype] / group.tensor
   gather = micro_steps * _ring(param_bytes, fsdp, _link(hw, group) * eff.collective_bw)
+  if offload.params and fsdp > 1:  # each gather first copies the device's shard from the host
+    gather += micro_steps * param_bytes / fsdp / (hw.host_bw * eff.host_bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, 1)
   overhead = eff.stage_s + micro_steps * config.num_layers * eff.layer_s
   return compute + gather + tp + overhead
@@ -127,6 +150,8 @@ def train_time(
   micro_steps: int,
   remat: str,
   optimizer_dtype: str | None = None,
+  offload: Offload = Offload(),
+  devices_per_node: int | None = None,
 ) -> float:
   """`epochs` passes over `sequences` sequences in `optimizer_steps` updates per epoch."""
   tokens = sequences * seq_len * epochs
@@ -144,14 +169,51 @@ def train_time(
   shard_bytes = param_bytes / fsdp
   collectives += epochs * optimizer_steps * 2 * _ring(shard_bytes, group.data, bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
-  ob = _BYTES[optimizer_dtype or config.param_dtype]
-  # The update reads parameters, moments and gradients and writes parameters and moments.
-  state = matmul_params(config, head) / hw.parallel(group.devices) * (2 * pb + 4 * ob + 4 + pb)
-  updates = epochs * optimizer_steps * state / (hw.memory_bw * eff.optimizer_bw)
+  if offload.optimizer:
+    steps = epochs * optimizer_steps
+    updates = _host_update(
+      hw,
+      eff,
+      config,
+      head,
+      group,
+      steps=steps,
+      micro_steps=epochs * micro_steps,
+      sharers=offload.host_sharers,
+      devices_per_node=devices_per_node or hw.devices_per_node,
+    )
+    if offload.params and fsdp > 1:  # every gather copies the device's shard in first
+      shard = param_bytes / fsdp
+      updates += epochs * micro_steps * (gathers - 1) * shard / (hw.host_bw * eff.host_bw)
+  else:
+    ob = _BYTES[optimizer_dtype or config.param_dtype]
+    # The update reads parameters, moments and gradients and writes parameters and moments.
+    state = matmul_params(config, head) / hw.parallel(group.devices) * (2 * pb + 4 * ob + 4 + pb)
+    updates = epochs * optimizer_steps * state / (hw.memory_bw * eff.optimizer_bw)
   overhead = eff.stage_s * epochs * optimizer_steps + (
     epochs * micro_steps * passes * config.num_layers * eff.layer_s
   )
   return compute + collectives + tp + updates + overhead
+
+
+def _host_update(hw, eff, config, head, group, *, steps, micro_steps, sharers, devices_per_node):
+  """ZeRO-Offload's host side of `steps` optimizer steps over `micro_steps` micro-steps:
+  gradient partitions through PCIe, CPU-Adam over the role's parameters (the node's rate split
+  among `sharers` roles), the updated partitions back."""
+  params = matmul_params(config, head)
+  partition = params * _BYTES[config.param_dtype] / group.devices  # each device's share
+  link = hw.host_bw * eff.host_bw
+  # Per optimizer step: with gradient accumulation every micro-step brings the accumulated
+  # partition in and sends the sum back (DeepSpeed 0.13 stage_1_and_2.py,
+  # async_accumulate_grad_in_cpu_via_gpu); at the boundary the partition goes out to the
+  # float32 buffer, and after CPU-Adam the updated 16-bit partition comes back.
+  accumulation = micro_steps / steps
+  per_step = (2 * accumulation if accumulation > 1 else 0) + 2
+  copies = steps * per_step * partition / link
+  # A node's host updates the partitions of the role's devices on that node.
+  on_node = params * min(group.devices, devices_per_node) / group.devices
+  adam = steps * on_node * sharers / hw.host_adam_rate
+  return copies + adam
 
 
 def generate_time(
@@ -161,7 +223,7 @@ def generate_time(
   group: Group,
   *,
   sequences: int,
-  prompt_len: int,
+  prompt_len: float,
   response_mean: float,
   response_max: int,
   slots: int,
@@ -183,7 +245,12 @@ def generate_time(
   else:
     steps = math.ceil(per_replica * response_mean / slots) + (response_max - response_mean)
   context = prompt_len + (response_max if static_batching else response_mean) / 2
-  step = decode_step_time(hw, eff, config, group, batch=slots, context=context)
+  live = slots
+  if static_batching and eff.frees_finished:
+    # The wave lasts as long as its longest answer, but a finished answer leaves the batch:
+    # on average `slots * mean / max` slots are live, at the mean answer's context.
+    live, context = slots * response_mean / response_max, prompt_len + response_mean / 2
+  step = decode_step_time(hw, eff, config, group, batch=live, context=context)
   if gather_devices > 1:  # weights partitioned over the group: gathered again every step
     weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
     step += _ring(weights, gather_devices, _link(hw, group) * eff.collective_bw)

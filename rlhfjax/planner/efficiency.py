@@ -31,6 +31,9 @@ class Efficiency:
   """Fraction of link bandwidth collectives (all-gather, reduce-scatter, all-reduce) reach."""
   transfer_bw: float = 0.5
   """Fraction of link bandwidth the weight sync between layouts reaches."""
+  host_bw: float = 0.8
+  """Fraction of the host link (PCIe) the engine's host copies reach: pinned buffers about
+  0.8, pageable ones (copied through a staging buffer by the CPU) about half of that."""
   decode_step_s: float = 0.0
   """Fixed cost of one decode step (dispatch, sampling, host loop), per step."""
   layer_s: float = 0.0
@@ -44,6 +47,9 @@ class Efficiency:
   (the current rlhfjax step, see `memory`); False where activations split over the batch."""
   fused_attention: bool = False
   """The engine's attention never materialises the `[h, s, s]` weights (flash attention)."""
+  frees_finished: bool = False
+  """Under static batching a finished answer leaves the batch (vLLM's scheduler): the wave
+  still lasts as long as its longest answer, but reads and computes only the live ones."""
   generation_engine: str = "jax"
   """Free text naming the engine the factors describe (shown in reports)."""
 

@@ -163,7 +163,7 @@ def evaluate(
     slots = math.ceil(slots / 2)
     estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
-  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots)
+  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node)
   result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
   peaks = device_totals(spec, estimates)
   peak_device = max(peaks, key=peaks.get)
@@ -204,18 +204,18 @@ def _group(rs: RoleSpec, per_node: int) -> costs.Group:
   )
 
 
-def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
+def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node):
   w = workload
   roles = tuple(groups)
 
-  def micro_steps(role, sequences):
-    return max(1, math.ceil(sequences / (micro_batch * groups[role].replicas)))
+  def micro_steps(role, sequences, batch=0):
+    return max(1, math.ceil(sequences / ((batch or micro_batch) * groups[role].replicas)))
 
   if Role.ROLLOUT not in roles:  # nothing generated (DPO): no generation, no weight sync
     actor = spec[Role.ACTOR].devices
     generate = StageCost(role="rollout", stage="generate", devices=actor, seconds=0.0)
     sync = StageCost(role="rollout", stage="sync", devices=actor, seconds=0.0)
-    advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps)
+    advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps, per_node)
     return generate, _score_costs(spec, w, hw, eff, groups, micro_steps), advantages, updates, sync
   rollout = spec[Role.ROLLOUT]
   prefill, decode = costs.generate_time(
@@ -224,7 +224,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     w.actor,
     groups[Role.ROLLOUT],
     sequences=w.sequences,
-    prompt_len=w.prompt_len,
+    prompt_len=w.prompt_tokens,
     response_mean=w.response_len_mean,
     response_max=w.response_len_max,
     slots=slots,
@@ -235,7 +235,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots):
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
   )
   scores = _score_costs(spec, w, hw, eff, groups, micro_steps)
-  advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps)
+  advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps, per_node)
   sync = _sync_cost(spec, w, hw, eff)
   return generate, scores, advantages, updates, sync
 
@@ -254,7 +254,8 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
       groups[role],
       sequences=w.sequences,
       seq_len=w.compute_len,
-      micro_steps=micro_steps(role, w.sequences),
+      micro_steps=micro_steps(role, w.sequences, w.score_micro_batch),
+      offload=_offload(w, spec, role, trained=False),
     )
     scores.append(
       StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
@@ -262,7 +263,7 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
   return scores
 
 
-def _train_costs(spec, w, hw, eff, groups, micro_steps):
+def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
   roles = tuple(groups)
   advantages = StageCost(
     role="actor", stage="advantages", devices=spec[Role.ACTOR].devices, seconds=eff.stage_s
@@ -285,11 +286,34 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps):
       micro_steps=w.optimizer_steps * micro_steps(role, per_step),
       remat=w.remat,
       optimizer_dtype=w.optimizer_dtype,
+      offload=_offload(w, spec, role, trained=True, per_node=per_node),
+      devices_per_node=per_node,
     )
     updates.append(
       StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=seconds)
     )
   return advantages, updates
+
+
+def _offload(w, spec, role, *, trained, per_node=1):
+  """What `role` keeps on the host. Trained roles on disjoint devices of a common node update
+  at the same time and share its host's CPUs (DeepSpeed's ZeRO-Offload); co-located ones take
+  turns."""
+  if not trained:
+    return costs.Offload(params=w.params_on_host)
+  if not w.optimizer_on_host:
+    return costs.Offload()
+  mine = set(spec[role].devices)
+  nodes = {d // per_node for d in mine}
+  sharers = 1 + sum(
+    1
+    for other in (Role.ACTOR, Role.CRITIC)
+    if other != role
+    and other in spec.roles
+    and not mine & set(spec[other].devices)
+    and nodes & {d // per_node for d in spec[other].devices}
+  )
+  return costs.Offload(optimizer=True, params=w.params_on_host, host_sharers=sharers)
 
 
 def _sync_cost(spec, w, hw, eff):

@@ -41,6 +41,12 @@ class Hardware:
   host_shared: bool = False
   """The devices are slices of one host's cores (XLA's virtual CPU devices): a group computes
   at the host's rate whatever its size, and stages on disjoint groups still take turns."""
+  host_bw: float = 32 * GB
+  """Host-to-device (and device-to-host) bandwidth per device per direction (PCIe), bytes/s:
+  what ZeRO-Offload's gradient and parameter copies cross."""
+  host_adam_rate: float = 4.5e9
+  """Parameters per second one node's host CPUs update with Adam (DeepSpeed's CPU-Adam), all
+  of its cores together; the host serves every device of the node."""
 
   def parallel(self, devices: int) -> int:
     """How many devices' worth of rate a group of `devices` gets."""
@@ -81,6 +87,14 @@ class Hardware:
 #   ICI 4,800 Gbps per chip.
 # - TPU v6e (Trillium): https://cloud.google.com/tpu/docs/v6e -- 918 TFLOPS bf16, 32 GiB at
 #   1,640 GB/s, ICI 3,584 Gbps per chip; pods of 256.
+# Host side (ZeRO-Offload): PCIe per device per direction, from the same pages -- A100/A800
+# "PCIe Gen4: 64 GB/s" (both directions: 32 GB/s each way), H100 SXM PCIe Gen5 128 GB/s
+# (64 each way), V100 SXM2 PCIe Gen3 32 GB/s (16 each way), H20 PCIe Gen5. CPU-Adam: the
+# ZeRO-Offload paper (Ren et al., USENIX ATC 2021, https://arxiv.org/abs/2101.06840: its
+# CPU-Adam latency comparison puts DeepSpeed's CPU-Adam at about 0.22 s per 1B parameters on a
+# DGX-2's two-socket host; DeepSpeed's ZeRO-Offload tutorial: 5-7x PyTorch's CPU Adam):
+# 4.5e9 parameters/s per host, taken for every GPU server (their hosts are of that class).
+# TPU hosts keep the defaults (PCIe Gen3/4 class); nothing shipped offloads an optimizer there.
 # TPU "nodes" here are ICI slices (the planner treats a whole slice as one fast domain); DCN
 # between slices is taken as 25 GB/s per chip. FP32 on TPU is emulated with several bf16
 # passes: taken as a sixth of the bf16 rate.
@@ -94,6 +108,7 @@ PRESETS: Mapping[str, Hardware] = {
     intra_node_bw=450 * GB,
     inter_node_bw=50 * GB,
     devices_per_node=8,
+    host_bw=64 * GB,
   ),
   "a100_80gb": Hardware(
     name="a100_80gb",
@@ -124,6 +139,7 @@ PRESETS: Mapping[str, Hardware] = {
     intra_node_bw=450 * GB,
     inter_node_bw=50 * GB,
     devices_per_node=8,
+    host_bw=64 * GB,
   ),
   "v100_32gb": Hardware(
     name="v100_32gb",
@@ -134,6 +150,7 @@ PRESETS: Mapping[str, Hardware] = {
     intra_node_bw=150 * GB,
     inter_node_bw=100 * GB / 16,
     devices_per_node=16,
+    host_bw=16 * GB,
   ),
   "tpu_v4": Hardware(
     name="tpu_v4",

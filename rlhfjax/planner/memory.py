@@ -155,6 +155,10 @@ def train_memory(
   params = _ceil_div(p * pb, ps)
   optimizer = 0 if options.optimizer_on_host else _ceil_div(2 * p * ob, ps)
   grads = _ceil_div(p * (4 + pb), ps)
+  if options.optimizer_on_host:
+    # ZeRO-Offload (DeepSpeed ZeRO-2/3) accumulates the float32 gradients on the host and
+    # partitions the 16-bit ones over every data-parallel device: each keeps its share only.
+    grads = _ceil_div(p * pb, sharding.batch_shards * sharding.tensor)
   gathered = 2 * _ceil_div(layer_params(config) * c, sharding.tensor) if ps > 1 else 0
   global_tokens = micro_batch * sharding.batch_shards * seq_len
   acts = _saved_activations(config, global_tokens, seq_len, c, sharding, options)

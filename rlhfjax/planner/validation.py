@@ -6,7 +6,10 @@ shared by every case that engine ran). The prediction is compared with the publi
 every absolute time within a factor of 2, and every ratio between two placements of the same job
 within 25% of the published ratio. 'generate' in the sources is the whole experience making
 (generation and the scoring forwards: DeepSpeed-Chat's and OpenRLHF's `print_throughput_step3`
-time `make_experience`), 'train' the PPO updates with the weight sync.
+time `make_experience`), 'train' the PPO updates with the weight sync; a case whose source
+times generation alone lists the predicted stages it covers (`experience_stages`). A case
+states its settings (micro-batches, optimizer steps, offload) in `workload`; without a
+`micro_batch` the largest that fits is taken.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from rlhfjax.config import OffloadSection
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner.efficiency import load_efficiency
 from rlhfjax.planner.evaluate import Plan, evaluate
@@ -24,6 +28,8 @@ from rlhfjax.planner.workload import Workload, config_from_hf_dict, resolve_mode
 TABLE = os.path.join(os.path.dirname(__file__), "published.json")
 ABSOLUTE_FACTOR = 2.0
 RATIO_TOLERANCE = 0.25
+EXPERIENCE_STAGES = ("generate", "score", "advantages")
+"""The predicted stages a source's 'generation' time covers, unless its case names others."""
 
 
 def load_table(path: str = TABLE) -> dict:
@@ -57,16 +63,21 @@ def _spec(placement: Mapping[str, Mapping]) -> PlacementSpec:
 
 def predict_case(case: Mapping, table: Mapping) -> Plan:
   models = {role: _model(table["models"][name]) for role, name in case["models"].items()}
+  settings = dict(case["workload"])
+  if "offload" in settings:
+    settings["offload"] = OffloadSection(**{k: tuple(v) for k, v in settings["offload"].items()})
   work = Workload(
     actor=models["actor"],
     critic=models.get("critic"),
     reward=models.get("reward"),
     reference=models.get("reference"),
-    **case["workload"],
+    **settings,
   )
   hw = load_hardware(case["hardware"])
   eff = load_efficiency(case["profile"])
   spec = _spec(case["placement"])
+  if work.micro_batch:  # the source states it
+    return evaluate(spec, work, hw, eff, micro_batch=work.micro_batch, label=case["name"])
   plan = None
   for micro_batch in (16, 8, 4, 2, 1):  # the largest micro-batch that fits, as a user would
     plan = evaluate(spec, work, hw, eff, micro_batch=micro_batch, label=case["name"])
@@ -82,9 +93,11 @@ def validate(table: Mapping | None = None) -> dict:
   for case in table["cases"]:
     plan = predict_case(case, table)
     plans[case["name"]] = plan
-    # Both sources time `make_experience` (generation, then the scoring forwards) as
-    # "generation" and the PPO updates (with the weight sync) as "training".
-    experience = sum(plan.stages[s] for s in ("generate", "score", "advantages"))
+    # The OpenRLHF table times `make_experience` (generation, then the scoring forwards) as
+    # "generation" and the PPO updates (with the weight sync) as "training"; a case whose
+    # source times generation alone names its stages.
+    stages = case.get("experience_stages", EXPERIENCE_STAGES)
+    experience = sum(plan.stages[s] for s in stages)
     predicted = {
       "iteration_s": plan.iteration_s,
       "generate_s": experience,

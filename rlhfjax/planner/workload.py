@@ -36,6 +36,9 @@ class Workload:
   prompts: int = 1024
   samples_per_prompt: int = 1
   prompt_len: int = 1024
+  prompt_len_mean: float = 0
+  """Real prompt tokens on average; 0: every prompt is `prompt_len` long. An engine that pads
+  (`padded`) computes on `prompt_len` whatever the real length."""
   response_len_mean: float = 512
   response_len_max: int = 1024
   ppo_epochs: int = 1
@@ -68,6 +71,11 @@ class Workload:
   optimizer_on_host: bool = False
   """ZeRO-Offload (DeepSpeed's `offload_optimizer`, OpenRLHF's `--adam_offload`): the trained
   roles' moments live and are updated in host memory; they never take device memory."""
+  params_on_host: bool = False
+  """DeepSpeed's `offload_param` (ZeRO-3 only): the roles laid out FSDP keep their parameter
+  shards in host memory and copy them in for every gather."""
+  score_micro_batch: int = 0
+  """Sequences per device per micro-step of the scoring forwards; 0: as training's."""
   optimizer_dtype: str | None = None
   """Dtype of the Adam moments; None: the parameters' dtype (optax's default)."""
 
@@ -84,10 +92,14 @@ class Workload:
         f"response_len_mean={self.response_len_mean} must be in (0, response_len_max="
         f"{self.response_len_max}]"
       )
+    if not 0 <= self.prompt_len_mean <= self.prompt_len:
+      raise ValueError(
+        f"prompt_len_mean={self.prompt_len_mean} must be in [0, prompt_len={self.prompt_len}]"
+      )
     if self.ppo_epochs < 1 or self.optimizer_steps < 1:
       raise ValueError("ppo_epochs and optimizer_steps must be >= 1")
-    if self.micro_batch < 0 or self.logits_chunk < 0 or self.train_rows < 0:
-      raise ValueError("micro_batch, train_rows and logits_chunk must be >= 0")
+    if min(self.micro_batch, self.score_micro_batch, self.logits_chunk, self.train_rows) < 0:
+      raise ValueError("micro_batch, score_micro_batch, train_rows and logits_chunk must be >= 0")
 
   @property
   def sequences(self) -> int:
@@ -104,9 +116,19 @@ class Workload:
     return self.seq_len if self.padded else self.mean_tokens
 
   @property
+  def prompt_mean(self) -> float:
+    """Real prompt tokens on average."""
+    return self.prompt_len_mean or self.prompt_len
+
+  @property
+  def prompt_tokens(self) -> float:
+    """Prompt tokens the rollout prefills and attends to: padded, or the real ones."""
+    return self.prompt_len if self.padded else self.prompt_mean
+
+  @property
   def mean_tokens(self) -> float:
     """Real (prompt + response) tokens of one sequence on average."""
-    return self.prompt_len + self.response_len_mean
+    return self.prompt_mean + self.response_len_mean
 
   @property
   def reference_model(self) -> ModelConfig:
