@@ -1,25 +1,22 @@
 """Calibration of the `local` hardware: measured rates, then efficiency factors fitted to a run.
 
 `measure_hardware` times, on the devices at hand: a matmul sharded over all of them (per dtype),
-a sharded elementwise copy (memory bandwidth), and a `device_put` between every pair of devices.
-`fit_efficiency` then takes the measured stage times of one short PPO run and solves, stage by
-stage, for the factor that stage depends on (with every other factor ideal):
+a sharded elementwise copy (memory bandwidth), a `device_put` between every pair of devices and,
+on XLA's virtual CPU devices (`host_shared`), `DeviceCost`: one program with a fixed amount of
+work per device (small matmuls, FSDP weight gathers, a gradient reduction) on 1, 2, 4, 8
+devices. Each virtual device runs its own copy of every op on the host's shared cores, so that
+program's time grows with the group; its times relative to one device are
+`Hardware.device_cost`, which scales every fixed per-device overhead of the cost model.
 
-- `stage_s` from the advantages stage (one small jitted call and its wait);
-- `forward_mfu` from the scoring stages, `train_mfu` from the updates (their FLOPs over the
-  measured time, less their dispatch overheads);
-- `decode_step_s` from generation (what each decode step costs beyond reading and computing);
-- `transfer_bw` from the weight sync.
-
-The fit uses one placement; every other placement's prediction is then a test of the model.
+`rlhfjax.planner.localcheck.fit` then solves, stage by stage, for the factor each stage depends
+on, so that the planner's prediction of ONE measured placement equals its measurement; every
+other placement's prediction is then a test of the model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -40,33 +37,68 @@ def _timed(fn, *args, repeats: int = 5) -> float:
   return statistics.median(times)
 
 
-def _matmul_rate(devices, dtype, size: int) -> float:
-  mesh = Mesh(np.array(devices), ("x",))
-  rows = NamedSharding(mesh, PartitionSpec("x", None))
-  a = jax.device_put(jnp.ones((size * len(devices), size), dtype), rows)
-  b = jax.device_put(jnp.ones((size, size), dtype), NamedSharding(mesh, PartitionSpec()))
-  seconds = _timed(jax.jit(lambda a, b: a @ b, out_shardings=rows), a, b)
-  return 2 * size * size * size * len(devices) / seconds / len(devices)
+class Matmul:
+  """A matmul sharded over `devices` by rows, `size` rows and columns per device, compiled once
+  (timed again between measurements on a shared machine)."""
 
-
-class Probe:
-  """A fixed sharded matmul, compiled once, timed between measurements: on a shared machine
-  its time follows the load, so stage times divided by its slowdown since calibration are
-  comparable across moments (`rlhfjax.planner.localcheck`)."""
-
-  def __init__(self, devices=None, size: int = 256):
-    devices = list(devices or jax.devices())
+  def __init__(self, devices, dtype=jnp.float32, size: int = 256):
     mesh = Mesh(np.array(devices), ("x",))
     rows = NamedSharding(mesh, PartitionSpec("x", None))
-    self._a = jax.device_put(jnp.ones((size * len(devices), size), jnp.float32), rows)
-    self._b = jax.device_put(
-      jnp.ones((size, size), jnp.float32), NamedSharding(mesh, PartitionSpec())
-    )
+    self._a = jax.device_put(jnp.ones((size * len(devices), size), dtype), rows)
+    self._b = jax.device_put(jnp.ones((size, size), dtype), NamedSharding(mesh, PartitionSpec()))
     self._fn = jax.jit(lambda a, b: a @ b, out_shardings=rows)
+    self._flops = 2 * size * size * size * len(devices)
 
-  def seconds(self, repeats: int = 3) -> float:
-    """Median seconds of one matmul (after a warm-up call)."""
-    return _timed(self._fn, self._a, self._b, repeats=repeats)
+  def rate(self, repeats: int = 5) -> float:
+    """FLOP/s of all the devices together (median of `repeats` calls after a warm-up)."""
+    return self._flops / _timed(self._fn, self._a, self._b, repeats=repeats)
+
+
+def _matmul_rate(devices, dtype, size: int) -> float:
+  return Matmul(devices, dtype, size).rate() / len(devices)
+
+
+class DeviceCost:
+  """`Hardware.device_cost`'s program, compiled once per group size (1, 2, 4, ... devices).
+
+  A train step of `layers` tanh layers of `width`, weights sharded over the group on their
+  input dimension (XLA gathers them in the forward and backward passes, FSDP-like) and
+  `rows` rows per device: the work per device is the same at every size, so on real devices
+  the time would not change; on virtual CPU devices it grows with the per-device copies of
+  every op and with the collectives' rendezvous.
+  """
+
+  def __init__(self, devices=None, *, layers: int = 4, width: int = 64, rows: int = 16):
+    devices = list(devices or jax.devices())
+    self.sizes = [2**i for i in range(len(devices).bit_length()) if 2**i <= len(devices)]
+    self._runs = []
+
+    def step(w_lkk, x_bk):
+      def loss(w_lkk):
+        h_bk = x_bk
+        for layer in range(layers):
+          h_bk = jnp.tanh(h_bk @ w_lkk[layer])
+        return jnp.mean(h_bk * h_bk)
+
+      return w_lkk - 0.01 * jax.grad(loss)(w_lkk)
+
+    for size in self.sizes:
+      mesh = Mesh(np.array(devices[:size]), ("x",))
+      weights = NamedSharding(mesh, PartitionSpec(None, "x", None))
+      w = jax.device_put(jnp.full((layers, width, width), 0.01, jnp.float32), weights)
+      x = jax.device_put(
+        jnp.ones((rows * size, width), jnp.float32), NamedSharding(mesh, PartitionSpec("x", None))
+      )
+      self._runs.append((jax.jit(step, out_shardings=weights), w, x))
+
+  def seconds(self, repeats: int = 5) -> list[float]:
+    """Median seconds of the program per group size (after a warm-up call)."""
+    return [_timed(fn, w, x, repeats=repeats) for fn, w, x in self._runs]
+
+  @staticmethod
+  def relative(seconds: list[float]) -> tuple[float, ...]:
+    """Times relative to one device (`Hardware.device_cost`)."""
+    return tuple(t / seconds[0] for t in seconds)
 
 
 def _copy_rate(devices, num_bytes: int) -> float:
@@ -94,10 +126,12 @@ def measure_hardware(
   """The current devices as a `Hardware` named 'local'.
 
   On XLA's virtual CPU devices (one host's cores) the rates are the host's: a group of any size
-  gets them all, and groups take turns (`host_shared`).
+  gets them all, groups take turns, and fixed per-device costs grow with the group
+  (`host_shared`, `device_cost`).
   """
   devices = list(devices or jax.devices())
   host_shared = devices[0].platform == "cpu"
+  device_cost = DeviceCost.relative(DeviceCost(devices).seconds()) if host_shared else ()
   f32 = _matmul_rate(devices, jnp.float32, matmul_size)
   bf16 = _matmul_rate(devices, jnp.bfloat16, matmul_size)
   copy = _copy_rate(devices, copy_bytes)
@@ -119,6 +153,7 @@ def measure_hardware(
     native_half=not host_shared,
     pair_bw=tuple(tuple(row) for row in pairs),
     host_shared=host_shared,
+    device_cost=device_cost,
   )
 
 
@@ -135,45 +170,4 @@ IDEAL = Efficiency(
   stage_s=0.0,
   generation_engine="local (calibrated)",
 )
-
-
-def fit_efficiency(
-  ideal: Mapping[str, float],
-  measured: Mapping[str, float],
-  *,
-  counts: Mapping[str, int],
-  replicated_activations: bool = False,
-) -> Efficiency:
-  """Factors that make the ideal stage times of one run match its measured ones.
-
-  Args:
-    ideal: seconds per stage (generate_prefill, generate_decode, score, update, sync) predicted
-      with `IDEAL` factors.
-    measured: seconds per stage (generate, score, advantages, update, sync) of the same run.
-    counts: stage dispatches (score_stages, update_calls, decode_steps) that pay `stage_s` or
-      `decode_step_s`.
-  """
-  stage_s = max(measured.get("advantages", 0.0), 0.0)
-
-  def fraction(ideal_s: float, measured_s: float) -> float:
-    if ideal_s <= 0:
-      return 1.0
-    return float(np.clip(ideal_s / max(measured_s, 1e-9), 1e-4, 1.0))
-
-  score = measured["score"] - counts["score_stages"] * stage_s
-  update = measured["update"] - counts["update_calls"] * stage_s
-  forward_mfu = fraction(ideal["score"], score)
-  train_mfu = fraction(ideal["update"], update)
-  prefill = ideal["generate_prefill"] / forward_mfu + stage_s
-  decode = measured["generate"] - prefill - ideal["generate_decode"]
-  decode_step_s = max(decode / max(counts["decode_steps"], 1), 0.0)
-  transfer_bw = fraction(ideal["sync"], measured["sync"] - stage_s)
-  return dataclasses.replace(
-    IDEAL,
-    train_mfu=train_mfu,
-    forward_mfu=forward_mfu,
-    decode_step_s=decode_step_s,
-    transfer_bw=transfer_bw,
-    stage_s=stage_s,
-    replicated_activations=replicated_activations,
-  )
+"""Every fraction of peak 1 and every fixed cost 0: where `localcheck.fit` starts."""

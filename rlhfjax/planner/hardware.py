@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 
 GB = 1e9
@@ -41,10 +42,31 @@ class Hardware:
   host_shared: bool = False
   """The devices are slices of one host's cores (XLA's virtual CPU devices): a group computes
   at the host's rate whatever its size, and stages on disjoint groups still take turns."""
+  device_cost: tuple[float, ...] = ()
+  """`host_shared` only, measured (`calibrate.device_cost`): the wall time of one program whose
+  per-device work is fixed (small ops, weight gathers, a gradient reduction) on 1, 2, 4, 8, ...
+  devices at once (entry i: 2**i devices), relative to one device. Each virtual device runs its
+  own copy of every op, and their collectives are copies on the same cores, so a fixed cost per
+  device (op launches, a call's dispatch, a collective's rendezvous) grows with the group;
+  empty: 1 for every size."""
 
   def parallel(self, devices: int) -> int:
     """How many devices' worth of rate a group of `devices` gets."""
     return 1 if self.host_shared else devices
+
+  def per_device(self, devices: int) -> float:
+    """The factor a fixed per-device cost is multiplied by on a group of `devices`: 1 on real
+    devices (each runs its own copy at the same time), `device_cost` on a shared host
+    (interpolated in log2 of the size, proportional to the size beyond the last measured)."""
+    if not (self.host_shared and self.device_cost) or devices <= 1:
+      return 1.0
+    x = math.log2(devices)
+    last = len(self.device_cost) - 1
+    if x >= last:
+      return self.device_cost[last] * devices / 2**last
+    i = int(x)
+    lo, hi = self.device_cost[i], self.device_cost[i + 1]
+    return lo + (hi - lo) * (x - i)
 
   def flops(self, dtype: str) -> float:
     return self.float_flops if dtype == "float32" or not self.native_half else self.half_flops
@@ -197,6 +219,7 @@ def load_hardware(name: str, calibration: str | None = None) -> Hardware:
     except (OSError, json.JSONDecodeError, KeyError) as e:
       raise ValueError(f"{calibration}: not a calibration file ({e})") from None
     data["pair_bw"] = tuple(tuple(row) for row in data.get("pair_bw", ()))
+    data["device_cost"] = tuple(data.get("device_cost", ()))
     return Hardware(**data)
   if name not in PRESETS:
     raise ValueError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}")
