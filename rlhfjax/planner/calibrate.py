@@ -2,11 +2,12 @@
 
 `measure_hardware` times, on the devices at hand: a matmul sharded over all of them (per dtype),
 a sharded elementwise copy (memory bandwidth), a `device_put` between every pair of devices and,
-on XLA's virtual CPU devices (`host_shared`), `DeviceCost`: one program with a fixed amount of
-work per device (small matmuls, FSDP weight gathers, a gradient reduction) on 1, 2, 4, 8
-devices. Each virtual device runs its own copy of every op on the host's shared cores, so that
-program's time grows with the group; its times relative to one device are
-`Hardware.device_cost`, which scales every fixed per-device overhead of the cost model.
+on XLA's virtual CPU devices (`host_shared`), `DeviceCost`: one small train step (FSDP-like
+weight gathers and gradient reductions) with its batch split over 1, 2, 4, 8 devices, and one
+decode-like step (a token of a few rows). Each virtual device runs its own copy of every op on
+the host's shared cores, so the same step takes longer on more devices; the times relative to
+one device are `Hardware.device_cost` and `Hardware.step_cost`, which scale the fixed
+per-device overheads of the cost model (passes over a batch, and decode steps).
 
 `rlhfjax.planner.localcheck.fit` then solves, stage by stage, for the factor each stage depends
 on, so that the planner's prediction of ONE measured placement equals its measurement; every
@@ -61,39 +62,63 @@ def _matmul_rate(devices, dtype, size: int) -> float:
 class DeviceCost:
   """`Hardware.device_cost`'s program, compiled once per group size (1, 2, 4, ... devices).
 
-  A train step of `layers` tanh layers of `width`, weights sharded over the group on their
-  input dimension (XLA gathers them in the forward and backward passes, FSDP-like) and
-  `rows` rows per device: the work per device is the same at every size, so on real devices
-  the time would not change; on virtual CPU devices it grows with the per-device copies of
-  every op and with the collectives' rendezvous.
+  One train step of a residual stack of `layers` MLP blocks (`width` -> `mlp` -> `width`, the
+  benchmark model's sizes) on `rows` rows, SGD update included: the same step at every size,
+  its batch split over the group and its weights sharded over it on the MLP dimension (XLA
+  gathers or reduces them every pass, FSDP-like). On accelerators each device would do
+  1/size of the work at once; on virtual CPU devices every device runs its own copy of every op
+  and every collective on the host's shared cores, so the step takes longer with more devices:
+  how much longer, relative to one device, is what every fixed per-device cost of the cost
+  model is multiplied by.
   """
 
-  def __init__(self, devices=None, *, layers: int = 4, width: int = 64, rows: int = 16):
+  def __init__(
+    self,
+    devices=None,
+    *,
+    layers: int = 4,
+    width: int = 128,
+    mlp: int = 352,
+    rows: int = 256,
+    train: bool = True,
+  ):
+    """`train=False`: the forward alone, as `DeviceCost.decode` (one token of a few rows)."""
     devices = list(devices or jax.devices())
     self.sizes = [2**i for i in range(len(devices).bit_length()) if 2**i <= len(devices)]
     self._runs = []
 
-    def step(w_lkk, x_bk):
-      def loss(w_lkk):
-        h_bk = x_bk
-        for layer in range(layers):
-          h_bk = jnp.tanh(h_bk @ w_lkk[layer])
-        return jnp.mean(h_bk * h_bk)
+    def loss(weights, x_bd):
+      w_in_ldf, w_out_lfd = weights
+      h_bd = x_bd
+      for layer in range(layers):
+        h_bd = h_bd + jnp.tanh(h_bd @ w_in_ldf[layer]) @ w_out_lfd[layer]
+      return jnp.mean(h_bd * h_bd)
 
-      return w_lkk - 0.01 * jax.grad(loss)(w_lkk)
+    def step(w_in_ldf, w_out_lfd, x_bd):
+      if not train:
+        return loss((w_in_ldf, w_out_lfd), x_bd)
+      g_in, g_out = jax.grad(loss)((w_in_ldf, w_out_lfd), x_bd)
+      return w_in_ldf - 0.01 * g_in, w_out_lfd - 0.01 * g_out
 
     for size in self.sizes:
       mesh = Mesh(np.array(devices[:size]), ("x",))
-      weights = NamedSharding(mesh, PartitionSpec(None, "x", None))
-      w = jax.device_put(jnp.full((layers, width, width), 0.01, jnp.float32), weights)
+      sharded = NamedSharding(mesh, PartitionSpec(None, "x", None))
+      w_in = jax.device_put(jnp.full((layers, width, mlp), 0.01, jnp.float32), sharded)
+      w_out = jax.device_put(jnp.full((layers, mlp, width), 0.01, jnp.float32), sharded)
       x = jax.device_put(
-        jnp.ones((rows * size, width), jnp.float32), NamedSharding(mesh, PartitionSpec("x", None))
+        jnp.ones((rows, width), jnp.float32), NamedSharding(mesh, PartitionSpec("x", None))
       )
-      self._runs.append((jax.jit(step, out_shardings=weights), w, x))
+      fn = jax.jit(step, out_shardings=(sharded, sharded) if train else None)
+      self._runs.append((fn, (w_in, w_out, x)))
+
+  @classmethod
+  def decode(cls, devices=None) -> DeviceCost:
+    """`Hardware.step_cost`'s program: one token of 32 rows through the same layers."""
+    return cls(devices, rows=32, train=False)
 
   def seconds(self, repeats: int = 5) -> list[float]:
-    """Median seconds of the program per group size (after a warm-up call)."""
-    return [_timed(fn, w, x, repeats=repeats) for fn, w, x in self._runs]
+    """Median seconds of the step per group size (after a warm-up call)."""
+    return [_timed(fn, *args, repeats=repeats) for fn, args in self._runs]
 
   @staticmethod
   def relative(seconds: list[float]) -> tuple[float, ...]:
@@ -132,6 +157,7 @@ def measure_hardware(
   devices = list(devices or jax.devices())
   host_shared = devices[0].platform == "cpu"
   device_cost = DeviceCost.relative(DeviceCost(devices).seconds()) if host_shared else ()
+  step_cost = DeviceCost.relative(DeviceCost.decode(devices).seconds()) if host_shared else ()
   f32 = _matmul_rate(devices, jnp.float32, matmul_size)
   bf16 = _matmul_rate(devices, jnp.bfloat16, matmul_size)
   copy = _copy_rate(devices, copy_bytes)
@@ -154,6 +180,7 @@ def measure_hardware(
     pair_bw=tuple(tuple(row) for row in pairs),
     host_shared=host_shared,
     device_cost=device_cost,
+    step_cost=step_cost,
   )
 
 

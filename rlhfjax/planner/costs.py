@@ -202,7 +202,7 @@ def decode_step_time(
   compute = flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.decode_mfu)
   tp = _tensor_allreduce(hw, eff, config, group, batch, 1)
   if hw.host_shared:  # launches use the cores the maths use: one fixed cost per step, per device
-    return max(memory, compute) + tp + eff.decode_step_s * hw.per_device(group.devices)
+    return max(memory, compute) + tp + eff.decode_step_s * hw.per_device(group.devices, step=True)
   # The host issues each layer's kernels while the device runs earlier ones (asynchronous
   # dispatch): a step lasts as long as the slower of the two, not their sum.
   launch = config.num_layers * eff.layer_s
@@ -221,8 +221,8 @@ def sync_time(
   devices: int = 0,
 ) -> float:
   """Moving the actor's weights into the rollout's layout (each device gets its shard);
-  `devices`: the actor's and the rollout's devices counted (each reads or writes a piece of
-  every array, `transfer_s` each)."""
+  `devices`: the devices of the actor and the rollout together (each reads or writes pieces
+  of every array: `transfer_s` per device)."""
   received = matmul_params(config, "lm") * _BYTES[config.param_dtype] / rollout_tensor
   if pair_bw:
     bw = pair_bw

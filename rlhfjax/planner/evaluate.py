@@ -321,6 +321,6 @@ def _sync_cost(spec, w, hw, eff):
         RoleSpec(devices=sync_devices, axes=(), layout=Layout.GENERATION), hw.devices_per_node
       ).spans_nodes,
       pair_bw=pair_bw,
-      devices=len(spec[Role.ACTOR].devices) + len(rollout.devices),
+      devices=len(sync_devices),
     ),
   )

@@ -147,8 +147,9 @@ class Check:
   """The placement the efficiency factors were fitted to (its ratios are 1 by construction)."""
   efficiency: Efficiency
   hardware: Hardware
-  device_cost_samples: list[tuple[float, ...]]
-  """`calibrate.DeviceCost` relative times measured before every iteration."""
+  scaling_samples: Mapping[str, list[tuple[float, ...]]]
+  """`Hardware.device_cost` and `step_cost` (`calibrate.DeviceCost`) measured before every
+  iteration; the hardware holds their medians."""
 
   def ratio(self, variant: str, stage: str) -> float:
     return self.predicted[variant][stage] / self.measured[variant][stage]
@@ -158,12 +159,16 @@ class Check:
     return {
       "fitted_on": self.fitted_on,
       "hardware": {
-        "float_flops": round(self.hardware.float_flops, 1),
-        "device_cost": [round(x, 3) for x in self.hardware.device_cost],
-        "device_cost_spread": [
-          round((max(xs) - min(xs)) / statistics.median(xs), 3)
-          for xs in zip(*self.device_cost_samples, strict=True)
-        ],
+        "float_flops": float(f"{self.hardware.float_flops:.4g}"),
+        **{
+          name: [round(x, 3) for x in getattr(self.hardware, name)] for name in self.scaling_samples
+        },
+        **{
+          f"{name}_spread": [
+            round((max(xs) - min(xs)) / statistics.median(xs), 3) for xs in zip(*rows, strict=True)
+          ]
+          for name, rows in self.scaling_samples.items()
+        },
       },
       "efficiency": {k: float(f"{v:.4g}") for k, v in eff.items()},
       "placements": {
@@ -210,7 +215,12 @@ def check(
 
   used = jax.devices()[:devices]
   base = calibrate.measure_hardware(used, matmul_size=256, copy_bytes=16 << 20, pair_bytes=1 << 20)
-  device_cost = calibrate.DeviceCost(used) if base.host_shared else None
+  programs = {}
+  if base.host_shared:
+    programs = {
+      "device_cost": calibrate.DeviceCost(used),
+      "step_cost": calibrate.DeviceCost.decode(used),
+    }
   matmul = calibrate.Matmul(used)
   say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
   configs = {
@@ -222,11 +232,11 @@ def check(
     runner.iterate(0)  # compiles
     say(f"{v} built and compiled")
   samples = {v: {s: [] for s in (*COMPARED, "advantages", "iteration")} for v in variants}
-  costs, rates = [], []
+  scaling, rates = {name: [] for name in programs}, []
   for k in range(1, rounds + 1):
     for v in variants if k % 2 else tuple(reversed(variants)):
-      if device_cost is not None:
-        costs.append(calibrate.DeviceCost.relative(device_cost.seconds()))
+      for name, program in programs.items():
+        scaling[name].append(calibrate.DeviceCost.relative(program.seconds()))
       rates.append(matmul.rate())
       row = runners[v].iterate(k)
       for s in samples[v]:
@@ -244,7 +254,10 @@ def check(
     base,
     float_flops=rate,
     half_flops=base.half_flops if base.native_half else rate,
-    device_cost=tuple(statistics.median(x) for x in zip(*costs, strict=True)) if costs else (),
+    **{
+      name: tuple(statistics.median(x) for x in zip(*rows, strict=True))
+      for name, rows in scaling.items()
+    },
   )
   eff = fit(configs[fit_variant], hw, devices, measured[fit_variant])
   predicted = {}
@@ -259,7 +272,7 @@ def check(
     fitted_on=fit_variant,
     efficiency=eff,
     hardware=hw,
-    device_cost_samples=costs,
+    scaling_samples=scaling,
   )
 
 
