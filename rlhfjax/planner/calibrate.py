@@ -112,9 +112,22 @@ class DeviceCost:
       self._runs.append((fn, (w_in, w_out, x)))
 
   @classmethod
-  def decode(cls, devices=None) -> DeviceCost:
-    """`Hardware.step_cost`'s program: one token of 32 rows through the same layers."""
-    return cls(devices, rows=32, train=False)
+  def decode(cls, devices=None, **sizes) -> DeviceCost:
+    """`Hardware.step_cost`'s program: one token of a few rows (32 unless `rows` says)
+    through the same layers, forward only."""
+    return cls(devices, **{"rows": 32, **sizes}, train=False)
+
+  @classmethod
+  def for_model(cls, devices, *, layers: int, width: int, mlp: int, rows: int, decode_rows: int):
+    """Both programs with a workload's layer sizes: `rows` tokens per train micro-step,
+    `decode_rows` sequences per decode step (each rounded up to a multiple of the devices),
+    as {'device_cost': ..., 'step_cost': ...}."""
+    n = len(devices)
+    sizes = dict(layers=layers, width=width, mlp=mlp)
+    return {
+      "device_cost": cls(devices, rows=-(-rows // n) * n, **sizes),
+      "step_cost": cls.decode(devices, rows=-(-decode_rows // n) * n, **sizes),
+    }
 
   def seconds(self, repeats: int = 5) -> list[float]:
     """Median seconds of the step per group size (after a warm-up call)."""

@@ -74,6 +74,24 @@ on a host-shared machine (key True: matmuls at the measured rate, every fixed co
 and on accelerators (False: the fractions of peak)."""
 
 
+def stand_ins(config: ExperimentConfig, devices) -> dict:
+  """`calibrate.DeviceCost`'s programs with `config`'s actor layer sizes, train micro-batch
+  and rollout batch: how much each fixed cost grows with the group depends on how much work
+  each device does between them, so the programs do the workload's share."""
+  from rlhfjax.planner import calibrate
+
+  work = auto.workload_of(config)
+  model = work.actor
+  return calibrate.DeviceCost.for_model(
+    devices,
+    layers=model.num_layers,
+    width=model.hidden_size,
+    mlp=model.intermediate_size,
+    rows=work.train_rows * (work.prompt_len + work.response_len_max),
+    decode_rows=work.sequences,
+  )
+
+
 def _solve(predicted: Callable[[float], float], target: float, factor: str) -> float:
   """The value of `factor` whose predicted stage time is `target` (clipped to its range): an
   overhead in seconds adds linearly; a fraction of peak (0, 1] is found by bisection."""
@@ -183,6 +201,13 @@ class Check:
         }
         for v in self.measured
       },
+      "samples": {
+        v: {s: [round(x, 4) for x in xs] for s, xs in st.items()} for v, st in self.samples.items()
+      },
+      "scaling_samples": {
+        name: [[round(x, 3) for x in row] for row in rows]
+        for name, rows in self.scaling_samples.items()
+      },
     }
 
 
@@ -215,17 +240,12 @@ def check(
 
   used = jax.devices()[:devices]
   base = calibrate.measure_hardware(used, matmul_size=256, copy_bytes=16 << 20, pair_bytes=1 << 20)
-  programs = {}
-  if base.host_shared:
-    programs = {
-      "device_cost": calibrate.DeviceCost(used),
-      "step_cost": calibrate.DeviceCost.decode(used),
-    }
-  matmul = calibrate.Matmul(used)
-  say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
   configs = {
     v: bench_config(v, iterations=rounds + 1, devices=devices, **config_kwargs) for v in variants
   }
+  programs = stand_ins(configs[fit_variant], used) if base.host_shared else {}
+  matmul = calibrate.Matmul(used)
+  say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
   root = workdir or tempfile.mkdtemp()
   runners = {v: Runner(c, os.path.join(root, v), show_progress=False) for v, c in configs.items()}
   for v, runner in runners.items():
