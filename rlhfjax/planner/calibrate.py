@@ -16,6 +16,7 @@ other placement's prediction is then a test of the model.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -27,14 +28,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.hardware import Hardware
 
+_MIN_TIMED_S = 0.003
+"""`DeviceCost` times enough calls together to last this long on one device."""
 
-def _timed(fn, *args, repeats: int = 5) -> float:
+
+def _timed(fn, *args, repeats: int = 5, calls: int = 1) -> float:
+  """Median seconds of one call over `repeats` timings of `calls` calls each (short programs
+  are timed over enough work to rise above the timer and the scheduler). Each call is waited
+  for: several programs with collectives in flight at once can stall XLA's CPU rendezvous."""
   jax.block_until_ready(fn(*args))  # compile and warm up
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) / calls)
   return statistics.median(times)
 
 
@@ -86,6 +94,7 @@ class DeviceCost:
     devices = list(devices or jax.devices())
     self.sizes = [2**i for i in range(len(devices).bit_length()) if 2**i <= len(devices)]
     self._runs = []
+    self._calls = None
 
     def loss(weights, x_bd):
       w_in_ldf, w_out_lfd = weights
@@ -117,21 +126,13 @@ class DeviceCost:
     through the same layers, forward only."""
     return cls(devices, **{"rows": 32, **sizes}, train=False)
 
-  @classmethod
-  def for_model(cls, devices, *, layers: int, width: int, mlp: int, rows: int, decode_rows: int):
-    """Both programs with a workload's layer sizes: `rows` tokens per train micro-step,
-    `decode_rows` sequences per decode step (each rounded up to a multiple of the devices),
-    as {'device_cost': ..., 'step_cost': ...}."""
-    n = len(devices)
-    sizes = dict(layers=layers, width=width, mlp=mlp)
-    return {
-      "device_cost": cls(devices, rows=-(-rows // n) * n, **sizes),
-      "step_cost": cls.decode(devices, rows=-(-decode_rows // n) * n, **sizes),
-    }
-
   def seconds(self, repeats: int = 5) -> list[float]:
-    """Median seconds of the step per group size (after a warm-up call)."""
-    return [_timed(fn, *args, repeats=repeats) for fn, args in self._runs]
+    """Median seconds of the step per group size (after a warm-up call), each timing over
+    enough calls to last about `_MIN_TIMED_S` on one device."""
+    if self._calls is None:
+      one = _timed(*self._runs[0][:1], *self._runs[0][1], repeats=3)
+      self._calls = max(1, min(200, math.ceil(_MIN_TIMED_S / max(one, 1e-6))))
+    return [_timed(fn, *args, repeats=repeats, calls=self._calls) for fn, args in self._runs]
 
   @staticmethod
   def relative(seconds: list[float]) -> tuple[float, ...]:

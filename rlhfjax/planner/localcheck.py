@@ -74,24 +74,6 @@ on a host-shared machine (key True: matmuls at the measured rate, every fixed co
 and on accelerators (False: the fractions of peak)."""
 
 
-def stand_ins(config: ExperimentConfig, devices) -> dict:
-  """`calibrate.DeviceCost`'s programs with `config`'s actor layer sizes, train micro-batch
-  and rollout batch: how much each fixed cost grows with the group depends on how much work
-  each device does between them, so the programs do the workload's share."""
-  from rlhfjax.planner import calibrate
-
-  work = auto.workload_of(config)
-  model = work.actor
-  return calibrate.DeviceCost.for_model(
-    devices,
-    layers=model.num_layers,
-    width=model.hidden_size,
-    mlp=model.intermediate_size,
-    rows=work.train_rows * (work.prompt_len + work.response_len_max),
-    decode_rows=work.sequences,
-  )
-
-
 def _solve(predicted: Callable[[float], float], target: float, factor: str) -> float:
   """The value of `factor` whose predicted stage time is `target` (clipped to its range): an
   overhead in seconds adds linearly; a fraction of peak (0, 1] is found by bisection."""
@@ -243,7 +225,12 @@ def check(
   configs = {
     v: bench_config(v, iterations=rounds + 1, devices=devices, **config_kwargs) for v in variants
   }
-  programs = stand_ins(configs[fit_variant], used) if base.host_shared else {}
+  programs = {}
+  if base.host_shared:
+    programs = {
+      "device_cost": calibrate.DeviceCost(used),
+      "step_cost": calibrate.DeviceCost.decode(used),
+    }
   matmul = calibrate.Matmul(used)
   say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
   root = workdir or tempfile.mkdtemp()
