@@ -2,9 +2,12 @@
 
   python scripts/calibrate.py --out=local.json
 
-Times a sharded matmul (float32 and bfloat16), a sharded copy and a transfer between every pair
-of devices, then runs `scripts/bench_ppo.py`'s config co-located for a few iterations and fits
-the efficiency factors to its measured stage times. Prints the JSON it writes.
+Times a sharded matmul (float32 and bfloat16), a sharded copy, a transfer between every pair
+of devices and (virtual CPU devices) the same small train step on 1, 2, 4, 8 devices, then runs
+`scripts/bench_ppo.py`'s config in ONE placement (`--variant`, co-located by default) for a few
+iterations, with the matmul and the train steps timed again before each, and fits the
+efficiency factors to its median stage times (`rlhfjax.planner.localcheck.fit`). Every other
+placement's prediction is then a test of the model. Prints the JSON it writes.
 """
 
 import json
@@ -41,7 +44,26 @@ def main(argv):
   config = localcheck.bench_config(
     _VARIANT.value, iterations=_ITERATIONS.value, devices=_DEVICES.value
   )
-  rows = Runner(config, tempfile.mkdtemp(), show_progress=False).run().metrics[1:]
+  runner = Runner(config, tempfile.mkdtemp(), show_progress=False)
+  runner.iterate(0)  # compiles
+  matmul = calibrate.Matmul(devices)
+  programs = {}
+  if hw.host_shared:
+    programs = {"device_cost": calibrate.DeviceCost(devices)}
+    programs["step_cost"] = calibrate.DeviceCost.decode(devices)
+  rows, rates, scaling = [], [], {name: [] for name in programs}
+  for k in range(1, _ITERATIONS.value):  # the calibration timed at the moments of the run
+    rates.append(matmul.rate())
+    for name, program in programs.items():
+      scaling[name].append(calibrate.DeviceCost.relative(program.seconds()))
+    rows.append(runner.iterate(k))
+  runner.flow.close()
+  hw = dataclasses.replace(
+    hw,
+    float_flops=float(np.median(rates)),
+    half_flops=hw.half_flops if hw.native_half else float(np.median(rates)),
+    **{name: tuple(float(x) for x in np.median(v, axis=0)) for name, v in scaling.items()},
+  )
   measured = {
     key[len("time/") :]: float(np.median([r[key] for r in rows]))
     for key in rows[0]

@@ -1,25 +1,24 @@
 """Calibration of the `local` hardware: measured rates, then efficiency factors fitted to a run.
 
 `measure_hardware` times, on the devices at hand: a matmul sharded over all of them (per dtype),
-a sharded elementwise copy (memory bandwidth), and a `device_put` between every pair of devices.
-`fit_efficiency` then takes the measured stage times of one short PPO run and solves, stage by
-stage, for the factor that stage depends on (with every other factor ideal):
+a sharded elementwise copy (memory bandwidth), a `device_put` between every pair of devices and,
+on XLA's virtual CPU devices (`host_shared`), `DeviceCost`: one small train step (FSDP-like
+weight gathers and gradient reductions) with its batch split over 1, 2, 4, 8 devices, and one
+decode-like step (a token of a few rows). Each virtual device runs its own copy of every op on
+the host's shared cores, so the same step takes longer on more devices; the times relative to
+one device are `Hardware.device_cost` and `Hardware.step_cost`, which scale the fixed
+per-device overheads of the cost model (passes over a batch, and decode steps).
 
-- `stage_s` from the advantages stage (one small jitted call and its wait);
-- `forward_mfu` from the scoring stages, `train_mfu` from the updates (their FLOPs over the
-  measured time, less their dispatch overheads);
-- `decode_step_s` from generation (what each decode step costs beyond reading and computing);
-- `transfer_bw` from the weight sync.
-
-The fit uses one placement; every other placement's prediction is then a test of the model.
+`rlhfjax.planner.localcheck.fit` then solves, stage by stage, for the factor each stage depends
+on, so that the planner's prediction of ONE measured placement equals its measurement; every
+other placement's prediction is then a test of the model.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import statistics
 import time
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,44 +28,116 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.hardware import Hardware
 
+_MIN_TIMED_S = 0.003
+"""`DeviceCost` times enough calls together to last this long on one device."""
 
-def _timed(fn, *args, repeats: int = 5) -> float:
+
+def _timed(fn, *args, repeats: int = 5, calls: int = 1) -> float:
+  """Median seconds of one call over `repeats` timings of `calls` calls each (short programs
+  are timed over enough work to rise above the timer and the scheduler). Each call is waited
+  for: several programs with collectives in flight at once can stall XLA's CPU rendezvous."""
   jax.block_until_ready(fn(*args))  # compile and warm up
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) / calls)
   return statistics.median(times)
 
 
-def _matmul_rate(devices, dtype, size: int) -> float:
-  mesh = Mesh(np.array(devices), ("x",))
-  rows = NamedSharding(mesh, PartitionSpec("x", None))
-  a = jax.device_put(jnp.ones((size * len(devices), size), dtype), rows)
-  b = jax.device_put(jnp.ones((size, size), dtype), NamedSharding(mesh, PartitionSpec()))
-  seconds = _timed(jax.jit(lambda a, b: a @ b, out_shardings=rows), a, b)
-  return 2 * size * size * size * len(devices) / seconds / len(devices)
+class Matmul:
+  """A matmul sharded over `devices` by rows, `size` rows and columns per device, compiled once
+  (timed again between measurements on a shared machine)."""
 
-
-class Probe:
-  """A fixed sharded matmul, compiled once, timed between measurements: on a shared machine
-  its time follows the load, so stage times divided by its slowdown since calibration are
-  comparable across moments (`rlhfjax.planner.localcheck`)."""
-
-  def __init__(self, devices=None, size: int = 256):
-    devices = list(devices or jax.devices())
+  def __init__(self, devices, dtype=jnp.float32, size: int = 256):
     mesh = Mesh(np.array(devices), ("x",))
     rows = NamedSharding(mesh, PartitionSpec("x", None))
-    self._a = jax.device_put(jnp.ones((size * len(devices), size), jnp.float32), rows)
-    self._b = jax.device_put(
-      jnp.ones((size, size), jnp.float32), NamedSharding(mesh, PartitionSpec())
-    )
+    self._a = jax.device_put(jnp.ones((size * len(devices), size), dtype), rows)
+    self._b = jax.device_put(jnp.ones((size, size), dtype), NamedSharding(mesh, PartitionSpec()))
     self._fn = jax.jit(lambda a, b: a @ b, out_shardings=rows)
+    self._flops = 2 * size * size * size * len(devices)
 
-  def seconds(self, repeats: int = 3) -> float:
-    """Median seconds of one matmul (after a warm-up call)."""
-    return _timed(self._fn, self._a, self._b, repeats=repeats)
+  def rate(self, repeats: int = 5) -> float:
+    """FLOP/s of all the devices together (median of `repeats` calls after a warm-up)."""
+    return self._flops / _timed(self._fn, self._a, self._b, repeats=repeats)
+
+
+def _matmul_rate(devices, dtype, size: int) -> float:
+  return Matmul(devices, dtype, size).rate() / len(devices)
+
+
+class DeviceCost:
+  """`Hardware.device_cost`'s program, compiled once per group size (1, 2, 4, ... devices).
+
+  One train step of a residual stack of `layers` MLP blocks (`width` -> `mlp` -> `width`, the
+  benchmark model's sizes) on `rows` rows, SGD update included: the same step at every size,
+  its batch split over the group and its weights sharded over it on the MLP dimension (XLA
+  gathers or reduces them every pass, FSDP-like). On accelerators each device would do
+  1/size of the work at once; on virtual CPU devices every device runs its own copy of every op
+  and every collective on the host's shared cores, so the step takes longer with more devices:
+  how much longer, relative to one device, is what every fixed per-device cost of the cost
+  model is multiplied by.
+  """
+
+  def __init__(
+    self,
+    devices=None,
+    *,
+    layers: int = 4,
+    width: int = 128,
+    mlp: int = 352,
+    rows: int = 256,
+    train: bool = True,
+  ):
+    """`train=False`: the forward alone, as `DeviceCost.decode` (one token of a few rows)."""
+    devices = list(devices or jax.devices())
+    self.sizes = [2**i for i in range(len(devices).bit_length()) if 2**i <= len(devices)]
+    self._runs = []
+    self._calls = None
+
+    def loss(weights, x_bd):
+      w_in_ldf, w_out_lfd = weights
+      h_bd = x_bd
+      for layer in range(layers):
+        h_bd = h_bd + jnp.tanh(h_bd @ w_in_ldf[layer]) @ w_out_lfd[layer]
+      return jnp.mean(h_bd * h_bd)
+
+    def step(w_in_ldf, w_out_lfd, x_bd):
+      if not train:
+        return loss((w_in_ldf, w_out_lfd), x_bd)
+      g_in, g_out = jax.grad(loss)((w_in_ldf, w_out_lfd), x_bd)
+      return w_in_ldf - 0.01 * g_in, w_out_lfd - 0.01 * g_out
+
+    for size in self.sizes:
+      mesh = Mesh(np.array(devices[:size]), ("x",))
+      sharded = NamedSharding(mesh, PartitionSpec(None, "x", None))
+      w_in = jax.device_put(jnp.full((layers, width, mlp), 0.01, jnp.float32), sharded)
+      w_out = jax.device_put(jnp.full((layers, mlp, width), 0.01, jnp.float32), sharded)
+      x = jax.device_put(
+        jnp.ones((rows, width), jnp.float32), NamedSharding(mesh, PartitionSpec("x", None))
+      )
+      fn = jax.jit(step, out_shardings=(sharded, sharded) if train else None)
+      self._runs.append((fn, (w_in, w_out, x)))
+
+  @classmethod
+  def decode(cls, devices=None, **sizes) -> DeviceCost:
+    """`Hardware.step_cost`'s program: one token of a few rows (32 unless `rows` says)
+    through the same layers, forward only."""
+    return cls(devices, **{"rows": 32, **sizes}, train=False)
+
+  def seconds(self, repeats: int = 5) -> list[float]:
+    """Median seconds of the step per group size (after a warm-up call), each timing over
+    enough calls to last about `_MIN_TIMED_S` on one device."""
+    if self._calls is None:
+      one = _timed(*self._runs[0][:1], *self._runs[0][1], repeats=3)
+      self._calls = max(1, min(200, math.ceil(_MIN_TIMED_S / max(one, 1e-6))))
+    return [_timed(fn, *args, repeats=repeats, calls=self._calls) for fn, args in self._runs]
+
+  @staticmethod
+  def relative(seconds: list[float]) -> tuple[float, ...]:
+    """Times relative to one device (`Hardware.device_cost`)."""
+    return tuple(t / seconds[0] for t in seconds)
 
 
 def _copy_rate(devices, num_bytes: int) -> float:
@@ -98,14 +169,17 @@ def measure_hardware(
   """The current devices as a `Hardware` named 'local'.
 
   On XLA's virtual CPU devices (one host's cores) the rates are the host's: a group of any size
-  gets them all, and groups take turns (`host_shared`). Sizes default by platform: a 512-wide
-  matmul and 64 MiB copy on the host; 8192 and 2 GiB on an accelerator, where smaller ones
-  measure the launch rather than the rate (a 512-wide bf16 matmul on an H100 reads 2.7 TFLOP/s).
+  gets them all, groups take turns, and fixed per-device costs grow with the group
+  (`host_shared`, `device_cost`). Sizes default by platform: a 512-wide matmul and 64 MiB copy
+  on the host; 8192 and 2 GiB on an accelerator, where smaller ones measure the launch rather
+  than the rate (a 512-wide bf16 matmul on an H100 reads 2.7 TFLOP/s).
   """
   devices = list(devices or jax.devices())
   host_shared = devices[0].platform == "cpu"
   matmul_size = matmul_size or (512 if host_shared else 8192)
   copy_bytes = copy_bytes or ((64 << 20) if host_shared else (2 << 30))
+  device_cost = DeviceCost.relative(DeviceCost(devices).seconds()) if host_shared else ()
+  step_cost = DeviceCost.relative(DeviceCost.decode(devices).seconds()) if host_shared else ()
   f32 = _matmul_rate(devices, jnp.float32, matmul_size)
   bf16 = _matmul_rate(devices, jnp.bfloat16, matmul_size)
   copy = _copy_rate(devices, copy_bytes)
@@ -127,6 +201,8 @@ def measure_hardware(
     native_half=not host_shared,
     pair_bw=tuple(tuple(row) for row in pairs),
     host_shared=host_shared,
+    device_cost=device_cost,
+    step_cost=step_cost,
   )
 
 
@@ -143,45 +219,4 @@ IDEAL = Efficiency(
   stage_s=0.0,
   generation_engine="local (calibrated)",
 )
-
-
-def fit_efficiency(
-  ideal: Mapping[str, float],
-  measured: Mapping[str, float],
-  *,
-  counts: Mapping[str, int],
-  replicated_activations: bool = False,
-) -> Efficiency:
-  """Factors that make the ideal stage times of one run match its measured ones.
-
-  Args:
-    ideal: seconds per stage (generate_prefill, generate_decode, score, update, sync) predicted
-      with `IDEAL` factors.
-    measured: seconds per stage (generate, score, advantages, update, sync) of the same run.
-    counts: stage dispatches (score_stages, update_calls, decode_steps) that pay `stage_s` or
-      `decode_step_s`.
-  """
-  stage_s = max(measured.get("advantages", 0.0), 0.0)
-
-  def fraction(ideal_s: float, measured_s: float) -> float:
-    if ideal_s <= 0:
-      return 1.0
-    return float(np.clip(ideal_s / max(measured_s, 1e-9), 1e-4, 1.0))
-
-  score = measured["score"] - counts["score_stages"] * stage_s
-  update = measured["update"] - counts["update_calls"] * stage_s
-  forward_mfu = fraction(ideal["score"], score)
-  train_mfu = fraction(ideal["update"], update)
-  prefill = ideal["generate_prefill"] / forward_mfu + stage_s
-  decode = measured["generate"] - prefill - ideal["generate_decode"]
-  decode_step_s = max(decode / max(counts["decode_steps"], 1), 0.0)
-  transfer_bw = fraction(ideal["sync"], measured["sync"] - stage_s)
-  return dataclasses.replace(
-    IDEAL,
-    train_mfu=train_mfu,
-    forward_mfu=forward_mfu,
-    decode_step_s=decode_step_s,
-    transfer_bw=transfer_bw,
-    stage_s=stage_s,
-    replicated_activations=replicated_activations,
-  )
+"""Every fraction of peak 1 and every fixed cost 0: where `localcheck.fit` starts."""

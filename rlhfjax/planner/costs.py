@@ -133,7 +133,7 @@ def forward_time(
     gather += micro_steps * param_bytes / fsdp / (hw.host_bw * eff.host_bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, 1)
   overhead = eff.stage_s + micro_steps * config.num_layers * eff.layer_s
-  return compute + gather + tp + overhead
+  return compute + gather + tp + overhead * hw.per_device(group.devices)
 
 
 def train_time(
@@ -190,10 +190,10 @@ def train_time(
     # The update reads parameters, moments and gradients and writes parameters and moments.
     state = matmul_params(config, head) / hw.parallel(group.devices) * (2 * pb + 4 * ob + 4 + pb)
     updates = epochs * optimizer_steps * state / (hw.memory_bw * eff.optimizer_bw)
-  overhead = eff.stage_s * epochs * optimizer_steps + (
+  overhead = (eff.stage_s + eff.update_s) * epochs * optimizer_steps + (
     epochs * micro_steps * passes * config.num_layers * eff.layer_s
   )
-  return compute + collectives + tp + updates + overhead
+  return compute + collectives + tp + updates + overhead * hw.per_device(group.devices)
 
 
 def _host_update(hw, eff, config, head, group, *, steps, micro_steps, sharers, devices_per_node):
@@ -254,7 +254,7 @@ def generate_time(
   if gather_devices > 1:  # weights partitioned over the group: gathered again every step
     weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
     step += _ring(weights, gather_devices, _link(hw, group) * eff.collective_bw)
-  return prefill + eff.stage_s, steps * step
+  return prefill + eff.stage_s * hw.per_device(group.devices), steps * step
 
 
 def decode_step_time(
@@ -268,6 +268,8 @@ def decode_step_time(
   flops = batch * forward_flops_per_token(config, "lm", context)
   compute = flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.decode_mfu)
   tp = _tensor_allreduce(hw, eff, config, group, batch, 1)
+  if hw.host_shared:  # launches use the cores the maths use: one fixed cost per step, per device
+    return max(memory, compute) + tp + eff.decode_step_s * hw.per_device(group.devices, step=True)
   # The host issues each layer's kernels while the device runs earlier ones (asynchronous
   # dispatch): a step lasts as long as the slower of the two, not their sum.
   launch = config.num_layers * eff.layer_s
@@ -283,8 +285,11 @@ def sync_time(
   colocated: bool,
   spans_nodes: bool,
   pair_bw: float | None = None,
+  devices: int = 0,
 ) -> float:
-  """Moving the actor's weights into the rollout's layout (each device gets its shard)."""
+  """Moving the actor's weights into the rollout's layout (each device gets its shard);
+  `devices`: the devices of the actor and the rollout together (each reads or writes pieces
+  of every array: `transfer_s` per device)."""
   received = matmul_params(config, "lm") * _BYTES[config.param_dtype] / rollout_tensor
   if pair_bw:
     bw = pair_bw
@@ -292,4 +297,7 @@ def sync_time(
     bw = hw.intra_node_bw
   else:
     bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
-  return received / (bw * eff.transfer_bw) + eff.stage_s
+  pieces = devices * eff.transfer_s
+  if hw.host_shared:  # the pieces are copies on the host's shared cores
+    pieces = hw.per_device(devices) * eff.transfer_s
+  return received / (bw * eff.transfer_bw) + eff.stage_s + pieces

@@ -1,8 +1,9 @@
 """Named efficiency factors: the fraction of each hardware peak a stage reaches.
 
 Stage costs are first-principles counts (FLOPs, bytes read, bytes moved) divided by a peak rate
-times one of these factors, plus fixed overheads. One profile per engine ships as a JSON file
-in `profiles/` (`jax.json` is the default: what a well-tuned JAX stack reaches);
+times one of these factors, plus fixed overheads (on a `host_shared` machine each fixed overhead
+is one device's and grows with the group, `Hardware.per_device`). One profile per engine ships
+as a JSON file in `profiles/` (`jax.json` is the default: what a well-tuned JAX stack reaches);
 `scripts/calibrate.py` fits the factors of the machine at hand and writes the same format.
 """
 
@@ -40,6 +41,12 @@ class Efficiency:
   """Fixed cost per layer per forward or decode step (kernel launches)."""
   stage_s: float = 0.0
   """Fixed cost of dispatching one stage (a jitted call and its wait)."""
+  update_s: float = 0.0
+  """Fixed cost of one optimizer step beyond its passes (the update's own kernels, gradient
+  clipping and reduction), per call."""
+  transfer_s: float = 0.0
+  """Fixed cost of the weight sync per device it reads from or writes to (one piece of every
+  array per device)."""
   optimizer_bw: float = 0.5
   """Fraction of memory bandwidth the optimizer update reaches (reads and writes its state)."""
   replicated_activations: bool = False

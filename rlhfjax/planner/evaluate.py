@@ -265,8 +265,9 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
 
 def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
   roles = tuple(groups)
+  actor = spec[Role.ACTOR].devices
   advantages = StageCost(
-    role="actor", stage="advantages", devices=spec[Role.ACTOR].devices, seconds=eff.stage_s
+    role="actor", stage="advantages", devices=actor, seconds=eff.stage_s * hw.per_device(len(actor))
   )
   updates = []
   for role in (Role.ACTOR, Role.CRITIC):
@@ -344,5 +345,6 @@ def _sync_cost(spec, w, hw, eff):
         RoleSpec(devices=sync_devices, axes=(), layout=Layout.GENERATION), hw.devices_per_node
       ).spans_nodes,
       pair_bw=pair_bw,
+      devices=len(sync_devices),
     ),
   )

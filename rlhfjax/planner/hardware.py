@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 
 GB = 1e9
@@ -47,10 +48,34 @@ class Hardware:
   host_adam_rate: float = 4.5e9
   """Parameters per second one node's host CPUs update with Adam (DeepSpeed's CPU-Adam), all
   of its cores together; the host serves every device of the node."""
+  device_cost: tuple[float, ...] = ()
+  """`host_shared` only, measured (`calibrate.DeviceCost`): the wall time of one small train
+  step, its batch split over 1, 2, 4, 8, ... devices (entry i: 2**i devices), relative to one
+  device. Each virtual device runs its own copy of every op, and their collectives are copies
+  on the same cores, so the fixed costs of a pass over a batch (op launches, dispatch,
+  rendezvous) grow with its group by this factor; empty: 1 for every size."""
+  step_cost: tuple[float, ...] = ()
+  """As `device_cost` for a decode step: one token for a few rows (forward only), where almost
+  nothing but the per-device copies of every op is left, so it grows faster with the group."""
 
   def parallel(self, devices: int) -> int:
     """How many devices' worth of rate a group of `devices` gets."""
     return 1 if self.host_shared else devices
+
+  def per_device(self, devices: int, step: bool = False) -> float:
+    """The factor a fixed per-device cost is multiplied by on a group of `devices` (`step`: of
+    a decode step): 1 on real devices (each runs its own copy at the same time), `device_cost`
+    (`step_cost`) on a shared host, interpolated in log2 of the size and proportional to the
+    size beyond the last one measured."""
+    measured = self.step_cost if step else self.device_cost
+    if not (self.host_shared and measured) or devices <= 1:
+      return 1.0
+    x = math.log2(devices)
+    last = len(measured) - 1
+    if x >= last:
+      return measured[last] * devices / 2**last
+    i = int(x)
+    return measured[i] + (measured[i + 1] - measured[i]) * (x - i)
 
   def flops(self, dtype: str) -> float:
     return self.float_flops if dtype == "float32" or not self.native_half else self.half_flops
@@ -214,6 +239,8 @@ def load_hardware(name: str, calibration: str | None = None) -> Hardware:
     except (OSError, json.JSONDecodeError, KeyError) as e:
       raise ValueError(f"{calibration}: not a calibration file ({e})") from None
     data["pair_bw"] = tuple(tuple(row) for row in data.get("pair_bw", ()))
+    data["device_cost"] = tuple(data.get("device_cost", ()))
+    data["step_cost"] = tuple(data.get("step_cost", ()))
     return Hardware(**data)
   if name not in PRESETS:
     raise ValueError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}")

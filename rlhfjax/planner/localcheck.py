@@ -1,5 +1,12 @@
-"""The planner against this machine: `scripts/bench_ppo.py`'s config, the ideal stage times the
-calibration fits to, and the comparison of predicted with measured stage times."""
+"""The planner against this machine: `scripts/bench_ppo.py`'s config, the fit of the efficiency
+factors to one measured placement, and the comparison of predicted with measured stage times.
+
+The check (`check`, `python scripts/bench_ppo.py --check=N`) is built to hold on a loaded,
+shared machine: the calibration programs (`calibrate.DeviceCost`, `calibrate.Matmul`) are timed
+right before every measured iteration, in the same process, and the placements run one
+iteration at a time in alternating order, so every figure the prediction uses and every figure
+it is compared with is a median over the same moments.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,13 @@ import dataclasses
 import math
 import os
 import runpy
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 
 from rlhfjax.config import ExperimentConfig, from_config_dict
-from rlhfjax.placement.spec import Role
-from rlhfjax.planner import auto, costs
-from rlhfjax.planner.calibrate import IDEAL, fit_efficiency
+from rlhfjax.planner import auto
+from rlhfjax.planner.calibrate import IDEAL
 from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.evaluate import present_roles
 from rlhfjax.planner.hardware import Hardware
 
 _PPO_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "ppo_tiny.py")
@@ -50,39 +56,60 @@ def bench_config(
   return from_config_dict(cd)
 
 
-def ideal_times(config: ExperimentConfig, hw: Hardware, num_devices: int) -> dict[str, float]:
-  """Stage seconds of `config` with every efficiency factor ideal, generation split."""
-  plan = auto.predict(config, num_devices, hw, IDEAL)
-  work = auto.workload_of(config)
-  rollout = plan.spec[Role.ROLLOUT]
-  group = costs.Group(devices=len(rollout.devices), tensor=rollout.axis_size("tensor"))
-  prefill, decode = costs.generate_time(
-    hw,
-    IDEAL,
-    work.actor,
-    group,
-    sequences=work.sequences,
-    prompt_len=work.prompt_len,
-    response_mean=work.response_len_mean,
-    response_max=work.response_len_max,
-    slots=math.ceil(work.sequences / group.replicas),
-    static_batching=work.static_batching,
-  )
-  return {**plan.stages, "generate_prefill": prefill, "generate_decode": decode}
+FITTED = {
+  True: (
+    ("advantages", "stage_s"),
+    ("score", "layer_s"),
+    ("update", "update_s"),
+    ("generate", "decode_step_s"),
+    ("sync", "transfer_s"),
+  ),
+  False: (
+    ("advantages", "stage_s"),
+    ("score", "forward_mfu"),
+    ("update", "train_mfu"),
+    ("generate", "decode_step_s"),
+    ("sync", "transfer_bw"),
+  ),
+}
+"""The factor each measured stage fixes, in order (later stages depend on earlier factors),
+on a host-shared machine (key True: matmuls at the measured rate, every fixed cost per device)
+and on accelerators (False: the fractions of peak)."""
+
+
+def _solve(predicted: Callable[[float], float], target: float, factor: str) -> float:
+  """The value of `factor` whose predicted stage time is `target` (clipped to its range): an
+  overhead in seconds adds linearly; a fraction of peak (0, 1] is found by bisection."""
+  if factor.endswith("_s"):
+    at0, step = predicted(0.0), 1e-3
+    slope = (predicted(step) - at0) / step
+    return max((target - at0) / slope, 0.0) if slope > 0 else 0.0
+  lo, hi = 1e-4, 1.0  # the stage gets faster as the fraction grows
+  if predicted(hi) >= target:
+    return hi
+  if predicted(lo) <= target:
+    return lo
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if predicted(mid) > target else (lo, mid)
+  return (lo + hi) / 2
 
 
 def fit(
-  config: ExperimentConfig, hw: Hardware, num_devices: int, measured: dict[str, float]
+  config: ExperimentConfig, hw: Hardware, num_devices: int, measured: Mapping[str, float]
 ) -> Efficiency:
-  """Efficiency factors of this machine from one measured run of `config`."""
-  work = auto.workload_of(config)
-  trained = 1 + (work.critic is not None)
-  counts = {
-    "score_stages": len(present_roles(work)) - 1,
-    "update_calls": trained * work.ppo_epochs * work.optimizer_steps,
-    "decode_steps": work.response_len_max,
-  }
-  return fit_efficiency(ideal_times(config, hw, num_devices), measured, counts=counts)
+  """Efficiency factors that make the planner's prediction of `config`'s placement equal its
+  measured seconds per stage (`FITTED`: one factor per stage, solved through the planner
+  itself, so the fit and the prediction are one model)."""
+  eff = IDEAL
+  for stage, factor in FITTED[hw.host_shared]:
+
+    def predicted(value: float, stage=stage, factor=factor, eff=eff) -> float:
+      trial = dataclasses.replace(eff, **{factor: value})
+      return auto.predict(config, num_devices, hw, trial).stages[stage]
+
+    eff = dataclasses.replace(eff, **{factor: _solve(predicted, measured[stage], factor)})
+  return eff
 
 
 def compare(
@@ -119,27 +146,42 @@ def _ratio(predicted: float, measured: float) -> float | None:
 class Check:
   """Predicted against measured stage seconds per placement, measured in one process.
 
-  Measured seconds are medians over the rounds of each stage's time divided by the load factor
-  of its moment (the probe matmul's time then, over its time at calibration); `spread` is the
-  relative range (max - min) / median of those load-corrected samples: the run-to-run noise a
-  comparison can resolve.
+  Measured seconds are medians over the rounds; `spread` is the relative range
+  (max - min) / median of a stage's samples: the run-to-run noise a comparison can resolve.
   """
 
   predicted: Mapping[str, Mapping[str, float]]
   measured: Mapping[str, Mapping[str, float]]
   spread: Mapping[str, Mapping[str, float]]
   samples: Mapping[str, Mapping[str, list[float]]]
-  load: list[float]
-  """The load factor of every measured iteration (1: as loaded as at calibration)."""
   fitted_on: str
+  """The placement the efficiency factors were fitted to (its ratios are 1 by construction)."""
+  efficiency: Efficiency
+  hardware: Hardware
+  scaling_samples: Mapping[str, list[tuple[float, ...]]]
+  """`Hardware.device_cost` and `step_cost` (`calibrate.DeviceCost`) measured before every
+  iteration; the hardware holds their medians."""
 
   def ratio(self, variant: str, stage: str) -> float:
     return self.predicted[variant][stage] / self.measured[variant][stage]
 
   def to_json(self) -> dict:
+    eff = {f: getattr(self.efficiency, f) for _, f in FITTED[self.hardware.host_shared]}
     return {
       "fitted_on": self.fitted_on,
-      "load": [round(x, 3) for x in self.load],
+      "hardware": {
+        "float_flops": float(f"{self.hardware.float_flops:.4g}"),
+        **{
+          name: [round(x, 3) for x in getattr(self.hardware, name)] for name in self.scaling_samples
+        },
+        **{
+          f"{name}_spread": [
+            round((max(xs) - min(xs)) / statistics.median(xs), 3) for xs in zip(*rows, strict=True)
+          ]
+          for name, rows in self.scaling_samples.items()
+        },
+      },
+      "efficiency": {k: float(f"{v:.4g}") for k, v in eff.items()},
       "placements": {
         v: {
           s: {
@@ -151,6 +193,13 @@ class Check:
           for s in (*COMPARED, "iteration")
         }
         for v in self.measured
+      },
+      "samples": {
+        v: {s: [round(x, 4) for x in xs] for s, xs in st.items()} for v, st in self.samples.items()
+      },
+      "scaling_samples": {
+        name: [[round(x, 3) for x in row] for row in rows]
+        for name, rows in self.scaling_samples.items()
       },
     }
 
@@ -166,15 +215,16 @@ def check(
   **config_kwargs,
 ) -> Check:
   """Calibrates this machine, then runs `bench_config`'s placements one iteration at a time,
-  alternating their order every round with the probe timed around each iteration; fits the
-  efficiency factors to `fit_variant`'s load-corrected medians and predicts every placement.
-  """
-  import statistics
+  alternating their order every round, with the calibration programs timed right before each
+  iteration; fits the efficiency factors to `fit_variant`'s medians and predicts every
+  placement from the medians of the calibration taken over the same moments."""
   import tempfile
   import time
 
   import jax
 
+  if fit_variant not in variants:
+    raise ValueError(f"fit_variant {fit_variant!r} is not one of the variants {list(variants)}")
   start = time.perf_counter()
   say = lambda what: progress and progress(f"{time.perf_counter() - start:7.1f}s {what}")
 
@@ -182,34 +232,51 @@ def check(
   from rlhfjax.runner import Runner
 
   used = jax.devices()[:devices]
-  probe = calibrate.Probe(used)
-  hw = calibrate.measure_hardware(used, matmul_size=256, copy_bytes=16 << 20, pair_bytes=1 << 20)
-  base = probe.seconds(repeats=5)
-  say(f"calibrated: probe {base:.4f}s")
+  base = calibrate.measure_hardware(used, matmul_size=256, copy_bytes=16 << 20, pair_bytes=1 << 20)
   configs = {
     v: bench_config(v, iterations=rounds + 1, devices=devices, **config_kwargs) for v in variants
   }
+  programs = {}
+  if base.host_shared:
+    programs = {
+      "device_cost": calibrate.DeviceCost(used),
+      "step_cost": calibrate.DeviceCost.decode(used),
+    }
+  matmul = calibrate.Matmul(used)
+  say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
   root = workdir or tempfile.mkdtemp()
   runners = {v: Runner(c, os.path.join(root, v), show_progress=False) for v, c in configs.items()}
   for v, runner in runners.items():
     runner.iterate(0)  # compiles
     say(f"{v} built and compiled")
   samples = {v: {s: [] for s in (*COMPARED, "advantages", "iteration")} for v in variants}
-  load = []
+  scaling, rates = {name: [] for name in programs}, []
   for k in range(1, rounds + 1):
     for v in variants if k % 2 else tuple(reversed(variants)):
-      before = probe.seconds()
+      for name, program in programs.items():
+        scaling[name].append(calibrate.DeviceCost.relative(program.seconds()))
+      rates.append(matmul.rate())
       row = runners[v].iterate(k)
-      factor = (before + probe.seconds()) / 2 / base
-      load.append(factor)
       for s in samples[v]:
-        samples[v][s].append(row[f"time/{s}"] / factor)
-      say(f"round {k} {v}: {row['time/iteration']:.3f}s, load x{factor:.2f}")
+        samples[v][s].append(row[f"time/{s}"])
+      say(f"round {k} {v}: {row['time/iteration']:.3f}s")
+  for runner in runners.values():
+    runner.flow.close()
   measured = {v: {s: statistics.median(x) for s, x in st.items()} for v, st in samples.items()}
   spread = {
     v: {s: (max(x) - min(x)) / max(statistics.median(x), 1e-9) for s, x in st.items()}
     for v, st in samples.items()
   }
+  rate = statistics.median(rates)
+  hw = dataclasses.replace(
+    base,
+    float_flops=rate,
+    half_flops=base.half_flops if base.native_half else rate,
+    **{
+      name: tuple(statistics.median(x) for x in zip(*rows, strict=True))
+      for name, rows in scaling.items()
+    },
+  )
   eff = fit(configs[fit_variant], hw, devices, measured[fit_variant])
   predicted = {}
   for v, config in configs.items():
@@ -220,25 +287,29 @@ def check(
     measured=measured,
     spread=spread,
     samples=samples,
-    load=load,
     fitted_on=fit_variant,
+    efficiency=eff,
+    hardware=hw,
+    scaling_samples=scaling,
   )
 
 
 def agreements(result: Check, tolerance: float = 0.3) -> dict[str, list]:
   """The assertions the local check makes, as lists of (what, ok) with the figures:
 
-  - `stages`: every (placement, stage) whose measured spread is within `tolerance`: predicted
-    within `tolerance` of measured;
+  - `stages`: every stage of every placement but the fitted one: predicted within
+    `tolerance` of measured;
   - `order`: every pair of placements whose measured iteration gap exceeds both spreads: the
     predicted order agrees with the measured one.
   """
   stages, order = [], []
   for v in result.measured:
+    if v == result.fitted_on:
+      continue
     for s in COMPARED:
-      if result.spread[v][s] <= tolerance:
-        r = result.ratio(v, s)
-        stages.append((f"{v} {s}: predicted/measured {r:.2f}", abs(r - 1) <= tolerance))
+      r = result.ratio(v, s)
+      what = f"{v} {s}: predicted/measured {r:.2f} (spread {result.spread[v][s]:.0%})"
+      stages.append((what, abs(r - 1) <= tolerance))
   names = list(result.measured)
   for i, a in enumerate(names):
     for b in names[i + 1 :]:
@@ -249,7 +320,8 @@ def agreements(result: Check, tolerance: float = 0.3) -> dict[str, list]:
         pa, pb = result.predicted[a]["iteration"], result.predicted[b]["iteration"]
         order.append(
           (
-            f"{a} {ma:.3g}s vs {b} {mb:.3g}s (gap {gap:.0%} > spread {noise:.0%})",
+            f"{a} {ma:.3g}s vs {b} {mb:.3g}s (gap {gap:.0%} > spread {noise:.0%}); "
+            f"predicted {pa:.3g}s vs {pb:.3g}s",
             (pa < pb) == (ma < mb),
           )
         )
