@@ -21,6 +21,11 @@ _OUT = flags.DEFINE_string("out", None, "Where to write the calibration JSON.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices (host devices emulated on CPU).")
 _ITERATIONS = flags.DEFINE_integer("iterations", 4, "PPO iterations of the fitted run (>= 2).")
 _VARIANT = flags.DEFINE_string("variant", "colocated", "Placement of the fitted run.")
+_HIDDEN = flags.DEFINE_integer("hidden", 128, "Fitted run: hidden_size (bench_ppo's default).")
+_LAYERS = flags.DEFINE_integer("layers", 4, "Fitted run: num_layers.")
+_MLP = flags.DEFINE_integer("mlp", 352, "Fitted run: intermediate_size.")
+_BATCH = flags.DEFINE_integer("batch", 32, "Fitted run: sequences per rollout batch.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Fitted run: response tokens per sequence.")
 flags.mark_flags_as_required(["out"])
 
 
@@ -42,7 +47,14 @@ def main(argv):
   devices = jax.devices()[: _DEVICES.value]
   hw = calibrate.measure_hardware(devices)
   config = localcheck.bench_config(
-    _VARIANT.value, iterations=_ITERATIONS.value, devices=_DEVICES.value
+    _VARIANT.value,
+    iterations=_ITERATIONS.value,
+    devices=_DEVICES.value,
+    hidden=_HIDDEN.value,
+    layers=_LAYERS.value,
+    mlp=_MLP.value,
+    batch=_BATCH.value,
+    new_tokens=_NEW_TOKENS.value,
   )
   runner = Runner(config, tempfile.mkdtemp(), show_progress=False)
   runner.iterate(0)  # compiles
@@ -58,10 +70,13 @@ def main(argv):
       scaling[name].append(calibrate.DeviceCost.relative(program.seconds()))
     rows.append(runner.iterate(k))
   runner.flow.close()
+  # On a shared host the matmul rate at the moments of the run replaces the one measured first;
+  # an accelerator keeps its full-size measurement (the small matmul reads its launch cost).
+  host_rate = float(np.median(rates)) if hw.host_shared else hw.float_flops
   hw = dataclasses.replace(
     hw,
-    float_flops=float(np.median(rates)),
-    half_flops=hw.half_flops if hw.native_half else float(np.median(rates)),
+    float_flops=host_rate,
+    half_flops=hw.half_flops if hw.native_half else host_rate,
     **{name: tuple(float(x) for x in np.median(v, axis=0)) for name, v in scaling.items()},
   )
   measured = {
@@ -73,7 +88,13 @@ def main(argv):
   out = {
     "hardware": hw.to_json(),
     "efficiency": dataclasses.asdict(eff),
-    "fit_run": {"config": f"bench_ppo {_VARIANT.value}", "measured": measured},
+    "fit_run": {
+      "config": f"bench_ppo {_VARIANT.value}",
+      "model": {"hidden": _HIDDEN.value, "layers": _LAYERS.value, "mlp": _MLP.value},
+      "batch": _BATCH.value,
+      "new_tokens": _NEW_TOKENS.value,
+      "measured": measured,
+    },
   }
   with open(_OUT.value, "w") as f:
     json.dump(out, f, indent=1)
