@@ -192,16 +192,21 @@ def test_arithmetic_task_is_deterministic_and_holds_out_its_eval_sums():
   assert sorted(p["prompt"] for p in small["prompt"]) == sorted(
     f"{a}+{b}=" for a in range(10) for b in range(10)
   )
-  # The bundled files are the generator's output, and the splits the configs use hold out
-  # sums that no training prompt or demonstration contains.
+  # The bundled files are the generator's output, split three ways as the pipeline's configs
+  # read them (10,000 lines in file order): demonstrations are the first 5,000 sums, GRPO's
+  # 'train[50%:90%]' the next 4,000, the held-out 'train[90%:]' the last 1,000.
   for kind in ("prompt", "demonstration"):
     lines = pathlib.Path(data.bundled_path("arithmetic", kind)).read_text().splitlines()
     assert [json.loads(x) for x in lines] == first[kind]
-  # The configs' eval split, 'train[90%:]' of 10,000 lines in file order, is the last 1,000.
-  held_out = {p["prompt"] for p in first["prompt"][9000:]}
-  assert len(held_out) == 1000
-  assert not held_out & {p["prompt"] for p in first["prompt"][:9000]}
-  assert not held_out & {d["prompt"] for d in first["demonstration"]}
+  sums = [p["prompt"] for p in first["prompt"]]
+  demonstrated, rl, held_out = set(sums[:5000]), set(sums[5000:9000]), set(sums[9000:])
+  assert (len(demonstrated), len(rl), len(held_out)) == (5000, 4000, 1000)
+  assert {d["prompt"] for d in first["demonstration"]} == demonstrated
+  assert not demonstrated & rl and not demonstrated & held_out and not rl & held_out
+  cd = runpy.run_path(str(_ROOT / "configs" / "pipeline_arithmetic.py"))["get_config"]()
+  assert (cd.ppo.data.train_split, cd.ppo.data.eval_split) == ("train[50%:90%]", "train[90%:]")
+  with pytest.raises(ValueError, match="leave no"):
+    tasks.arithmetic_datasets(demonstrated=0.95)
   for p in first["prompt"]:
     a, b = p["prompt"][:-1].split("+")
     assert p["answer"] == str(int(a) + int(b))
