@@ -78,28 +78,42 @@ def vowel_reward(
 
 ARITHMETIC_SEED = 1729
 ARITHMETIC_DIGITS = 2
+ARITHMETIC_DEMONSTRATED = 0.5
 ARITHMETIC_HELD_OUT = 0.1
-"""The bundled 'arithmetic' files: the seed, the operands' digits, the held-out fraction."""
+"""The bundled 'arithmetic' files: the seed, the operands' digits, the fraction of the sums
+demonstrated for SFT (the first ones) and the fraction held out (the last ones)."""
 
 
 def arithmetic_datasets(
   seed: int = ARITHMETIC_SEED,
   digits: int = ARITHMETIC_DIGITS,
   held_out: float = ARITHMETIC_HELD_OUT,
+  demonstrated: float = ARITHMETIC_DEMONSTRATED,
 ) -> dict[str, list[dict[str, Any]]]:
   """The 'arithmetic' task's records, a function of its arguments only.
 
-  Every sum `a+b=` of two operands of at most `digits` digits, in a seeded order. 'prompt':
-  all of them as {"prompt": "37+48=", "answer": "85"}, the last `held_out` fraction held out
-  (the configs' `eval_split`, 'train[90%:]' for 0.1); 'demonstration': the others as
-  {"prompt", "response"}, so SFT never sees a held-out sum.
+  Every sum `a+b=` of two operands of at most `digits` digits, in a seeded order, split three
+  ways as an RLHF run uses its data: the first `demonstrated` fraction for SFT, the last
+  `held_out` fraction for evaluation, and the sums between them for RL, which SFT never saw.
+  'prompt': all of them in that order, as {"prompt": "37+48=", "answer": "85"} (the configs'
+  RL `train_split` 'train[50%:90%]' and `eval_split` 'train[90%:]' for the defaults);
+  'demonstration': the first part, as {"prompt", "response"}.
+
+  Raises:
+    ValueError: fractions that do not leave each part at least one sum.
   """
   top = 10**digits
   sums = [(a, b) for a in range(top) for b in range(top)]
   random.Random(seed).shuffle(sums)
-  split = len(sums) - round(held_out * len(sums))
+  num_demonstrated = round(demonstrated * len(sums))
+  rl_end = len(sums) - round(held_out * len(sums))
+  if not 0 < num_demonstrated < rl_end < len(sums):
+    raise ValueError(
+      f"demonstrated={demonstrated} and held_out={held_out} of {len(sums)} sums leave no "
+      "demonstrations, RL prompts or held-out sums"
+    )
   prompts = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in sums]
-  demos = [{"prompt": p["prompt"], "response": p["answer"]} for p in prompts[:split]]
+  demos = [{"prompt": p["prompt"], "response": p["answer"]} for p in prompts[:num_demonstrated]]
   return {"prompt": prompts, "demonstration": demos}
 
 

@@ -131,7 +131,8 @@ def main(argv: list[str]) -> None:
   out_dir = os.path.normpath(_OUT_DIR.value or os.path.join(bundled, _TASK.value))
   os.makedirs(out_dir, exist_ok=True)
   if _TASK.value == "arithmetic":
-    # The task's own generator (seeded); the held-out sums are the last 10% of prompts.jsonl.
+    # The task's own generator (seeded): prompts.jsonl holds the demonstrated sums (the first
+    # 50%), then the RL prompts SFT never sees, then the held-out ones (the last 10%).
     for kind, records in tasks.arithmetic_datasets().items():
       write_jsonl(os.path.join(out_dir, f"{kind}s.jsonl"), records)
     print(f"wrote the bundled 'arithmetic' datasets to {out_dir}")

@@ -22,7 +22,6 @@ from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.data.records import PromptBatch, Record, RecordFieldError
 from rlhfjax.flows import experience
 from rlhfjax.flows.ppo import PPOFlow
-from rlhfjax.observe.metrics import MetricsWriter
 from rlhfjax.reward_fn_check import RewardFnError
 from rlhfjax.runner import Runner
 
@@ -192,16 +191,21 @@ def test_arithmetic_task_is_deterministic_and_holds_out_its_eval_sums():
   assert sorted(p["prompt"] for p in small["prompt"]) == sorted(
     f"{a}+{b}=" for a in range(10) for b in range(10)
   )
-  # The bundled files are the generator's output, and the splits the configs use hold out
-  # sums that no training prompt or demonstration contains.
+  # The bundled files are the generator's output, split three ways as the pipeline's configs
+  # read them (10,000 lines in file order): demonstrations are the first 5,000 sums, GRPO's
+  # 'train[50%:90%]' the next 4,000, the held-out 'train[90%:]' the last 1,000.
   for kind in ("prompt", "demonstration"):
     lines = pathlib.Path(data.bundled_path("arithmetic", kind)).read_text().splitlines()
     assert [json.loads(x) for x in lines] == first[kind]
-  # The configs' eval split, 'train[90%:]' of 10,000 lines in file order, is the last 1,000.
-  held_out = {p["prompt"] for p in first["prompt"][9000:]}
-  assert len(held_out) == 1000
-  assert not held_out & {p["prompt"] for p in first["prompt"][:9000]}
-  assert not held_out & {d["prompt"] for d in first["demonstration"]}
+  sums = [p["prompt"] for p in first["prompt"]]
+  demonstrated, rl, held_out = set(sums[:5000]), set(sums[5000:9000]), set(sums[9000:])
+  assert (len(demonstrated), len(rl), len(held_out)) == (5000, 4000, 1000)
+  assert {d["prompt"] for d in first["demonstration"]} == demonstrated
+  assert not demonstrated & rl and not demonstrated & held_out and not rl & held_out
+  cd = runpy.run_path(str(_ROOT / "configs" / "pipeline_arithmetic.py"))["get_config"]()
+  assert (cd.ppo.data.train_split, cd.ppo.data.eval_split) == ("train[50%:90%]", "train[90%:]")
+  with pytest.raises(ValueError, match="leave no"):
+    tasks.arithmetic_datasets(demonstrated=0.95)
   for p in first["prompt"]:
     a, b = p["prompt"][:-1].split("+")
     assert p["answer"] == str(int(a) + int(b))
@@ -311,49 +315,32 @@ def test_the_arithmetic_pipeline_config_validates():
   assert grpo.algorithm.name == "grpo" and grpo.reward.fn == "rlhfjax.tasks:exact_match_reward"
 
 
-# Held-out exact-match accuracy (greedy, 512 held-out sums) of the pipeline as shipped, before
-# -> after GRPO, measured on this machine with sft.seed = ppo.seed = 0, 1, 2: 0.217 -> 0.328,
-# 0.158 -> 0.176, 0.141 -> 0.139. The rise depends on the seed, so no held-out margin is
-# asserted here (see the README for why: GRPO's gains on the sums it samples do not transfer to
-# new sums from this SFT policy). What is asserted is that GRPO learns the sums it revisits:
-# from the same SFT policies, 40 iterations on a fixed set of 16 training sums (lr 1e-4, 10
-# warm-up steps) raised their sampled reward, mean of the last 5 logged iterations minus mean of
-# the first 3, by 0.22, 0.28 and 0.23 (seeds 0, 1, 2), and by 0.18 in this test (0.14 -> 0.36).
-_FIXED_SUMS = 16
+# Held-out exact-match accuracy (greedy, 512 held-out sums; standard error of one accuracy about
+# 0.02, of a before/after difference at most 0.031) of the pipeline as shipped, before -> after
+# GRPO, seed 0: 0.424 -> 0.660 from the command line (2 host devices), 0.445 -> 0.506 in this
+# test (pytest's 8 host devices change XLA's CPU numerics); seeds 1 and 2: 0.100 -> 0.109 and
+# 0.096 -> 0.127. A rise well above noise on every seed is NOT met (README, "Verifiable
+# rewards"), so no such margin is asserted here: only that seed 0's held-out accuracy rises.
 
 
 @pytest.mark.slow
-def test_arithmetic_pipeline_reports_held_out_accuracy_before_and_after(tmp_path):
+def test_arithmetic_pipeline_raises_held_out_accuracy(tmp_path):
   command = [
     sys.executable,
     str(_ROOT / "scripts" / "run_pipeline.py"),
     f"--config={_ROOT / 'configs' / 'pipeline_arithmetic.py'}",
     f"--workdir={tmp_path / 'arith'}",
-    "--config.ppo.total_steps=10",
   ]
   done = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=_ROOT)
   assert done.returncode == 0, done.stderr[-3000:]
   evaluation = json.loads((tmp_path / "arith" / "ppo" / "eval.json").read_text())
   before, after = evaluation["before"]["task_reward"], evaluation["after"]["task_reward"]
-  assert evaluation["before"]["num_prompts"] == 512
-  # SFT leaves room both ways (the shipped SFT, any of the seeds above: 0.14 to 0.22).
-  assert 0.05 < before < 0.8, before
+  assert evaluation["before"]["num_prompts"] == evaluation["after"]["num_prompts"] == 512
+  # What was evaluated are held-out sums, never a demonstration or a GRPO prompt.
+  held_out = {p["prompt"] for p in tasks.arithmetic_datasets()["prompt"][9000:]}
+  shown = [s["prompt"] for p in ("before", "after") for s in evaluation[p]["samples"]]
+  assert shown and set(shown) <= held_out
   summary = (tmp_path / "arith" / "summary.md").read_text()
   assert f"Held-out task reward before -> after GRPO: {before:.4f} -> {after:.4f}" in summary
   assert not (tmp_path / "arith" / "rm").exists()
-
-  # GRPO from that SFT policy learns sums it sees again: 16 training sums, every iteration.
-  fixed = _write(tmp_path / "fixed.jsonl", tasks.arithmetic_datasets()["prompt"][:_FIXED_SUMS])
-  cd = runpy.run_path(str(_ROOT / "configs" / "pipeline_arithmetic.py"))["get_config"]().ppo
-  cd.init.actor = str(tmp_path / "arith" / "sft" / "checkpoints")
-  cd.data.prompts = fixed
-  cd.data.train_split = cd.data.eval_split = "train"
-  cd.total_steps, cd.log_every, cd.eval.num_prompts = 40, 2, _FIXED_SUMS
-  cd.actor_optimizer.learning_rate, cd.actor_optimizer.warmup_steps = 1e-4, 10
-  Runner(from_config_dict(cd), str(tmp_path / "fixed"), show_progress=False).run()
-  rewards = [
-    row["reward/mean"] for row in MetricsWriter.read(str(tmp_path / "fixed" / "metrics.jsonl"))
-  ]
-  assert len(rewards) == 21, len(rewards)
-  rise = np.mean(rewards[-5:]) - np.mean(rewards[:3])
-  assert rise > 0.1, rewards
+  assert after > before, (before, after)
