@@ -18,6 +18,40 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The files that take longest, longest first (`--durations` of a whole run, summed per file).
+# `-n 2 --dist loadfile` hands whole files to the two workers in collection order, so these
+# start first and the many short files fill in at the end; a long file handed out last would
+# keep one worker busy while the other sits idle. Files not listed keep their order after them.
+_LONGEST_FILES = (
+  "test_resume_algorithms.py",
+  "test_resume.py",
+  "test_multihost.py",
+  "test_algorithm_flows.py",
+  "test_fused_scoring.py",
+  "test_verifiable_rewards.py",
+  "test_ppo.py",
+  "test_pipeline.py",
+  "test_dpo.py",
+  "test_sft_rm.py",
+  "test_planner_single.py",
+  "test_placement.py",
+  "test_user_flow.py",
+  "test_offload.py",
+)
+
+
+def pytest_configure(config):
+  # pytest-xdist would otherwise reorder the files by their number of tests, which puts the few
+  # long end-to-end tests (kill -9 and rerun, multi-host, the pipeline) at the very end.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps file order
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():

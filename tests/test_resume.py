@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,14 +76,18 @@ def _wait_for_row(proc: subprocess.Popen, workdir: str, step: int, timeout: floa
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[dict]:
+def uninterrupted_workdir(tmp_path_factory) -> str:
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
   done = _run(workdir)
   assert done.returncode == 0, done.stderr[-3000:]
-  rows = _rows(workdir)
-  assert [r["step"] for r in rows] == list(range(STEPS))
+  assert [r["step"] for r in _rows(workdir)] == list(range(STEPS))
   assert ckpt.complete_steps(os.path.join(workdir, "checkpoints")) == [4, 6]  # keep=2
-  return rows
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_workdir) -> list[dict]:
+  return _rows(uninterrupted_workdir)
 
 
 @pytest.mark.slow
@@ -163,14 +168,15 @@ def test_a_second_ctrl_c_stops_at_once_and_the_rerun_repeats_the_run(uninterrupt
 
 
 @pytest.mark.slow
-def test_a_corrupt_checkpoint_is_a_one_line_error_naming_the_file(uninterrupted, tmp_path):
-  workdir = str(tmp_path)
-  done = _run(workdir, "--config.total_steps=2")
-  assert done.returncode == 0, done.stderr[-3000:]
-  meta = os.path.join(workdir, "checkpoints", "2", "meta", "metadata")
+def test_a_corrupt_checkpoint_is_a_one_line_error_naming_the_file(uninterrupted_workdir, tmp_path):
+  # A copy of the finished uninterrupted run (its checkpoints of steps 4 and 6), extended: the
+  # rerun must resume from step 6, whose meta is now cut short.
+  workdir = str(tmp_path / "w")
+  shutil.copytree(uninterrupted_workdir, workdir)
+  meta = os.path.join(workdir, "checkpoints", str(STEPS), "meta", "metadata")
   with open(meta, "w") as f:
-    f.write('{"step": 2, "se')
-  failed = _run(workdir, "--config.total_steps=4")
+    f.write(f'{{"step": {STEPS}, "se')
+  failed = _run(workdir, f"--config.total_steps={STEPS + 2}")
   assert failed.returncode == 2
   error = failed.stderr.strip().splitlines()[-1]
   assert error.startswith("error: ") and meta in error
