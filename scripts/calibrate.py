@@ -58,27 +58,13 @@ def main(argv):
   )
   runner = Runner(config, tempfile.mkdtemp(), show_progress=False)
   runner.iterate(0)  # compiles
-  matmul = calibrate.Matmul(devices)
-  programs = {}
-  if hw.host_shared:
-    programs = {"device_cost": calibrate.DeviceCost(devices)}
-    programs["step_cost"] = calibrate.DeviceCost.decode(devices)
-  rows, rates, scaling = [], [], {name: [] for name in programs}
+  moments = calibrate.AtMoments(hw, devices)
+  rows = []
   for k in range(1, _ITERATIONS.value):  # the calibration timed at the moments of the run
-    rates.append(matmul.rate())
-    for name, program in programs.items():
-      scaling[name].append(calibrate.DeviceCost.relative(program.seconds()))
+    moments.sample()
     rows.append(runner.iterate(k))
   runner.flow.close()
-  # On a shared host the matmul rate at the moments of the run replaces the one measured first;
-  # an accelerator keeps its full-size measurement (the small matmul reads its launch cost).
-  host_rate = float(np.median(rates)) if hw.host_shared else hw.float_flops
-  hw = dataclasses.replace(
-    hw,
-    float_flops=host_rate,
-    half_flops=hw.half_flops if hw.native_half else host_rate,
-    **{name: tuple(float(x) for x in np.median(v, axis=0)) for name, v in scaling.items()},
-  )
+  hw = moments.hardware()
   measured = {
     key[len("time/") :]: float(np.median([r[key] for r in rows]))
     for key in rows[0]

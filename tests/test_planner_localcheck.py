@@ -9,7 +9,7 @@ import pytest
 from rlhfjax.planner import auto, calibrate, localcheck
 from rlhfjax.planner.hardware import PRESETS, Hardware
 
-# Small enough to compile in CI, the same shape as bench_ppo's default (README's check command).
+# Small enough to compile quickly: bench_ppo's default model at half the width and half the layers.
 SMALL = dict(hidden=64, layers=2, mlp=176, batch=16, new_tokens=16)
 
 HOST = Hardware(
@@ -98,3 +98,21 @@ def test_agreements_assert_every_stage_of_every_checked_placement():
   assert [ok for _, ok in found["stages"]] == [True, True, False, True]
   assert all(what.startswith("b ") for what, _ in found["stages"])
   assert found["order"] == []  # the gap (100%) is inside b's spread (500%)
+
+
+def test_calibration_at_moments_takes_the_medians_on_a_shared_host_only():
+  import jax
+
+  two = jax.devices()[:2]
+  base = dataclasses.replace(HOST, device_cost=(), step_cost=())
+  moments = calibrate.AtMoments(base, two)
+  for _ in range(3):
+    moments.sample()
+  hw = moments.hardware()
+  assert [len(rows) for rows in moments.samples.values()] == [3, 3]
+  assert len(hw.device_cost) == len(hw.step_cost) == 2  # 1 and 2 devices
+  assert hw.device_cost[0] == hw.step_cost[0] == 1.0
+  assert hw.float_flops != base.float_flops and hw.half_flops == hw.float_flops
+  accelerator = calibrate.AtMoments(PRESETS["h100"], two)  # nothing timed again
+  accelerator.sample()
+  assert accelerator.samples == {} and accelerator.hardware() is PRESETS["h100"]

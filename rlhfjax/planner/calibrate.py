@@ -16,6 +16,7 @@ other placement's prediction is then a test of the model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -138,6 +139,49 @@ class DeviceCost:
   def relative(seconds: list[float]) -> tuple[float, ...]:
     """Times relative to one device (`Hardware.device_cost`)."""
     return tuple(t / seconds[0] for t in seconds)
+
+
+class AtMoments:
+  """The calibration of a shared host timed again at chosen moments of a measured run (right
+  before each of its iterations), so that the rates the prediction uses are medians over the
+  same moments as the stage times it is compared with: the matmul rate (`Matmul`) and the group
+  scalings (`DeviceCost`: `device_cost`, `step_cost`). On an accelerator nothing is timed again:
+  its full-size measurement in `base` stands (a small matmul there reads its launch cost)."""
+
+  def __init__(self, base: Hardware, devices):
+    self._base = base
+    shared = base.host_shared
+    self._matmul = Matmul(devices) if shared else None
+    self._programs = (
+      {"device_cost": DeviceCost(devices), "step_cost": DeviceCost.decode(devices)}
+      if shared
+      else {}
+    )
+    self._rates: list[float] = []
+    self.samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in self._programs}
+    """Each scaling as measured at every moment (`DeviceCost.relative`)."""
+
+  def sample(self) -> None:
+    """Times the calibration programs now."""
+    for name, program in self._programs.items():
+      self.samples[name].append(DeviceCost.relative(program.seconds()))
+    if self._matmul is not None:
+      self._rates.append(self._matmul.rate())
+
+  def hardware(self) -> Hardware:
+    """`base` with the medians of the moments' measurements."""
+    if not self._rates:
+      return self._base
+    rate = statistics.median(self._rates)
+    return dataclasses.replace(
+      self._base,
+      float_flops=rate,
+      half_flops=self._base.half_flops if self._base.native_half else rate,
+      **{
+        name: tuple(statistics.median(x) for x in zip(*rows, strict=True))
+        for name, rows in self.samples.items()
+      },
+    )
 
 
 def _copy_rate(devices, num_bytes: int) -> float:

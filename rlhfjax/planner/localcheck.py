@@ -236,13 +236,7 @@ def check(
   configs = {
     v: bench_config(v, iterations=rounds + 1, devices=devices, **config_kwargs) for v in variants
   }
-  programs = {}
-  if base.host_shared:
-    programs = {
-      "device_cost": calibrate.DeviceCost(used),
-      "step_cost": calibrate.DeviceCost.decode(used),
-    }
-  matmul = calibrate.Matmul(used)
+  moments = calibrate.AtMoments(base, used)
   say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
   root = workdir or tempfile.mkdtemp()
   runners = {v: Runner(c, os.path.join(root, v), show_progress=False) for v, c in configs.items()}
@@ -250,12 +244,9 @@ def check(
     runner.iterate(0)  # compiles
     say(f"{v} built and compiled")
   samples = {v: {s: [] for s in (*COMPARED, "advantages", "iteration")} for v in variants}
-  scaling, rates = {name: [] for name in programs}, []
   for k in range(1, rounds + 1):
     for v in variants if k % 2 else tuple(reversed(variants)):
-      for name, program in programs.items():
-        scaling[name].append(calibrate.DeviceCost.relative(program.seconds()))
-      rates.append(matmul.rate())
+      moments.sample()
       row = runners[v].iterate(k)
       for s in samples[v]:
         samples[v][s].append(row[f"time/{s}"])
@@ -267,16 +258,7 @@ def check(
     v: {s: (max(x) - min(x)) / max(statistics.median(x), 1e-9) for s, x in st.items()}
     for v, st in samples.items()
   }
-  rate = statistics.median(rates)
-  hw = dataclasses.replace(
-    base,
-    float_flops=rate,
-    half_flops=base.half_flops if base.native_half else rate,
-    **{
-      name: tuple(statistics.median(x) for x in zip(*rows, strict=True))
-      for name, rows in scaling.items()
-    },
-  )
+  hw = moments.hardware()
   eff = fit(configs[fit_variant], hw, devices, measured[fit_variant])
   predicted = {}
   for v, config in configs.items():
@@ -290,7 +272,7 @@ def check(
     fitted_on=fit_variant,
     efficiency=eff,
     hardware=hw,
-    scaling_samples=scaling,
+    scaling_samples=moments.samples,
   )
 
 
