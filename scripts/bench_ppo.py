@@ -42,6 +42,10 @@ _CHECK = flags.DEFINE_integer(
   "(rlhfjax.planner.localcheck.check).",
 )
 
+_SYNC_REPEATS = flags.DEFINE_integer(
+  "sync_repeats", 16, "With --check: syncs timed again after each iteration (Cluster.resync)."
+)
+
 
 def _config(variant: str):
   from rlhfjax.planner.localcheck import bench_config
@@ -77,6 +81,7 @@ def main(argv):
       variants,
       fit_variant=variants[0],
       rounds=_CHECK.value,
+      sync_repeats=_SYNC_REPEATS.value,
       devices=_DEVICES.value,
       progress=lambda line: print(line, flush=True),
       size=_SIZE.value,

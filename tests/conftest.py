@@ -47,10 +47,30 @@ def pytest_configure(config):
     config.option.loadscopereorder = False
 
 
+_SOLO_COMMAND = "python -m pytest -q -m solo"
+
+
+def _xdist_worker(config) -> bool:
+  return hasattr(config, "workerinput")
+
+
 def pytest_collection_modifyitems(config, items):
-  del config
   rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps file order
+  # Tests marked `solo` time the machine and need its cores to themselves: a pytest-xdist
+  # worker (another worker runs beside it) leaves them out; they run in a serial invocation.
+  if _xdist_worker(config):
+    solo = [item for item in items if item.get_closest_marker("solo")]
+    if solo:
+      config.hook.pytest_deselected(items=solo)
+      items[:] = [item for item in items if not item.get_closest_marker("solo")]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  if getattr(config.option, "numprocesses", None) and not _xdist_worker(config):
+    terminalreporter.write_line(
+      f"tests marked solo are not run under pytest-xdist; run them serially: {_SOLO_COMMAND}"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

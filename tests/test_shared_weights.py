@@ -101,6 +101,7 @@ def test_rollout_reads_the_actors_buffers_after_every_update(runs):
   assert [r["sync/bytes"] for r in result.metrics] == [0.0, 0.0]
   assert [r["time/sync"] for r in result.metrics] == [0.0, 0.0]
   assert not [r for r in runner.timeline.records if r.stage == "sync"]
+  assert cluster.resync() == 0.0  # nothing to sync again either
 
 
 def test_shared_weights_give_the_copy_paths_numbers_exactly_and_compile_once(runs):
@@ -129,6 +130,19 @@ def test_other_layouts_and_dtypes_still_copy(tmp_path):
   actor = jax.tree.leaves(cluster.states[Role.ACTOR].params)
   engine = jax.tree.leaves(cluster.engine.params)
   assert not any(a is e for a, e in zip(actor, engine, strict=True))
+  # The sync run again (as the local check samples it): timed, the same weights in the same
+  # shards, and no second timeline entry.
+  records = len(cluster.timeline.records)
+  before = [np.asarray(e) for e in engine]
+  assert cluster.resync() > 0
+  assert len(cluster.timeline.records) == records
+  again = jax.tree.leaves(cluster.engine.params)
+  shardings = jax.tree.leaves(cluster.roles[Role.ROLLOUT].param_shardings)
+  for a, e, b, s in zip(actor, again, before, shardings, strict=True):
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(e), b)
+    assert e.sharding.is_equivalent_to(s, e.ndim)
+    assert {x.device for x in e.addressable_shards} == set(s.device_set)
   # The same layout in another dtype (a bf16 rollout beside fp32 masters) is no share either.
   abstract = cluster.abstract_rollout()
   cast = jax.tree.map(

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -381,6 +382,23 @@ class Cluster:
       sorted(set(self.roles[Role.ROLLOUT].devices) | set(self.roles[self._rollout_from].devices))
     )
     with self.timeline.stage(iteration, "rollout", "sync", devices):
-      moved = self.engine.update_params(self._rollout_weights())
-      jax.block_until_ready(self.engine.params)
+      moved = self._take_weights()
+    return moved
+
+  def resync(self) -> float:
+    """Runs `sync` again outside the timeline and returns its wall seconds (0 where nothing
+    runs). The sync is idempotent (the rollout takes its source's current weights again), so
+    repeating it samples the stage's time more finely than one sync per iteration can: what
+    `rlhfjax.planner.localcheck.check` measures the sync with."""
+    if self.rollout_reads_source:
+      return 0.0
+    start = time.perf_counter()
+    self._take_weights()
+    return time.perf_counter() - start
+
+  def _take_weights(self) -> int:
+    """The sync itself: the engine takes the source's weights (cast first where the dtypes
+    differ) and waits for them; returns the bytes moved."""
+    moved = self.engine.update_params(self._rollout_weights())
+    jax.block_until_ready(self.engine.params)
     return moved

@@ -200,6 +200,20 @@ def _copied(piece: _Piece, target: _Target, written: bool) -> bool:
   return piece.src_device != target.devices[0] or (_lone_whole(target) and not written)
 
 
+def buffers_made(shape: tuple[int, ...], src: Sharding, dst: Sharding, *, into: bool) -> int:
+  """The new buffers `transfer` makes to move one array of `shape` from `src` to `dst` (with
+  `into`: a donated old array to write into): the pieces it cuts from source shards plus its
+  device-to-device copies (pieces to the device building their box, boxes to their replicas).
+  Only `devices_indices_map` of the shardings is used, so the planner counts a move between
+  device indices without the devices (`rlhfjax.planner.sync`)."""
+  plan = _plan(shape, src, dst)
+  written = _writes_into(plan, into)
+  cut = sum(p.cut is not None for t in plan for p in t.pieces)
+  gathered = sum(_copied(p, t, written) for t in plan for p in t.pieces)
+  replicas = sum(len(t.devices) - 1 for t in plan)
+  return cut + gathered + replicas
+
+
 Slots = list[list[list[jax.Array]]]
 """Per leaf, per target box, per piece: the array holding that piece."""
 

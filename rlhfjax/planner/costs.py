@@ -18,7 +18,8 @@ Every function returns seconds for one stage of one iteration on a role's device
   update; tensor parallelism all-reduces activations twice per layer per pass. A ring
   collective moves `(g - 1) / g` of the buffer over each device's link.
 - The weight sync moves the actor's parameters into the generation layout: each rollout device
-  receives its tensor shard over the slowest link between the two groups.
+  receives its tensor shard over the slowest link between the two groups. On a shared host its
+  fixed cost is per buffer the move makes (`rlhfjax.planner.sync`).
 - ZeRO-Offload (`Offload.optimizer`, DeepSpeed's `offload_optimizer`): the moments and float32
   master weights live on the host. Every micro-step each device copies its gradient partition
   to the host over its own PCIe link (DeepSpeed accumulates the gradients there), every
@@ -286,10 +287,17 @@ def sync_time(
   spans_nodes: bool,
   pair_bw: float | None = None,
   devices: int = 0,
+  buffers: int = 0,
 ) -> float:
   """Moving the actor's weights into the rollout's layout (each device gets its shard);
   `devices`: the devices of the actor and the rollout together (each reads or writes pieces
-  of every array: `transfer_s` per device)."""
+  of every array: `transfer_s` per device).
+
+  On a shared host (`host_shared`) `transfer_s` is charged per buffer instead: `buffers`, the
+  arrays' shards on the devices involved plus the pieces cut and copied
+  (`rlhfjax.planner.sync.buffers`). There every buffer is allocated, dispatched and waited for
+  on the same cores, and the count, not the devices or the bytes a device receives, is what
+  the placements' syncs differ in (see `rlhfjax.planner.sync`)."""
   received = matmul_params(config, "lm") * _BYTES[config.param_dtype] / rollout_tensor
   if pair_bw:
     bw = pair_bw
@@ -297,7 +305,5 @@ def sync_time(
     bw = hw.intra_node_bw
   else:
     bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
-  pieces = devices * eff.transfer_s
-  if hw.host_shared:  # the pieces are copies on the host's shared cores
-    pieces = hw.per_device(devices) * eff.transfer_s
+  pieces = (buffers if hw.host_shared else devices) * eff.transfer_s
   return received / (bw * eff.transfer_bw) + eff.stage_s + pieces

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from rlhfjax.placement.memory import device_totals, offload_options, sharding_of
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import costs, memory
+from rlhfjax.planner import sync as weight_sync
 from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.hardware import GIB, Hardware
 from rlhfjax.planner.replay import Replay, StageCost, replay
@@ -346,5 +347,6 @@ def _sync_cost(spec, w, hw, eff):
       ).spans_nodes,
       pair_bw=pair_bw,
       devices=len(sync_devices),
+      buffers=weight_sync.buffers(w.actor, spec[Role.ACTOR], rollout) if hw.host_shared else 0,
     ),
   )

@@ -24,6 +24,9 @@ from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.hardware import Hardware
 
 _PPO_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "ppo_tiny.py")
+PLACEMENTS = ("colocated", "interleaved", "interleaved_split", "disaggregated")
+"""`scripts/bench_ppo.py`'s placements less `disaggregated_async`, whose generation overlaps the
+other stages by design (its stage spans are not comparable one by one)."""
 COMPARED = ("generate", "score", "update", "sync")
 """Stages compared (advantages is a single tiny call that only sets `stage_s`)."""
 
@@ -146,8 +149,9 @@ def _ratio(predicted: float, measured: float) -> float | None:
 class Check:
   """Predicted against measured stage seconds per placement, measured in one process.
 
-  Measured seconds are medians over the rounds; `spread` is the relative range
-  (max - min) / median of a stage's samples: the run-to-run noise a comparison can resolve.
+  Measured seconds are medians over the rounds (the sync's over its repeats too, see
+  `check`); `spread` is the relative range (max - min) / median of a stage's samples: the
+  run-to-run noise a comparison can resolve.
   """
 
   predicted: Mapping[str, Mapping[str, float]]
@@ -205,9 +209,10 @@ class Check:
 
 
 def check(
-  variants: Sequence[str] = ("colocated", "interleaved_split", "disaggregated"),
+  variants: Sequence[str] = PLACEMENTS,
   *,
-  rounds: int = 4,
+  rounds: int = 6,
+  sync_repeats: int = 16,
   fit_variant: str = "colocated",
   devices: int = 8,
   workdir: str | None = None,
@@ -217,7 +222,12 @@ def check(
   """Calibrates this machine, then runs `bench_config`'s placements one iteration at a time,
   alternating their order every round, with the calibration programs timed right before each
   iteration; fits the efficiency factors to `fit_variant`'s medians and predicts every
-  placement from the medians of the calibration taken over the same moments."""
+  placement from the medians of the calibration taken over the same moments.
+
+  The weight sync is one copy of a few milliseconds per iteration, too short for a handful of
+  samples to resolve on a shared host: after each measured iteration the cluster runs it
+  `sync_repeats` more times (`Cluster.resync`: the rollout takes the actor's current weights
+  again, outside the timeline), and the sync's median and spread are over all of them."""
   import tempfile
   import time
 
@@ -250,6 +260,7 @@ def check(
       row = runners[v].iterate(k)
       for s in samples[v]:
         samples[v][s].append(row[f"time/{s}"])
+      samples[v]["sync"] += [runners[v].cluster.resync() for _ in range(sync_repeats)]
       say(f"round {k} {v}: {row['time/iteration']:.3f}s")
   for runner in runners.values():
     runner.flow.close()
