@@ -43,7 +43,9 @@ _CHECK = flags.DEFINE_integer(
 )
 
 _SYNC_REPEATS = flags.DEFINE_integer(
-  "sync_repeats", 16, "With --check: syncs timed again after each iteration (Cluster.resync)."
+  "sync_repeats",
+  16,
+  "With --check: syncs of each placement timed again per round (Cluster.resync).",
 )
 
 

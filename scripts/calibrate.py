@@ -26,6 +26,9 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "Fitted run: num_layers.")
 _MLP = flags.DEFINE_integer("mlp", 352, "Fitted run: intermediate_size.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Fitted run: sequences per rollout batch.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Fitted run: response tokens per sequence.")
+_SYNC_REPEATS = flags.DEFINE_integer(
+  "sync_repeats", 16, "Fitted run: syncs timed again after each iteration (Cluster.resync)."
+)
 flags.mark_flags_as_required(["out"])
 
 
@@ -59,17 +62,16 @@ def main(argv):
   runner = Runner(config, tempfile.mkdtemp(), show_progress=False)
   runner.iterate(0)  # compiles
   moments = calibrate.AtMoments(hw, devices)
-  rows = []
+  samples = {s: [] for s in localcheck.STAGES}
   for k in range(1, _ITERATIONS.value):  # the calibration timed at the moments of the run
     moments.sample()
-    rows.append(runner.iterate(k))
+    row = runner.iterate(k)
+    for s in samples:
+      samples[s].append(row[f"time/{s}"])
+    samples["sync"] += localcheck.resync_samples([runner.cluster], _SYNC_REPEATS.value)[0]
   runner.flow.close()
   hw = moments.hardware()
-  measured = {
-    key[len("time/") :]: float(np.median([r[key] for r in rows]))
-    for key in rows[0]
-    if key.startswith("time/")
-  }
+  measured = {s: float(np.median(xs)) for s, xs in samples.items()}
   eff = localcheck.fit(config, hw, _DEVICES.value, measured)
   out = {
     "hardware": hw.to_json(),

@@ -200,4 +200,20 @@ def test_local_check_predicts_every_stage_within_30_percent_and_the_measured_ord
       print(f"{kind}: {'ok' if ok else 'NOT MET'}: {what}")
   assert len(found["stages"]) == 3 * len(localcheck.COMPARED)
   failed = [what for rows in found.values() for what, ok in rows if not ok]
-  assert not failed, failed
+  assert not failed, (failed, {k: v for k, v in result.to_json().items() if k != "samples"})
+
+
+def test_resync_samples_take_every_cluster_in_turn_in_alternating_order():
+  calls = []
+
+  class Fake:
+    def __init__(self, name, seconds):
+      self.name, self.seconds = name, seconds
+
+    def resync(self):
+      calls.append(self.name)
+      return self.seconds
+
+  samples = localcheck.resync_samples([Fake("a", 1.0), Fake("b", 2.0), Fake("c", 3.0)], 3)
+  assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+  assert samples == [[1.0] * 3, [2.0] * 3, [3.0] * 3]

@@ -208,6 +208,26 @@ class Check:
     }
 
 
+STAGES = (*COMPARED, "advantages", "iteration")
+"""The stages sampled (advantages sets `stage_s` in the fit)."""
+
+
+def resync_samples(clusters: Sequence, repeats: int) -> list[list[float]]:
+  """Seconds of `repeats` more syncs of each cluster (`Cluster.resync`: the rollout takes the
+  actor's current weights again, outside the timeline), in passes over the clusters in
+  alternating order, so that every cluster's samples span the same moments.
+
+  The sync is one copy of a few milliseconds per iteration: on a shared host one sample per
+  iteration cannot resolve it, and its time drifts from moment to moment by more than the
+  placements' syncs differ."""
+  samples = [[] for _ in clusters]
+  order = list(range(len(clusters)))
+  for k in range(repeats):
+    for i in order if k % 2 == 0 else reversed(order):
+      samples[i].append(clusters[i].resync())
+  return samples
+
+
 def check(
   variants: Sequence[str] = PLACEMENTS,
   *,
@@ -222,12 +242,9 @@ def check(
   """Calibrates this machine, then runs `bench_config`'s placements one iteration at a time,
   alternating their order every round, with the calibration programs timed right before each
   iteration; fits the efficiency factors to `fit_variant`'s medians and predicts every
-  placement from the medians of the calibration taken over the same moments.
-
-  The weight sync is one copy of a few milliseconds per iteration, too short for a handful of
-  samples to resolve on a shared host: after each measured iteration the cluster runs it
-  `sync_repeats` more times (`Cluster.resync`: the rollout takes the actor's current weights
-  again, outside the timeline), and the sync's median and spread are over all of them."""
+  placement from the medians of the calibration taken over the same moments. The sync's
+  median and spread are over `sync_repeats` more samples per round too (`resync_samples`,
+  every placement's taken in turn after the round's iterations)."""
   import tempfile
   import time
 
@@ -253,15 +270,17 @@ def check(
   for v, runner in runners.items():
     runner.iterate(0)  # compiles
     say(f"{v} built and compiled")
-  samples = {v: {s: [] for s in (*COMPARED, "advantages", "iteration")} for v in variants}
+  samples = {v: {s: [] for s in STAGES} for v in variants}
   for k in range(1, rounds + 1):
     for v in variants if k % 2 else tuple(reversed(variants)):
       moments.sample()
       row = runners[v].iterate(k)
-      for s in samples[v]:
+      for s in STAGES:
         samples[v][s].append(row[f"time/{s}"])
-      samples[v]["sync"] += [runners[v].cluster.resync() for _ in range(sync_repeats)]
       say(f"round {k} {v}: {row['time/iteration']:.3f}s")
+    clusters = [runners[v].cluster for v in variants]
+    for v, xs in zip(variants, resync_samples(clusters, sync_repeats), strict=True):
+      samples[v]["sync"] += xs
   for runner in runners.values():
     runner.flow.close()
   measured = {v: {s: statistics.median(x) for s, x in st.items()} for v, st in samples.items()}
