@@ -8,19 +8,23 @@ sync touches (read on the actor's, written on the rollout's), every piece cut fr
 shard, and every device-to-device copy (pieces to the device building their box, boxes to their
 replicas). `costs.sync_time` charges `Efficiency.transfer_s` for each.
 
-On 8 CPU devices with `bench_config`'s model (12 arrays), timed 40 times each in alternation:
+On 8 CPU devices with `bench_config`'s model (12 arrays), `transfer.transfer(..., into=old)`
+timed 40 times per move in alternation (a one-off measurement, not a shipped benchmark):
 - 14 moves between training layouts (fsdp 2, 4, 8) and generation layouts (tensor 1, 2; 1 to 4
-  replicas) on the same, disjoint and overlapping devices: a constant plus 13.5 us per buffer
-  is within 9% of every median (1.9 to 6.6 ms);
-- the same layouts with the layer stacks split into one array per layer (36 arrays, 3x the
-  buffers) took 2.6 to 3.1x as long;
-- with 2.7x the bytes, 1.5x as long, whatever the bytes each move copied (from 1.4 to 78 MB):
-  the bytes are cut and joined once whatever the layouts, so they add a constant.
+  replicas) on the same, disjoint and overlapping devices (72 to 396 buffers, 1.9 to 6.6 ms):
+  0.85 ms plus 13.7 us per buffer is within 10% of every median;
+- the same moves with the layer stacks split into one array per layer (36 arrays, 3.3x the
+  buffers): 13.5 us per buffer, within 16%;
+- with 2.7x the bytes: 15.9 us per buffer and a constant of 3.0 ms, within 22%. The bytes are
+  cut and joined once whatever the layouts (a constant per model; the cost model's bytes over
+  the device-pair bandwidth).
 What the bench's placements differ in is buffers, not the bytes a rollout device receives (the
 same 1.4 MB on every rollout device in each) nor the devices involved (8 for both the co-located
 and the disaggregated placement, whose syncs took 14 and 10 ms in the same run): co-located
-fsdp 8 -> 4 replicas x tensor 2 on the same 8 devices 444 buffers, interleaved_split (the
-actor's 4 devices to the same 4) 204, disaggregated (4 devices to 4 others) 270.
+fsdp 8 -> 4 replicas x tensor 2 on the same 8 devices makes 396 buffers, interleaved_split
+(the actor's 4 devices to the same 4) 180, disaggregated (4 devices to 4 others) 270; their
+repeated syncs' medians in `localcheck.check` are in about those proportions (5.9, 3.5 and
+4.3 ms in one run, with the same 1.7 ms fixed cost per stage).
 """
 
 from __future__ import annotations
