@@ -1,7 +1,7 @@
 """PPO iteration time per placement on one fixed config: one JSON object per placement.
 
   python scripts/bench_ppo.py --iterations=6 --hidden=256 --layers=4 --batch=32 --new_tokens=32
-  python scripts/bench_ppo.py --check=6
+  python scripts/bench_ppo.py --check=8
 
 Each line: placement, setup and compile time, steady-state iteration time (median after the
 first iteration), per-stage times, tokens/s/device, and the stage that dominates. On 2 CPU

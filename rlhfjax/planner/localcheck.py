@@ -231,7 +231,7 @@ def resync_samples(clusters: Sequence, repeats: int) -> list[list[float]]:
 def check(
   variants: Sequence[str] = PLACEMENTS,
   *,
-  rounds: int = 6,
+  rounds: int = 8,
   sync_repeats: int = 16,
   fit_variant: str = "colocated",
   devices: int = 8,
