@@ -5,12 +5,15 @@
 
 The sums are split three ways (`rlhfjax.tasks.arithmetic_datasets`): SFT learns from the
 first half (demonstrations), GRPO's prompts are the next 40%, which SFT never saw, and the last
-10% are held out. SFT stops early (500 steps), with the format learnt and some of the rule;
-GRPO then samples 8 answers for each of 128 of its prompts per iteration and reinforces the
-exact ones. The evaluation before and after GRPO (greedy, on 512 held-out sums) reports the
-exact-match accuracy as `task_reward`, and summary.md shows it. No reward model stage: the rule
-is the reward. Two devices per stage. How much GRPO raises held-out accuracy depends on where
-SFT left the policy, and so on the seed (README, "Verifiable rewards").
+10% are held out. The model is the tiny one widened (hidden 128, 4 layers, MLP 352). SFT stops
+early (400 steps), with the format learnt and part of the rule. Its weight decay (0.3) gets it
+there on more seeds: without it SFT often sits on a plateau (held-out 0.07-0.14, the leading
+digits mostly right, the units digit, the sum mod 10, mostly wrong), from which GRPO's
+exact-match reward is too rare to move it. GRPO then
+samples 8 answers for each of 128 of its prompts per iteration and reinforces the exact ones.
+The evaluation before and after GRPO (greedy, on 512 held-out sums) reports the exact-match
+accuracy as `task_reward`, and summary.md shows it. No reward model stage: the rule is the
+reward. Two devices per stage. README, "Verifiable rewards", has the measured runs.
 """
 
 import os
@@ -19,6 +22,8 @@ import runpy
 import ml_collections
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The tiny model (hidden 56, 3 layers, MLP 152), wider and one layer deeper.
+_MODEL = {"hidden_size": 128, "num_layers": 4, "intermediate_size": 352}
 
 
 def _stage(name: str) -> ml_collections.ConfigDict:
@@ -34,16 +39,19 @@ def get_config() -> ml_collections.ConfigDict:
   sft.batch_size = 64
   sft.micro_batches = 1
   sft.max_len = 16
-  sft.total_steps = 500
+  sft.model.overrides = dict(_MODEL)
+  sft.total_steps = 400
   sft.eval_every = 0
   sft.log_every = 25
   sft.optimizer.learning_rate = 3e-3
   sft.optimizer.warmup_steps = 20
-  sft.checkpoint.every_steps = 250
+  sft.optimizer.weight_decay = 0.3
+  sft.checkpoint.every_steps = 200
   config.sft = sft
 
   grpo = runpy.run_path(os.path.join(_HERE, "grpo_tiny.py"))["get_config"]()
   grpo.data.task = "arithmetic"
+  grpo.model.overrides = dict(_MODEL)
   grpo.reward.fn = "rlhfjax.tasks:exact_match_reward"
   # The sums between the demonstrated ones and the held-out ones: new to the SFT policy.
   grpo.data.train_split = "train[50%:90%]"

@@ -315,12 +315,11 @@ def test_the_arithmetic_pipeline_config_validates():
   assert grpo.algorithm.name == "grpo" and grpo.reward.fn == "rlhfjax.tasks:exact_match_reward"
 
 
-# Held-out exact-match accuracy (greedy, 512 held-out sums; standard error of one accuracy about
-# 0.02, of a before/after difference at most 0.031) of the pipeline as shipped, before -> after
-# GRPO, seed 0: 0.424 -> 0.660 from the command line (2 host devices), 0.445 -> 0.506 in this
-# test (pytest's 8 host devices change XLA's CPU numerics); seeds 1 and 2: 0.100 -> 0.109 and
-# 0.096 -> 0.127. A rise well above noise on every seed is NOT met (README, "Verifiable
-# rewards"), so no such margin is asserted here: only that seed 0's held-out accuracy rises.
+# Held-out exact-match accuracy (greedy, 512 held-out sums) of the pipeline as shipped, before
+# -> after GRPO: 0.166 -> 0.531 in this test (pytest's 8 host devices change XLA's CPU numerics,
+# so the run is not the command line's); from the command line 0.164 -> 0.404 (seed 0),
+# 0.229 -> 0.428 (1), 0.266 -> 0.563 (2). The standard error of one accuracy on 512 sums is at
+# most 0.022, of a before/after difference about 0.03: a rise of 0.1 is over three of them.
 
 
 @pytest.mark.slow
@@ -343,4 +342,4 @@ def test_arithmetic_pipeline_raises_held_out_accuracy(tmp_path):
   summary = (tmp_path / "arith" / "summary.md").read_text()
   assert f"Held-out task reward before -> after GRPO: {before:.4f} -> {after:.4f}" in summary
   assert not (tmp_path / "arith" / "rm").exists()
-  assert after > before, (before, after)
+  assert after - before >= 0.1, (before, after)
