@@ -45,8 +45,9 @@ class StopRequest:
   def _handle(self, signum, frame) -> None:
     del frame
     if self._event.is_set():
-      # os.write: no buffered I/O (the interrupted code may be inside print).
-      os.write(2, b"error: interrupted again: stopped at once; rerun the same command to "
+      # os.write: no buffered I/O (the interrupted code may be inside print). The leading newline
+      # ends a progress bar's unfinished line, so that the error is a line of its own.
+      os.write(2, b"\nerror: interrupted again: stopped at once; rerun the same command to "
                b"resume from the last complete checkpoint\n")  # fmt: skip
       os._exit(errors.INTERRUPTED)
     self.signal_name = _NAMES.get(signum, str(signum))

@@ -236,6 +236,7 @@ def test_concurrent_dataset_preparers_take_turns(tmp_path):
 def test_a_first_signal_asks_the_loop_to_stop_and_a_second_ctrl_c_exits_at_once(signum):
   proc = _python(
     """
+    import sys
     import time
     from rlhfjax import signals
     with signals.StopRequest(what="test") as stop:
@@ -243,6 +244,8 @@ def test_a_first_signal_asks_the_loop_to_stop_and_a_second_ctrl_c_exits_at_once(
       while not stop.is_set():
         time.sleep(0.01)
       print("stopping", flush=True)
+      sys.stderr.write("ppo:  50%|#####     | 3/6")  # a progress bar's unfinished line
+      sys.stderr.flush()
       time.sleep(600)  # a long checkpoint: only a second signal ends it early
     """
   )
