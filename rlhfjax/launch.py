@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from absl import app, flags, logging
 
-from rlhfjax import errors, signals, workdir
+from rlhfjax import errors, liveness, signals, workdir
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -58,8 +58,10 @@ def run(main: Callable[[list[str]], None]) -> None:
       if "jax" in sys.modules and sys.modules["jax"].process_count() > 1:
         # Not through atexit: JAX's shutdown barrier would wait for the other processes,
         # which may have failed too, until its heartbeat timeout aborts with a stack trace.
+        # The others learn of the failure from `report_failure` (process 0 waits for them).
         print("error: " + line, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        liveness.report_failure(line)
         os._exit(status)
       fail(line, status)
 

@@ -10,23 +10,45 @@ aborting it with a C++ fatal error and a stack trace, after minutes. Here:
   `timeout_s`, or a coordination service that stops answering (process 0 ended), ends this
   process with one `error:` line naming it, instead of a wait in a collective that never ends.
   A process that finishes normally marks itself done (at exit) so the others do not mistake
-  the end of its work for a failure.
+  the end of its work for a failure;
+- `report_failure` posts a failing process's error line for the others, whose liveness threads
+  stop them with it in one line. Process 0, which runs the coordination service, leaves last:
+  when it exits while other processes run, JAX aborts them with a C++ fatal error and a stack
+  trace (for example when every process fails on the same bad config, process 0 first).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from rlhfjax import errors
 
 _KEY = "rlhfjax/alive/"
 _DONE = "done"
+_FAILED = "failed: "
+_LEFT = "left"  # stopped because another process failed
 _PERIOD_S = 1.0
+_POLL_S = 0.05  # process 0 waiting for the others to leave
+
+
+@dataclasses.dataclass(frozen=True)
+class _Watch:
+  client: Any
+  me: int
+  count: int
+  timeout_s: float
+  stop: threading.Event
+  posting: threading.Lock  # held while the liveness thread posts: `report_failure` waits it out
+
+
+_watch: _Watch | None = None  # this process's, once `watch_peers` started it
 
 
 def _die(message: str) -> None:
@@ -62,8 +84,10 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
   client = jax_distributed.global_state.client
   if count == 1 or client is None:
     return
+  global _watch
   stop = threading.Event()
   where = coordinator_address or "the cluster's coordinator"
+  _watch = watch = _Watch(client, me, count, timeout_s, stop, threading.Lock())
 
   def beat():
     last_change = {p: time.monotonic() for p in range(count) if p != me}
@@ -71,7 +95,10 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
     tick = 0
     while not stop.is_set():
       try:
-        client.key_value_set(f"{_KEY}{me}", str(tick), allow_overwrite=True)
+        with watch.posting:
+          if stop.is_set():  # a failure reported by the main thread, whose post stays
+            return
+          client.key_value_set(f"{_KEY}{me}", str(tick), allow_overwrite=True)
         posted = dict(client.key_value_dir_get(_KEY))
         values = {p: posted.get(f"{_KEY}{p}") for p in last_change}
       except Exception as e:  # noqa: BLE001 - any failure means the service is gone
@@ -83,7 +110,11 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
         )
       now = time.monotonic()
       for p, value in values.items():
-        if value == _DONE:
+        if value and value.startswith(_FAILED) and not stop.is_set():
+          _leave(watch, _LEFT)
+          why = value.removeprefix(_FAILED)
+          _die(f"process {p} of {count} failed, so process {me} stops too: {why}")
+        if value in (_DONE, _LEFT):
           continue
         if value != last_value.get(p):
           last_value[p], last_change[p] = value, now
@@ -104,3 +135,36 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
   threading.Thread(target=beat, name="rlhfjax-liveness", daemon=True).start()
   # Registered after JAX's own shutdown handler, so it runs first (atexit is LIFO).
   atexit.register(finish)
+
+
+def report_failure(line: str) -> None:
+  """Posts this process's error `line` for the job's other processes (see the module
+  docstring); in process 0, then waits for them to leave, at most `peer_timeout_s`. The caller
+  exits next. No-op outside a multi-process job or once the coordination service is gone.
+
+  A process blocked in a call that holds Python's lock (the first collective's set-up, gloo's
+  context) hears of the failure only when that call returns; process 0 waits for it at most
+  `peer_timeout_s`, after which JAX ends it as before."""
+  watch = _watch
+  if watch is None:
+    return
+  with watch.posting:  # this process's liveness thread posts no more
+    watch.stop.set()
+  with contextlib.suppress(Exception):
+    _leave(watch, _FAILED + errors.one_line(line)[:1000])
+
+
+def _leave(watch: _Watch, value: str) -> None:
+  """Posts `value` as this process's state; process 0 then waits until every other process has
+  finished, failed or left (or `timeout_s` passed), so that its exit, which ends the
+  coordination service, finds none of them still running."""
+  watch.client.key_value_set(f"{_KEY}{watch.me}", value, allow_overwrite=True)
+  if watch.me != 0:
+    return
+  deadline = time.monotonic() + watch.timeout_s
+  while time.monotonic() < deadline:
+    posted = dict(watch.client.key_value_dir_get(_KEY))
+    states = [posted.get(f"{_KEY}{p}") or "" for p in range(1, watch.count)]
+    if all(v in (_DONE, _LEFT) or v.startswith(_FAILED) for v in states):
+      return
+    time.sleep(_POLL_S)

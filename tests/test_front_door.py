@@ -454,8 +454,8 @@ def test_a_reward_function_of_the_wrong_signature_is_refused_at_load():
 # Multi-process waits.
 
 
-# A job's processes as the entry points run them (`launch.run`): joined, then collectives.
-_JOIN = """
+# A job's processes as the entry points run them (`launch.run`): joined, then `then`.
+_PROCESS = """
 import time
 from rlhfjax import distributed, launch
 
@@ -463,16 +463,21 @@ def main(argv):
   launch.quiet_logging()
   section = distributed.DistributedSection(
       enabled=True, coordinator_address="localhost:{port}", num_processes=2,
-      process_id={process_id}, start_timeout_s={start}, peer_timeout_s=5)
+      process_id={process_id}, start_timeout_s={start}, peer_timeout_s={peer})
   distributed.initialize(section, 2)
   from jax.experimental import multihost_utils
   print("joined", flush=True)
-  for i in range(10_000):
-    multihost_utils.sync_global_devices(f"step {{i}}")
-    time.sleep(0.2)
+{then}
 
 launch.run(main)
 """
+# Collectives until killed.
+_JOIN = _PROCESS.replace("{peer}", "5").replace(
+  "{then}",
+  """  for i in range(10_000):
+    multihost_utils.sync_global_devices(f"step {{i}}")
+    time.sleep(0.2)""",
+)
 
 
 def test_a_process_whose_job_never_starts_gives_up_in_one_line(reserve_port):
@@ -505,6 +510,42 @@ def test_when_a_process_dies_the_others_stop_with_a_clear_error(reserve_port):
     "process 1 of 2 gave no sign of life" in last or "another process of the job" in last
   ), err[-3000:]
   assert time.monotonic() - start < 60
+
+
+# One process fails at start-up while the other is still busy in Python (importing, planning).
+_FAIL_AFTER_JOINING = _PROCESS.replace("{peer}", "30").replace(
+  "{then}",
+  """  if {process_id} == {failing}:
+    raise ValueError("bad input on process {failing}")
+  while True:
+    time.sleep(0.05)""",
+)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_when_a_process_fails_the_others_stop_with_its_error(reserve_port, failing):
+  # Process 0 runs the coordination service: were it to exit while process 1 runs, JAX would
+  # abort process 1 with a C++ fatal error and a stack trace; it waits for process 1 to leave.
+  # (The peer timeout, 30 s, is not what stops them: the test's bound is 20 s.)
+  port = reserve_port()
+  procs = [
+    _python(_FAIL_AFTER_JOINING.format(port=port, process_id=k, start=120, failing=failing))
+    for k in (0, 1)
+  ]
+  start = time.monotonic()
+  results = [proc.communicate(timeout=120) for proc in procs]
+  assert time.monotonic() - start < 20
+  for k, (proc, (out, err)) in enumerate(zip(procs, results, strict=True)):
+    assert proc.returncode == 2, err[-3000:]
+    assert out.strip() == "joined", err[-3000:]
+    lines = err.strip().splitlines()
+    want = f"error: bad input on process {failing}"
+    if k != failing:
+      want = (
+        f"error: process {failing} of 2 failed, so process {k} stops too: "
+        f"bad input on process {failing}"
+      )
+    assert lines == [want], err[-3000:]
 
 
 @pytest.mark.slow
