@@ -7,9 +7,11 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 # timed: the `solo` tests run in a serial session): LLVM at -O0 and the loop emitters instead of
 # the fusion emitters. The tiny configs' programs then compile about 5x faster and run about 2x
 # slower (PPO's programs, no cache: 6.4 s of compiles against 33.6 s; SFT steps 0.18 s against
-# 0.095 s), and most of the suite's time is compiling. Only the CPU's machine code changes: the
-# programs the tests check (their HLO: the maths, shardings and collectives) are the same, and no
-# accelerator runs this code. Runs whose speed or trajectory is the claim take `users_codegen_env`.
+# 0.095 s), and most of the suite's time is compiling. Only the CPU backend's code changes (its
+# fusions and machine code): what the tests check of the programs (the maths, shardings and
+# collectives) is the same, and no accelerator runs this code. Runs whose speed or trajectory is
+# the claim take `users_codegen_env`; a check of the CPU backend's fusions pins the defaults
+# (test_decode_cache).
 _FAST_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _SUITE_FLAGS = (_FLAG, *_FAST_CODEGEN) if os.environ.get("PYTEST_XDIST_WORKER") else (_FLAG,)
 for _flag in _SUITE_FLAGS:
