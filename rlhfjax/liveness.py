@@ -114,7 +114,7 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
           _leave(watch, _LEFT)
           why = value.removeprefix(_FAILED)
           _die(f"process {p} of {count} failed, so process {me} stops too: {why}")
-        if value in (_DONE, _LEFT):
+        if _gone(value):
           continue
         if value != last_value.get(p):
           last_value[p], last_change[p] = value, now
@@ -164,7 +164,11 @@ def _leave(watch: _Watch, value: str) -> None:
   deadline = time.monotonic() + watch.timeout_s
   while time.monotonic() < deadline:
     posted = dict(watch.client.key_value_dir_get(_KEY))
-    states = [posted.get(f"{_KEY}{p}") or "" for p in range(1, watch.count)]
-    if all(v in (_DONE, _LEFT) or v.startswith(_FAILED) for v in states):
+    if all(_gone(posted.get(f"{_KEY}{p}")) for p in range(1, watch.count)):
       return
     time.sleep(_POLL_S)
+
+
+def _gone(value: str | None) -> bool:
+  """Whether a process's posted state says it posts no more: done, failed or left."""
+  return value in (_DONE, _LEFT) or (value or "").startswith(_FAILED)
