@@ -12,9 +12,11 @@ aborting it with a C++ fatal error and a stack trace, after minutes. Here:
   A process that finishes normally marks itself done (at exit) so the others do not mistake
   the end of its work for a failure;
 - `report_failure` posts a failing process's error line for the others, whose liveness threads
-  stop them with it in one line. Process 0, which runs the coordination service, leaves last:
-  when it exits while other processes run, JAX aborts them with a C++ fatal error and a stack
-  trace (for example when every process fails on the same bad config, process 0 first).
+  stop them with it in one line. All of them then leave through JAX's own shutdown (a barrier
+  of every process, then each disconnects from the coordination service): were a process
+  still connected when process 0, which runs the service, exits, JAX would abort it with a
+  C++ fatal error and a stack trace (for example when every process fails on the same bad
+  config, process 0 first).
 """
 
 from __future__ import annotations
@@ -33,17 +35,13 @@ from rlhfjax import errors
 _KEY = "rlhfjax/alive/"
 _DONE = "done"
 _FAILED = "failed: "
-_LEFT = "left"  # stopped because another process failed
 _PERIOD_S = 1.0
-_POLL_S = 0.05  # process 0 waiting for the others to leave
 
 
 @dataclasses.dataclass(frozen=True)
 class _Watch:
   client: Any
   me: int
-  count: int
-  timeout_s: float
   stop: threading.Event
   posting: threading.Lock  # held while the liveness thread posts: `report_failure` waits it out
 
@@ -51,9 +49,12 @@ class _Watch:
 _watch: _Watch | None = None  # this process's, once `watch_peers` started it
 
 
-def _die(message: str) -> None:
-  """Ends the process from any thread: the main one may be blocked in a collective."""
+def _die(message: str, leave: bool = False) -> None:
+  """Ends the process from any thread: the main one may be blocked in a collective. `leave`:
+  through JAX's shutdown first (`_leave`)."""
   os.write(2, f"error: {errors.one_line(message)}\n".encode())
+  if leave:
+    _leave()
   os._exit(errors.USER_ERROR)
 
 
@@ -87,7 +88,7 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
   global _watch
   stop = threading.Event()
   where = coordinator_address or "the cluster's coordinator"
-  _watch = watch = _Watch(client, me, count, timeout_s, stop, threading.Lock())
+  _watch = watch = _Watch(client, me, stop, threading.Lock())
 
   def beat():
     last_change = {p: time.monotonic() for p in range(count) if p != me}
@@ -111,10 +112,9 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
       now = time.monotonic()
       for p, value in values.items():
         if value and value.startswith(_FAILED) and not stop.is_set():
-          _leave(watch, _LEFT)
           why = value.removeprefix(_FAILED)
-          _die(f"process {p} of {count} failed, so process {me} stops too: {why}")
-        if _gone(value):
+          _die(f"process {p} of {count} failed, so process {me} stops too: {why}", leave=True)
+        if value == _DONE:
           continue
         if value != last_value.get(p):
           last_value[p], last_change[p] = value, now
@@ -138,37 +138,30 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
 
 
 def report_failure(line: str) -> None:
-  """Posts this process's error `line` for the job's other processes (see the module
-  docstring); in process 0, then waits for them to leave, at most `peer_timeout_s`. The caller
-  exits next. No-op outside a multi-process job or once the coordination service is gone.
+  """Posts this process's error `line` for the job's other processes, then leaves the job with
+  them (`_leave`; see the module docstring). The caller exits next. No-op outside a
+  multi-process job.
 
   A process blocked in a call that holds Python's lock (the first collective's set-up, gloo's
-  context) hears of the failure only when that call returns; process 0 waits for it at most
-  `peer_timeout_s`, after which JAX ends it as before."""
+  context) hears of the failure only when that call returns; the others wait for it at most
+  JAX's shutdown timeout (`jax.distributed.initialize(shutdown_timeout_seconds=...)`, 300 s)."""
   watch = _watch
   if watch is None:
     return
   with watch.posting:  # this process's liveness thread posts no more
     watch.stop.set()
   with contextlib.suppress(Exception):
-    _leave(watch, _FAILED + errors.one_line(line)[:1000])
+    watch.client.key_value_set(
+      f"{_KEY}{watch.me}", _FAILED + errors.one_line(line)[:1000], allow_overwrite=True
+    )
+  _leave()
 
 
-def _leave(watch: _Watch, value: str) -> None:
-  """Posts `value` as this process's state; process 0 then waits until every other process has
-  finished, failed or left (or `timeout_s` passed), so that its exit, which ends the
-  coordination service, finds none of them still running."""
-  watch.client.key_value_set(f"{_KEY}{watch.me}", value, allow_overwrite=True)
-  if watch.me != 0:
-    return
-  deadline = time.monotonic() + watch.timeout_s
-  while time.monotonic() < deadline:
-    posted = dict(watch.client.key_value_dir_get(_KEY))
-    if all(_gone(posted.get(f"{_KEY}{p}")) for p in range(1, watch.count)):
-      return
-    time.sleep(_POLL_S)
+def _leave() -> None:
+  """`jax.distributed.shutdown()`: a barrier of every process, then this one disconnects from
+  the coordination service, so that process 0's exit, which ends the service, finds no
+  process still connected (JAX aborts those)."""
+  import jax
 
-
-def _gone(value: str | None) -> bool:
-  """Whether a process's posted state says it posts no more: done, failed or left."""
-  return value in (_DONE, _LEFT) or (value or "").startswith(_FAILED)
+  with contextlib.suppress(Exception):  # the service gone, or the barrier timed out
+    jax.distributed.shutdown()
