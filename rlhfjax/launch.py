@@ -56,9 +56,8 @@ def run(main: Callable[[list[str]], None]) -> None:
         traceback.print_exc()
       line, status = errors.describe(error)
       if "jax" in sys.modules and sys.modules["jax"].process_count() > 1:
-        # Not through atexit: JAX's shutdown barrier would wait for the other processes,
-        # which may have failed too, until its heartbeat timeout aborts with a stack trace.
-        # The others learn of the failure from `report_failure` (process 0 waits for them).
+        # Not through atexit: the others learn of the failure first (`report_failure`), so
+        # that they too come to JAX's shutdown barrier, which it then passes through.
         print("error: " + line, file=sys.stderr, flush=True)
         sys.stdout.flush()
         liveness.report_failure(line)

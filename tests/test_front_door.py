@@ -524,8 +524,9 @@ _FAIL_AFTER_JOINING = _PROCESS.replace("{peer}", "30").replace(
 
 @pytest.mark.parametrize("failing", [0, 1])
 def test_when_a_process_fails_the_others_stop_with_its_error(reserve_port, failing):
-  # Process 0 runs the coordination service: were it to exit while process 1 runs, JAX would
-  # abort process 1 with a C++ fatal error and a stack trace; it waits for process 1 to leave.
+  # Process 0 runs the coordination service: were it to exit while process 1 is connected, JAX
+  # would abort process 1 with a C++ fatal error and a stack trace; both leave through JAX's
+  # shutdown barrier.
   # (The peer timeout, 30 s, is not what stops them: the test's bound is 20 s.)
   port = reserve_port()
   procs = [
