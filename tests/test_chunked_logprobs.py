@@ -11,16 +11,62 @@ from rlhfjax.training import sft, steps
 CONFIG = models.get_model_config("tiny", attention="xla")
 
 
-def _numpy_stats(logits, targets):
-  logits = np.asarray(logits, np.float64)
-  shifted = logits - logits.max(-1, keepdims=True)
-  logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-  probs = np.exp(logp)
-  return (
-    np.take_along_axis(logp, targets[..., None], -1)[..., 0],
-    -(probs * logp).sum(-1),
-    logits.argmax(-1),
+_U = np.finfo(np.float32).eps / 2  # fp32's unit roundoff
+
+
+def _gamma(n):
+  """Higham's bound on the relative rounding error of n fp32 operations in sequence."""
+  return n * _U / (1 - n * _U)
+
+
+def _exact_stats_and_fp32_bounds(hidden, head, targets, temperature, weights):
+  """Float64 log-probs, entropy and gradients of `sum(weights * (logp + 0.3 * entropy))`, and
+  worst-case bounds on how far an fp32 computation of each may fall from them.
+
+  The bounds follow the arithmetic, not a machine's rounding: a logit `z = h.w / T` of `d`
+  products is off by at most `gamma(d + 1) * (|h|.|w|) / T` (Higham's dot-product bound);
+  `logp = z_y - logsumexp(z)` moves by at most twice the largest logit error, plus
+  `gamma(v + 4) * (1 + max|z| + |logp|)` for the fp32 log-softmax over `v` entries; the entropy
+  `H = -sum(p s)` moves by `sum_v p_v |s_v + H|` times twice the logit error (its derivative),
+  plus the same log-softmax rounding. The gradients are sums over the vocabulary (for the
+  hidden states) or the positions (for the head) of `c = dL/dz`, whose error is its
+  sensitivity to the log-probs' error plus `gamma(4)` of itself.
+  """
+  h, w = np.asarray(hidden, np.float64), np.asarray(head, np.float64)
+  targets = np.asarray(targets)
+  (b, t, d), v = h.shape, w.shape[0]
+  z = np.einsum("btd,vd->btv", h, w) / temperature
+  z_abs = np.einsum("btd,vd->btv", np.abs(h), np.abs(w)) / temperature
+  shifted = z - z.max(-1, keepdims=True)
+  s = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  p = np.exp(s)
+  entropy = -(p * s).sum(-1)
+  logp = np.take_along_axis(s, targets[..., None], -1)[..., 0]
+  dz = _gamma(d + 1) * z_abs.max(-1)
+  z_max = np.abs(z).max(-1)
+  logp_err = 2 * dz + _gamma(v + 4) * (1 + z_max + np.abs(logp))
+  spread = (p * np.abs(s + entropy[..., None])).sum(-1)
+  entropy_err = 2 * spread * dz + _gamma(v + 4) * (1 + z_max + (p * np.abs(s)).sum(-1) + entropy)
+
+  weights = np.asarray(weights, np.float64)[..., None]
+  onehot = np.eye(v)[targets]
+  c = weights * ((onehot - p) - 0.3 * p * (s + entropy[..., None])) / temperature
+  softmax_err = (2 * dz + _gamma(v + 4) * (1 + z_max))[..., None]
+  c_err = np.abs(weights) / temperature * p * (2 + np.abs(s) + entropy[..., None]) * softmax_err
+  c_err += _gamma(4) * np.abs(c)
+  grads = (np.einsum("btv,vd->btd", c, w), np.einsum("btv,btd->vd", c, h))
+  grad_errs = (
+    np.einsum("btv,vd->btd", c_err + _gamma(v) * np.abs(c), np.abs(w)),
+    np.einsum("btv,btd->vd", c_err + _gamma(b * t) * np.abs(c), np.abs(h)),
   )
+  grads_and_errs = tuple(zip(grads, grad_errs, strict=True))
+  return (logp, logp_err), (entropy, entropy_err), z.argmax(-1), grads_and_errs
+
+
+def _assert_within(got, want, bound):
+  got = np.asarray(got, np.float64)
+  excess = np.abs(got - want) - bound
+  assert (excess <= 0).all(), f"off by {np.abs(got - want).max()} where the bound is {bound.max()}"
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 13, 64])
@@ -31,6 +77,7 @@ def test_chunked_stats_equal_numpy_and_whole_logits_with_gradients(chunk, temper
   hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
   head = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+  weights = jnp.cos(jnp.arange(b * t, dtype=jnp.float32)).reshape(b, t)
 
   def whole(h, w):
     return models.logprobs.stats_from_logits(jnp.einsum("btd,vd->btv", h, w) / temperature, targets)
@@ -38,23 +85,22 @@ def test_chunked_stats_equal_numpy_and_whole_logits_with_gradients(chunk, temper
   def chunked(h, w):
     return models.chunked_stats(h, w, targets, chunk_size=chunk, temperature=temperature)
 
-  got = chunked(hidden, head)
-  logp, entropy, argmax = _numpy_stats(
-    np.einsum("btd,vd->btv", np.asarray(hidden), np.asarray(head)) / temperature,
-    np.asarray(targets),
+  (logp, logp_err), (entropy, entropy_err), argmax, grads = _exact_stats_and_fp32_bounds(
+    hidden, head, targets, temperature, weights
   )
-  np.testing.assert_allclose(got.logp_bt, logp, atol=1e-5)
-  np.testing.assert_allclose(got.entropy_bt, entropy, atol=1e-5)
+  got = chunked(hidden, head)
+  _assert_within(got.logp_bt, logp, logp_err)
+  _assert_within(got.entropy_bt, entropy, entropy_err)
   np.testing.assert_array_equal(got.argmax_bt, argmax)
 
   def objective(fn):
-    weights = jnp.cos(jnp.arange(b * t, dtype=jnp.float32)).reshape(b, t)
     return lambda h, w: jnp.sum(weights * (fn(h, w).logp_bt + 0.3 * fn(h, w).entropy_bt))
 
   g_whole = jax.grad(objective(whole), argnums=(0, 1))(hidden, head)
   g_chunk = jax.grad(objective(chunked), argnums=(0, 1))(hidden, head)
-  for x, y in zip(g_whole, g_chunk, strict=True):
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+  for x, y, (exact, err) in zip(g_whole, g_chunk, grads, strict=True):
+    _assert_within(y, exact, err)
+    _assert_within(y, np.asarray(x, np.float64), 2 * err)  # both fp32: each within err of exact
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
