@@ -270,6 +270,32 @@ def test_plan_placement_script_bad_input_is_one_line():
   assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+  ("args", "message"),
+  [
+    (["--fusion", "--tail_fraction=-1"], "--tail_fraction must be in (0, 0.5), got -1.0"),
+    (["--fusion", "--tail_ratio=0.5"], "--tail_ratio must be > 1, got 0.5"),
+    (["--devices_per_node=0"], "--devices_per_node must be >= 1, got 0"),
+    (["--actor=BAD/hidden_str.json"], "BAD/hidden_str.json: 'hidden_size' must be a whole"),
+    (["--actor=BAD/list.json"], "BAD/list.json: a model config must be a JSON object, got list"),
+  ],
+  ids=["tail_fraction", "tail_ratio", "devices_per_node", "string_field", "json_list"],
+)
+def test_plan_placement_refuses_meaningless_flags_and_model_files(tmp_path, args, message):
+  (tmp_path / "hidden_str.json").write_text(json.dumps({"hidden_size": "4096"}))
+  (tmp_path / "list.json").write_text("[1, 2]")
+  args = [a.replace("BAD", str(tmp_path)) for a in args]
+  out = subprocess.run(
+    [sys.executable, str(REPO / "scripts" / "plan_placement.py"), "--actor=tiny", *args],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.startswith("error: " + message.replace("BAD", str(tmp_path))), out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1
+
+
 def test_hf_config_json_is_read(tmp_path):
   (tmp_path / "config.json").write_text(
     json.dumps(

@@ -42,11 +42,41 @@ def workload_from_flags(f) -> Workload:
   )
 
 
+def check_flags(f) -> None:
+  """Refuses meaningless flag values in one line naming the flag, before any planning."""
+  at_least_one = ("devices", "prompts", "samples_per_prompt", "prompt_len", "response_len_max")
+  at_least_one += ("ppo_epochs", "optimizer_steps", "top")
+  for name in at_least_one:
+    if getattr(f, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(f, name)}")
+  for name in ("micro_batch", "logits_chunk"):
+    if getattr(f, name) < 0:
+      raise ValueError(f"--{name} must be >= 0 (0: {'search' if name == 'micro_batch' else 'off'})")
+  if not 0 < f.response_len_mean <= f.response_len_max:
+    raise ValueError(
+      f"--response_len_mean must be in (0, --response_len_max={f.response_len_max}], "
+      f"got {f.response_len_mean}"
+    )
+  for name in ("devices_per_node", "rollout_devices"):
+    if getattr(f, name) is not None and getattr(f, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(f, name)}")
+  if f.fusion:
+    if not 0 < f.tail_fraction < 0.5:
+      raise ValueError(f"--tail_fraction must be in (0, 0.5), got {f.tail_fraction}")
+    if not f.tail_ratio > 1:
+      raise ValueError(f"--tail_ratio must be > 1, got {f.tail_ratio}")
+    if not 0 < f.tail_threshold < 1:
+      raise ValueError(f"--tail_threshold must be in (0, 1), got {f.tail_threshold}")
+    if f.fusion_micro_batch < 0:
+      raise ValueError(f"--fusion_micro_batch must be >= 0, got {f.fusion_micro_batch}")
+
+
 def plan_from_flags(f) -> tuple[list[Plan], str]:
   """Ranked plans and their table for the flags of `plan_placement.py`."""
+  check_flags(f)
   work = workload_from_flags(f)
   hw = hardware.load_hardware(f.hardware, f.efficiency)
-  if f.devices_per_node:
+  if f.devices_per_node is not None:
     hw = dataclasses.replace(hw, devices_per_node=f.devices_per_node)
   eff = efficiency.load_efficiency(f.efficiency)
   if f.rollout_devices is not None and f.strategy != "disaggregated":

@@ -169,12 +169,30 @@ def resolve_model(name_or_path: str, dtype: str = "bfloat16") -> ModelConfig | N
   return config_from_hf_dict(hf, dtype, path)
 
 
+_SHAPE_KEYS = (
+  "hidden_size",
+  "num_attention_heads",
+  "intermediate_size",
+  "ffn_dim",
+  "vocab_size",
+  "num_hidden_layers",
+  "num_key_value_heads",
+  "head_dim",
+)
+
+
 def config_from_hf_dict(hf: dict, dtype: str, path: str) -> ModelConfig:
   """The shape fields of a HF config (any decoder-only family; only shapes matter here).
 
   OPT's two-matrix GeLU MLP of width `ffn_dim` becomes a SwiGLU MLP of two thirds the width:
   the same parameters and FLOPs per token.
   """
+  if not isinstance(hf, dict):
+    raise ValueError(f"{path}: a model config must be a JSON object, got {type(hf).__name__}")
+  for name in _SHAPE_KEYS:
+    value = hf.get(name)
+    if value is not None and (type(value) is not int or value < 1):
+      raise ValueError(f"{path}: {name!r} must be a whole number >= 1, got {value!r}")
   try:
     d = hf["hidden_size"]
     heads = hf["num_attention_heads"]
