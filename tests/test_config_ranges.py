@@ -1,10 +1,11 @@
 """Every config field of every section: wrong types and out-of-range values are one line naming
-the field; every shipped config has every field the README documents for it."""
+the field; every shipped config has every field the README and docs/ document for it."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import math
 import os
 import re
@@ -167,8 +168,12 @@ def test_meaningless_values_are_refused_naming_the_field(name, path, value, patt
 
 
 def _documented_fields() -> set[str]:
-  with open(os.path.join(ROOT, "README.md")) as f:
-    text = f.read()
+  """The config fields the README and the guides in docs/ name."""
+  pages = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+  text = ""
+  for page in pages:
+    with open(page) as f:
+      text += f.read()
   return set(re.findall(r"`(?:--config\.)?([a-z_]+\.[a-z_]+)(?:=[^`]*)?`", text)) | set(
     re.findall(r"--config\.([a-z_]+\.[a-z_]+)", text)
   )
