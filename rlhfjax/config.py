@@ -413,6 +413,11 @@ class DPOSection:
       raise ConfigError(f"'dpo.loss' must be one of {', '.join(_DPO_LOSSES)}, got {self.loss!r}")
     if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5:
       raise ConfigError("'dpo' needs beta > 0 and 0 <= label_smoothing < 0.5")
+    if self.loss == "ipo" and self.label_smoothing:
+      raise ConfigError(
+        f"'dpo.label_smoothing'={self.label_smoothing} is conservative DPO's, for "
+        "loss='sigmoid'; 'ipo' has no label smoothing: set it to 0"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 devices), learning on the bundled preferences. Online DPO: its pairs against NumPy, the same
 numbers on two placements, learning on the bundled task."""
 
+import dataclasses
 import itertools
 import pathlib
 import runpy
@@ -105,6 +106,9 @@ def test_dpo_learns_and_compiles_once(runs):
 def test_dpo_options_are_checked():
   with pytest.raises(ConfigError, match="'dpo.loss' must be one of sigmoid, ipo"):
     _config("colocated", loss="hinge")
+  # Issue 28, item 10: options that would be ignored are refused.
+  with pytest.raises(ConfigError, match=r"'dpo.label_smoothing'=0.1 is conservative DPO's"):
+    _config("colocated", loss="ipo", label_smoothing=0.1)
 
 
 def _online(variant, **changes):
@@ -142,6 +146,14 @@ def test_online_dpo_same_numbers_on_two_placements(online):
   assert base[1]["loss/dpo"] != base[0]["loss/dpo"]
   assert set(online["disaggregated"].compilations.values()) == {1}
   assert online["disaggregated"].metrics[0]["sync/bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["dpo", "online_dpo"])
+def test_dpo_flows_refuse_fused_scoring(tmp_path, name):
+  cfg = _config("colocated") if name == "dpo" else _online("colocated")
+  cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, fused_scoring=True))
+  with pytest.raises(ConfigError, match=rf"{name} does not score samples while they generate"):
+    Runner(cfg, str(tmp_path), show_progress=False)
 
 
 def test_online_dpo_needs_pairs(tmp_path):

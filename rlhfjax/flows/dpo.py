@@ -18,6 +18,7 @@ import jax
 from rlhfjax import algorithms as alg
 from rlhfjax import data, distributed, models
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
@@ -61,6 +62,7 @@ class DPOFlow(Flow):
   def __init__(self, ctx: FlowContext):
     self.ctx = ctx
     cfg, cluster, d = ctx.cfg, ctx.cluster, ctx.cfg.data
+    stages.refuse_fused_scoring(cfg)
     rngs = initial_rngs(cfg.seed)
     actor_source = WeightSource(source=cfg.init.actor, what="init.actor", rng=rngs[Role.ACTOR])
     cluster.train(Role.ACTOR, actor_source, make_optimizer(cfg.actor_optimizer, cfg.total_steps))

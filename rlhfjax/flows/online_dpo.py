@@ -64,6 +64,7 @@ class OnlineDPOFlow(Flow):
   def __init__(self, ctx: FlowContext):
     self.ctx = ctx
     cfg, cluster, ppo = ctx.cfg, ctx.cluster, ctx.cfg.ppo
+    stages.refuse_fused_scoring(cfg)
     k = ppo.group_size
     if k < 2:
       raise ConfigError(
