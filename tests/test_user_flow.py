@@ -4,6 +4,7 @@ on two placements, and by scripts/train.py from the directory holding the file."
 
 import json
 import pathlib
+import re
 import runpy
 import shutil
 import subprocess
@@ -99,6 +100,73 @@ def test_a_bad_flow_is_a_clear_error(tmp_path):
     _config("colocated", flow="examples.rejection_sampling")
   with pytest.raises(ValueError, match="'algorithm.name' must be one of .*grpo"):
     Runner(_config("colocated", flow="", name="nope"), str(tmp_path))
+
+
+_FLOW_CLASS = """from rlhfjax.flows.base import Flow
+
+
+class F(Flow):
+  def __init__(self, ctx):
+    del ctx
+
+  def iteration(self, i):
+    return {row}
+
+
+def make_flow(ctx):
+  return F(ctx)
+"""
+_USER_FAULTS = {
+  "syntax": ("def make_flow(ctx)\n  return 1\n", r"^{file}:1: flow '{flow}' could not be "
+             r"imported: SyntaxError: "),
+  "raises_at_import": ("import math\nmath.sqrt(-1)\n", r"^{file}:2: flow '{flow}' could not "
+                       r"be imported: ValueError: math domain error"),
+  "factory_raises": ("def make_flow(ctx):\n  raise RuntimeError('no judge')\n",
+                     r"^{file}:2: flow '{flow}' raised RuntimeError: no judge$"),
+  "factory_returns_int": ("def make_flow(ctx):\n  return 42\n", r"^flow '{flow}' returned int, "
+                          r"not a flow: it has no iteration, checkpoint_items"),
+  "iteration_raises": (_FLOW_CLASS.format(row="undefined_name"),
+                       r"^{file}:9: flow '{flow}' iteration 0 raised NameError: "),
+  "iteration_returns_none": (_FLOW_CLASS.format(row="None"),
+                             r"^flow '{flow}' iteration 0 returned NoneType; expected a dict"),
+  "non_scalar_metric": (_FLOW_CLASS.format(row="{'step': i, 'x': [1.0, 2.0]}"),
+                        r"^flow '{flow}' iteration 0 returned metric 'x' as an array of shape "
+                        r"\(2,\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", list(_USER_FAULTS))
+def test_a_user_flow_fault_names_the_users_file_not_an_internal_error(tmp_path, fault):
+  """Issue 28, item 7: the user's file and line first, the flow named, exit status 2."""
+  from rlhfjax import errors
+
+  source, pattern = _USER_FAULTS[fault]
+  module = f"user_fault_{fault}"
+  (tmp_path / f"{module}.py").write_text(source)
+  flow = f"{module}:make_flow"
+  sys.path.insert(0, str(tmp_path))
+  try:
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - what it is is the test below
+      Runner(_config("colocated", flow=flow), str(tmp_path / "run"), show_progress=False).run()
+  finally:
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop(module, None)
+  line, status = errors.describe(caught.value)
+  file = re.escape(str(tmp_path / f"{module}.py"))
+  assert re.search(pattern.format(file=file, flow=re.escape(flow)), line), line
+  assert status == errors.USER_ERROR, line
+
+
+def test_a_user_flow_row_without_step_is_given_its_iteration(tmp_path):
+  (tmp_path / "user_no_step.py").write_text(_FLOW_CLASS.format(row="{'x': 2.0 * i}"))
+  sys.path.insert(0, str(tmp_path))
+  try:
+    config = _config("colocated", flow="user_no_step:make_flow")
+    result = Runner(config, str(tmp_path / "run"), show_progress=False).run()
+  finally:
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("user_no_step", None)
+  assert [(r["step"], r["x"]) for r in result.metrics] == [(0, 0.0), (1, 2.0)]
 
 
 @pytest.mark.slow

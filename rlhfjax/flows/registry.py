@@ -20,7 +20,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from rlhfjax import tasks
+from rlhfjax.flows import user
 from rlhfjax.placement.spec import Role
 
 FLOWS: dict[str, Callable[..., Any]] = {}
@@ -57,7 +57,7 @@ def builtin() -> dict[str, Callable[..., Any]]:
 def resolve(name: str, flow: str = "") -> Callable[..., Any]:
   """The factory of `flow` ('module:function') if given, else of the registered `name`."""
   if flow:
-    return tasks.load_callable(flow, "flow")
+    return user.load(flow)
   flows = builtin()
   if name not in flows:
     raise ValueError(f"'algorithm.name' must be one of {', '.join(sorted(flows))}, got {name!r}")
