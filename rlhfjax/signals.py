@@ -24,6 +24,16 @@ from rlhfjax import errors
 _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
+_requested = threading.Event()
+"""Set by the first signal while a `StopRequest` is active: work inside an iteration that may
+run long (DAPO's sampling rounds) checks `requested()` to end early."""
+
+
+def requested() -> bool:
+  """Whether a stop was asked for (SIGTERM or Ctrl-C) in the active training loop."""
+  return _requested.is_set()
+
+
 class StopRequest:
   """Handles SIGINT and SIGTERM while active (see the module docstring).
 
@@ -52,6 +62,7 @@ class StopRequest:
       os._exit(errors.INTERRUPTED)
     self.signal_name = _NAMES.get(signum, str(signum))
     self._event.set()
+    _requested.set()
     os.write(2, f"\n{self.signal_name}: stopping the {self._what} after this iteration with a "
              "checkpoint (Ctrl-C again to stop at once)\n".encode())  # fmt: skip
     if self._on_stop is not None:
@@ -64,6 +75,7 @@ class StopRequest:
     return self
 
   def __exit__(self, *exc_info) -> None:
+    _requested.clear()
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
     self._previous.clear()

@@ -1,8 +1,10 @@
 """DAPO: overlong shaping and the dynamic-sampling filter against NumPy; the flow on two
 placements (same numbers), with every kept group carrying a signal."""
 
+import os
 import pathlib
 import runpy
+import signal
 
 import numpy as np
 import pytest
@@ -117,3 +119,50 @@ def test_dapo_samples_groups_with_a_signal_and_shapes_overlong_responses(runs):
 def test_dapo_options_are_checked(tmp_path):
   with pytest.raises(ConfigError, match="overlong_buffer'=8 must be below"):
     Runner(_config("colocated", overlong_buffer=8), str(tmp_path), show_progress=False)
+
+
+_CALLS = {"n": 0, "stop_at": 0}
+
+
+def constant_reward(prompts, responses, metadata):
+  """Every response scores 0: no group ever has a signal. On call `stop_at` it asks the run to
+  stop, as SIGTERM from a scheduler would, from inside the sampling rounds."""
+  del prompts, metadata
+  _CALLS["n"] += 1
+  if _CALLS["n"] == _CALLS["stop_at"]:
+    os.kill(os.getpid(), signal.SIGTERM)
+  if _CALLS["stop_at"] and _CALLS["n"] > _CALLS["stop_at"] + 2:
+    raise AssertionError("still sampling rounds after SIGTERM")
+  return np.zeros(len(responses), np.float32)
+
+
+def _constant_run(tmp_path, rounds, stop_at=0):
+  _CALLS.update(n=0, stop_at=stop_at)
+  cd = runpy.run_path(str(_ROOT / "configs" / "dapo_tiny.py"))["get_config"]("colocated")
+  cd.reward.fn = "test_dapo:constant_reward"
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  cd.ppo.dynamic_sampling_rounds = rounds
+  return Runner(from_config_dict(cd), str(tmp_path), show_progress=False).run()
+
+
+def test_dapo_rounds_with_a_constant_reward_are_reported(tmp_path, capfd):
+  """Issue 28, item 10: every round used and the batch filled with signal-free groups is said
+  on stderr, not only in the metrics."""
+  result = _constant_run(tmp_path, rounds=2)
+  assert [r["dapo/rounds"] for r in result.metrics] == [3.0, 3.0]
+  assert [r["dapo/filled_groups"] for r in result.metrics] == [2.0, 2.0]
+  err = capfd.readouterr().err
+  assert "dapo: iteration 0 used all 3 sampling rounds (ppo.dynamic_sampling_rounds=2) and " in err
+  assert "filled 2 of 2 groups with equal rewards" in err
+
+
+def test_dapo_sampling_rounds_stop_on_sigterm(tmp_path):
+  """A million rounds allowed, a constant reward: SIGTERM during the rounds ends the iteration
+  at the next round (not a million rounds later), with a checkpoint, status as a preemption."""
+  result = _constant_run(tmp_path, rounds=1_000_000, stop_at=5)
+  assert result.preempted
+  assert [r["dapo/rounds"] for r in result.metrics] == [5.0]
+  assert (tmp_path / "checkpoints" / "1").is_dir()

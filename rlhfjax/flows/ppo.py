@@ -22,13 +22,17 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import sys
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from rlhfjax import algorithms as alg
+from rlhfjax import distributed, signals
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
@@ -333,9 +337,13 @@ class PPOFlow:
     k, b = cfg.ppo.group_size, cfg.rollout.batch_size
     kept: list[tuple[Sequences, list[int]]] = []
     dropped: list[tuple[Sequences, list[int]]] = []
-    count, rounds = 0, 0
-    for attempt in range(cfg.ppo.dynamic_sampling_rounds + 1):
+    count, rounds, limit = 0, 0, cfg.ppo.dynamic_sampling_rounds
+    progress = _RoundProgress(iteration, limit, b // k)
+    for attempt in range(limit + 1):
       if attempt:
+        if signals.requested():  # a stop asked for: this iteration ends with what it has
+          break
+        progress.show(attempt, count // k)
         prompts = stages.grouped_prompts(ctx, k)
         seqs = stages.generate_stage(ctx, iteration, prompts, attempt=attempt)
       rounds = attempt + 1
@@ -355,6 +363,7 @@ class PPOFlow:
     while count < b:
       kept.append(dropped.pop(0))
       count, filled = count + k, filled + 1
+    progress.done(rounds, filled)
     out = experience.take_rows(kept)
     return out, {"dapo/rounds": float(rounds), "dapo/filled_groups": float(filled)}
 
@@ -527,3 +536,34 @@ def make_rloo(ctx: FlowContext) -> PPOFlow:
 def make_reinforce_pp(ctx: FlowContext) -> PPOFlow:
   """REINFORCE++: batch-whitened returns of KL-shaped token rewards, no critic."""
   return PPOFlow(ctx, estimator="reinforce_pp")
+
+
+class _RoundProgress:
+  """DAPO's sampling rounds of one iteration, shown on stderr (process 0) when they run long:
+  a line every `every_s` seconds, and one when the iteration used every round it may
+  (`ppo.dynamic_sampling_rounds`) and still filled the batch with equal-reward groups."""
+
+  def __init__(self, iteration: int, limit: int, groups: int, every_s: float = 10.0):
+    self.iteration, self.limit, self.groups, self.every_s = iteration, limit, groups, every_s
+    self.start = self.last = time.monotonic()
+    self.shown = distributed.is_primary()
+
+  def show(self, attempt: int, kept: int) -> None:
+    now = time.monotonic()
+    if self.shown and now - self.last >= self.every_s:
+      self.last = now
+      tqdm.tqdm.write(
+        f"dapo: iteration {self.iteration}, sampling round {attempt + 1} of at most "
+        f"{self.limit + 1} ({now - self.start:.0f} s): {kept} of {self.groups} groups with "
+        "rewards that differ so far",
+        file=sys.stderr,
+      )
+
+  def done(self, rounds: int, filled: int) -> None:
+    if self.shown and filled and rounds == self.limit + 1:
+      tqdm.tqdm.write(
+        f"dapo: iteration {self.iteration} used all {rounds} sampling rounds "
+        f"(ppo.dynamic_sampling_rounds={self.limit}) and filled {filled} of {self.groups} "
+        "groups with equal rewards (no learning signal): the reward may be constant",
+        file=sys.stderr,
+      )
