@@ -29,12 +29,7 @@ def main(argv: list[str]) -> None:
   from rlhfjax import config as config_lib
   from rlhfjax.training import sft, supervised
 
-  supervised.run_script(
-    sft.SFTTrainer,
-    config_lib.SFTConfig,
-    _CONFIG.value,
-    launch.open_run(_CONFIG.value, _WORKDIR.value),
-  )
+  supervised.run_script(sft.SFTTrainer, config_lib.SFTConfig, _CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
