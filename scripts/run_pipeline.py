@@ -81,6 +81,7 @@ def main(argv: list[str]) -> None:
   rerun.clear(workdir)
   algorithm = cfgs["ppo"].algorithm.name.upper()
   titles = {"sft": "supervised fine-tuning", "rm": "reward model", "ppo": algorithm}
+  short = {"sft": "SFT", "rm": "reward model", "ppo": algorithm}
   trainers = {
     "sft": lambda: sft.SFTTrainer(cfgs["sft"], dirs["sft"]).run().stopped,
     "rm": lambda: reward_model.RewardModelTrainer(cfgs["rm"], dirs["rm"]).run().stopped,
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> None:
       continue
     print(title, flush=True)
     if trainers[name]():
-      return _stopped(titles[name])
+      return _stopped(short[name])
 
   # Everything from the stages' files, never from this process's memory: a rerun skips the
   # finished stages, and its summary must read as the uninterrupted run's.
