@@ -384,8 +384,7 @@ class Checkpointer:
     `async_save` it returns once the arrays are copied to host; the caller may then donate
     them. Returns whether a save was started.
     """
-    every = self.config.every_steps
-    if not (force or (every > 0 and step % every == 0)) or step in self._manager.all_steps():
+    if not self.due(step, force=force):
       return False
     json.dumps(meta)  # fail here, not in a background thread
     orbax_items = _orbax_items(items)
@@ -396,6 +395,13 @@ class Checkpointer:
     args[_FINGERPRINTS] = ocp.args.JsonSave(fingerprints)
     with self._failures(f"checkpoint of step {step}"):
       return self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether `save(step, ..., force=force)` would save: on the schedule or forced, and not
+    saved already."""
+    every = self.config.every_steps
+    scheduled = force or (every > 0 and step % every == 0)
+    return scheduled and step not in self._manager.all_steps()
 
   @contextlib.contextmanager
   def _failures(self, what: str):

@@ -86,16 +86,28 @@ def open_run(config_dict, path: str | None) -> str:
   Raises:
     WorkdirError: the workdir is empty, a file, not writable or in use by another run.
   """
-  from rlhfjax import distributed  # imports JAX: after `start`
-
   workdir.absolute_config_paths(config_dict)
   path = workdir.prepare(path)
+  hold(path)
+  return path
+
+
+def hold(path: str, run: str | None = None) -> None:
+  """Locks directory `path` (created if missing) for this job until it exits: process 0
+  takes `WorkdirLock`, naming `run` (the workdir of the run that writes into `path` as part
+  of its own, e.g. a pipeline's stage) to whoever finds it in use.
+
+  Raises:
+    WorkdirError: `path` cannot be used or is in use by another run.
+  """
+  from rlhfjax import distributed  # imports JAX: after `start`
+
+  path = workdir.prepare(path)
   if distributed.is_primary():
-    lock = workdir.WorkdirLock(path)
+    lock = workdir.WorkdirLock(path, run=run)
     _OPEN_LOCKS.append(lock)
     if lock.took_over:
       logging.warning("took over the lock of an ended run: %s", lock.took_over)
-  return path
 
 
 def parse_flags(argv: list[str]) -> list[str]:

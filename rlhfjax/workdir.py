@@ -5,7 +5,9 @@
   `absolute_config_paths` does that once for every path field of a config file.
 - `prepare` creates the workdir or says in one line why it cannot be used.
 - `WorkdirLock` makes a second run on the same workdir fail at start with one line naming the
-  holder, instead of both interleaving their metrics and checkpoints. It is an advisory
+  holder, instead of both interleaving their metrics and checkpoints. A run holds every
+  directory it writes: a pipeline also holds each stage's, so a stage's script started on one
+  of them beside it is refused too. It is an advisory
   `flock` on `WORKDIR/.lock`: the kernel drops it when its process dies however it dies, so the
   lock of a killed run is stale by construction and the next run takes it over.
 - `file_lock` serialises short critical sections between processes (dataset preparation).
@@ -89,17 +91,22 @@ def _holder(lock_path: str) -> dict[str, Any]:
 def _describe(holder: dict[str, Any]) -> str:
   if not holder:
     return "another process"
-  return f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
+  started = f"started {holder.get('started')}"
+  if holder.get("run"):  # a directory held by a run of another workdir (a pipeline's stage)
+    started += f", the run of {holder['run']}"
+  return f"process {holder.get('pid')} on {holder.get('host')} ({started})"
 
 
 class WorkdirLock:
   """Exclusive ownership of a workdir by this process until `release` (or its death).
 
   Raises (on construction) `WorkdirError` naming the holder when another live process holds
-  it. `took_over` is the holder record of a dead run whose lock file was left behind.
+  it. `took_over` is the holder record of a dead run whose lock file was left behind. `run`:
+  the workdir of the run that holds this one as part of its own (a pipeline holds its
+  stages' directories), named to whoever finds it in use.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, *, run: str | None = None):
     self.path = os.path.join(workdir, LOCK_FILE)
     try:
       self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -119,6 +126,7 @@ class WorkdirLock:
       "pid": os.getpid(),
       "host": socket.gethostname(),
       "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+      **({"run": run} if run else {}),
     }
     os.ftruncate(self._fd, 0)
     os.pwrite(self._fd, json.dumps(record).encode(), 0)

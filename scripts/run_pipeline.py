@@ -11,18 +11,22 @@ WORKDIR/summary.md reports every stage, and the RL outputs a user looks at first
 beside it: reward.png (the reward curve), eval.md (the policy on held-out prompts before and
 after RL) and timeline.png (which devices ran what, when).
 
-Rerunning the same command resumes: finished stages are not trained again, an interrupted one
-continues from its latest checkpoint; SIGTERM or Ctrl-C stops the current stage with a
-checkpoint. Any failure: one `error:` line, exit status 2 (`--debug`: the traceback).
+Rerunning the same command resumes: finished stages are not even built again, an interrupted one
+continues from its latest checkpoint, and the outputs end as an uninterrupted run's; a finished
+pipeline says so in one line and changes no file. SIGTERM or Ctrl-C stops the current stage with
+a checkpoint. While it runs, the pipeline holds WORKDIR and each stage's directory: a stage's own
+script started on one of them is refused in one line. Any failure: one `error:` line, exit
+status 2 (`--debug`: the traceback).
 """
 
+import json
 import os
 import shutil
 
 from absl import flags
 from ml_collections import config_flags
 
-from rlhfjax import launch
+from rlhfjax import launch, rerun
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where every stage writes.")
@@ -39,9 +43,11 @@ def main(argv: list[str]) -> None:
   names = [name for name in ("sft", "rm", "ppo") if name in config]
   if "sft" not in names or "ppo" not in names:
     launch.fail(f"the pipeline config needs sections sft and ppo (and rm, optional); has {names}")
-  stages = [config[name] for name in names]
   # One JAX start for all three stages: as many host devices as the largest one asks for.
-  widest = max(stages, key=lambda s: launch.requested_devices(s, _MAX_CPU_DEVICES.value) or 0)
+  widest = max(
+    (config[name] for name in names),
+    key=lambda s: launch.requested_devices(s, _MAX_CPU_DEVICES.value) or 0,
+  )
   launch.start(argv, widest, _MAX_CPU_DEVICES.value)
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
@@ -52,37 +58,74 @@ def main(argv: list[str]) -> None:
 
   workdir = launch.open_run(config, _WORKDIR.value)
   dirs = {name: os.path.join(workdir, name) for name in names}
+  for path in dirs.values():  # the pipeline writes there: nobody else may while it runs
+    launch.hold(path, run=workdir)
   config.ppo.init.actor = os.path.join(dirs["sft"], "checkpoints")
   if "rm" in dirs:
     config.rm.init.checkpoint = os.path.join(dirs["sft"], "checkpoints")
     config.ppo.init.reward = os.path.join(dirs["rm"], "checkpoints")
-  sft_cfg = config_lib.from_config_dict(config.sft, config_lib.SFTConfig)
-  rm_cfg = (
-    config_lib.from_config_dict(config.rm, config_lib.RewardModelConfig) if "rm" in dirs else None
-  )
-  ppo_cfg = config_lib.from_config_dict(config.ppo)
-  algorithm = ppo_cfg.algorithm.name.upper()
-  count = len(names)
-  print(f"stage 1/{count}: supervised fine-tuning", flush=True)
-  if sft.SFTTrainer(sft_cfg, dirs["sft"]).run().stopped:
-    return _stopped("SFT")
-  if rm_cfg is not None:
-    print(f"stage 2/{count}: reward model", flush=True)
-    if reward_model.RewardModelTrainer(rm_cfg, dirs["rm"]).run().stopped:
-      return _stopped("reward model")
-  print(f"stage {count}/{count}: {algorithm}", flush=True)
-  result = ppo_runner.Runner(ppo_cfg, dirs["ppo"]).run()
-  if result.preempted:
-    return _stopped(algorithm)
+  cfgs = {
+    "sft": config_lib.from_config_dict(config.sft, config_lib.SFTConfig),
+    "ppo": config_lib.from_config_dict(config.ppo),
+  }
+  if "rm" in dirs:
+    cfgs["rm"] = config_lib.from_config_dict(config.rm, config_lib.RewardModelConfig)
+  done = {name: _finished(dirs[name], cfgs[name]) for name in names}
+  if all(done.values()) and rerun.finished_step(workdir) is not None:
+    stages = ", ".join(f"{name} at step {rerun.finished_step(dirs[name])}" for name in names)
+    print(
+      f"{workdir}: finished ({stages}); nothing to do (delete the workdir or raise a stage's "
+      "total_steps, e.g. --config.ppo.total_steps, to train more)"
+    )
+    return
+  rerun.clear(workdir)
+  algorithm = cfgs["ppo"].algorithm.name.upper()
+  titles = {"sft": "supervised fine-tuning", "rm": "reward model", "ppo": algorithm}
+  short = {"sft": "SFT", "rm": "reward model", "ppo": algorithm}
+  trainers = {
+    "sft": lambda: sft.SFTTrainer(cfgs["sft"], dirs["sft"]).run().stopped,
+    "rm": lambda: reward_model.RewardModelTrainer(cfgs["rm"], dirs["rm"]).run().stopped,
+    "ppo": lambda: ppo_runner.Runner(cfgs["ppo"], dirs["ppo"]).run().preempted,
+  }
+  for number, name in enumerate(names, 1):
+    title = f"stage {number}/{len(names)}: {titles[name]}"
+    if done[name]:  # not built at all: a finished stage's files stay as they are
+      print(f"{title}: finished at step {rerun.finished_step(dirs[name])}", flush=True)
+      continue
+    print(title, flush=True)
+    if trainers[name]():
+      return _stopped(short[name])
 
+  # Everything from the stages' files, never from this process's memory: a rerun skips the
+  # finished stages, and its summary must read as the uninterrupted run's.
   rows = {name: MetricsWriter.read(os.path.join(dirs[name], "metrics.jsonl")) for name in dirs}
-  summary = _summary(rows, result.evaluation, ppo_runner.format_evaluation, algorithm)
+  evaluation = _read_evaluation(dirs["ppo"])
+  summary = _summary(rows, evaluation, ppo_runner.format_evaluation, algorithm)
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write(summary)
+  copied = []
   for name in _COPIED:
-    shutil.copyfile(os.path.join(dirs["ppo"], name), os.path.join(workdir, name))
+    source, target = os.path.join(dirs["ppo"], name), os.path.join(workdir, name)
+    if os.path.exists(source):  # eval.md: not with the evaluation off
+      shutil.copyfile(source, target)
+      copied.append(name)
+    elif os.path.exists(target):  # an earlier run's, which this run's summary does not match
+      os.remove(target)
+  rerun.mark_finished(workdir, cfgs["ppo"].total_steps)
   print(summary)
-  print(f"outputs in {workdir}: summary.md, {', '.join(_COPIED)}; each stage in its subdirectory")
+  print(f"outputs in {workdir}: summary.md, {', '.join(copied)}; each stage in its subdirectory")
+
+
+def _finished(stage_dir: str, cfg) -> bool:
+  return cfg.checkpoint.resume and rerun.is_finished(stage_dir, cfg.total_steps)
+
+
+def _read_evaluation(ppo_dir: str) -> dict:
+  path = os.path.join(ppo_dir, "eval.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
 
 
 def _stopped(stage: str) -> None:
@@ -110,15 +153,14 @@ def _summary(
   if "rm" in rows:
     lines.append(f"- Reward model held-out accuracy: {_first_last(rows['rm'], 'eval/accuracy')}")
   scorer = "reward model" if "rm" in rows else "rule"
-  task = _before_after(evaluation, "task_reward")
+  task = _before_after(evaluation, "task_reward") if evaluation else "evaluation off"
   lines += [
     f"- {algorithm} mean reward ({scorer}): {_first_last(rows['ppo'], 'reward/mean')}",
     f"- Held-out task reward before -> after {algorithm}: {task}",
-    "",
-    f"## {algorithm} policy on held-out prompts",
-    "",
-    format_evaluation(evaluation),
   ]
+  if not evaluation:  # ppo.eval.num_prompts=0, or a flow without a rollout
+    return "\n".join([*lines, ""])
+  lines += ["", f"## {algorithm} policy on held-out prompts", "", format_evaluation(evaluation)]
   return "\n".join(lines)
 
 

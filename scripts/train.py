@@ -15,8 +15,10 @@ Writes `metrics.jsonl`, TensorBoard events, `timeline.json` / `timeline.png` (on
 device group), `reward.png`, `eval.json` / `eval.md` (held-out prompts before and after PPO) and
 `checkpoints/<step>/` into the workdir (in a multi-process run, process 0 writes the files and
 every process takes part in the checkpoints). Rerunning the same command resumes from the latest
-complete checkpoint; SIGTERM or Ctrl-C writes one and exits with status 0 (a second Ctrl-C
-stops at once). Any failure: one `error:` line, exit status 2 (`--debug`: the traceback).
+complete checkpoint (and ends with the rows, evaluation and timeline of an uninterrupted run); a
+finished run says so in one line and changes no file. SIGTERM or Ctrl-C writes one and exits
+with status 0 (a second Ctrl-C stops at once). Any failure: one `error:` line, exit status 2
+(`--debug`: the traceback).
 """
 
 from absl import flags

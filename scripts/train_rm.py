@@ -6,7 +6,8 @@
 
 Writes `metrics.jsonl`, TensorBoard events, `loss.png`, `eval_accuracy.png` and checkpoints
 (WORKDIR/checkpoints, item 'reward') into the workdir; a rerun resumes from the latest
-checkpoint. Bad input: one `error:` line, exit status 2.
+checkpoint and ends with the rows and plots of an uninterrupted run; a rerun of a finished run
+says so in one line and changes no file. Bad input: one `error:` line, exit status 2.
 """
 
 from absl import flags

@@ -6,7 +6,8 @@
 
 Writes `metrics.jsonl`, TensorBoard events, `loss.png`, `eval_loss.png` and checkpoints
 (WORKDIR/checkpoints, item 'policy') into the workdir; a rerun resumes from the latest
-checkpoint. Bad input: one `error:` line, exit status 2.
+checkpoint and ends with the rows and plots of an uninterrupted run; a rerun of a finished run
+says so in one line and changes no file. Bad input: one `error:` line, exit status 2.
 """
 
 from absl import flags
@@ -29,12 +30,7 @@ def main(argv: list[str]) -> None:
   from rlhfjax import config as config_lib
   from rlhfjax.training import sft, supervised
 
-  supervised.run_script(
-    sft.SFTTrainer,
-    config_lib.SFTConfig,
-    _CONFIG.value,
-    launch.open_run(_CONFIG.value, _WORKDIR.value),
-  )
+  supervised.run_script(sft.SFTTrainer, config_lib.SFTConfig, _CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

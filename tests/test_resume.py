@@ -9,11 +9,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
+import runs_testing
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import config as config_lib
@@ -31,8 +31,6 @@ FLAGS = (
   "--config.checkpoint.every_steps=2",
   "--config.eval.num_prompts=0",
 )
-# Wall-clock and machine-dependent keys; everything else must repeat exactly.
-VOLATILE = ("time/", "throughput/")
 
 
 def _command(workdir: str, *extra: str) -> list[str]:
@@ -52,52 +50,31 @@ def _start(workdir: str, cwd: str) -> subprocess.Popen:
   )
 
 
-def _rows(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
-def _deterministic(row: dict) -> dict:
-  return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
-
-
-def _wait_for_row(proc: subprocess.Popen, workdir: str, step: int, timeout: float = 400) -> None:
-  path = os.path.join(workdir, "metrics.jsonl")
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    assert proc.poll() is None, proc.communicate()
-    if os.path.exists(path):
-      with open(path) as f:
-        if any(json.loads(line)["step"] >= step for line in f if line.endswith("\n")):
-          return
-    time.sleep(0.05)
-  proc.kill()
-  raise AssertionError(f"no metrics row for step {step} within {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted_workdir(tmp_path_factory) -> str:
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
   done = _run(workdir)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert [r["step"] for r in _rows(workdir)] == list(range(STEPS))
+  assert [r["step"] for r in runs_testing.rows(workdir)] == list(range(STEPS))
   assert ckpt.complete_steps(os.path.join(workdir, "checkpoints")) == [4, 6]  # keep=2
   return workdir
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(uninterrupted_workdir) -> list[dict]:
-  return _rows(uninterrupted_workdir)
+  return runs_testing.rows(uninterrupted_workdir)
 
 
 @pytest.mark.slow
-def test_kill_9_then_rerun_repeats_the_uninterrupted_run(uninterrupted, tmp_path):
+def test_kill_9_then_rerun_repeats_the_uninterrupted_run(
+  uninterrupted, uninterrupted_workdir, tmp_path
+):
   # A relative workdir from another current directory, as a user types it.
   workdir = str(tmp_path / "runs" / "ppo")
   proc = _start("runs/ppo", cwd=str(tmp_path))
   # Iteration 3's row is written just before its checkpoint is due (step 4): the kill lands
   # in iteration 3's save or early in iteration 4, after the step-2 checkpoint is complete.
-  _wait_for_row(proc, workdir, 3)
+  runs_testing.wait_for_row(proc, workdir, 3)
   proc.send_signal(signal.SIGKILL)
   proc.wait(timeout=60)
   assert proc.returncode == -signal.SIGKILL
@@ -110,10 +87,27 @@ def test_kill_9_then_rerun_repeats_the_uninterrupted_run(uninterrupted, tmp_path
   done = _run("runs/ppo", cwd=str(tmp_path))
   assert done.returncode == 0, done.stderr[-3000:]
   assert f"resuming from the checkpoint of step {complete[-1]}" in done.stdout
-  resumed = _rows(workdir)
+  resumed = runs_testing.rows(workdir)
   assert [r["step"] for r in resumed] == list(range(STEPS))
   for got, want in zip(resumed, uninterrupted, strict=True):
-    assert _deterministic(got) == _deterministic(want), got["step"]
+    assert runs_testing.deterministic(got) == runs_testing.deterministic(want), got["step"]
+  # The timeline keeps the killed run's iterations (those its checkpoint holds) and continues.
+  want = runs_testing.timeline_entries(uninterrupted_workdir)
+  assert runs_testing.timeline_entries(workdir) == want
+  assert {entry[0] for entry in want} == set(range(STEPS))
+
+
+@pytest.mark.slow
+def test_a_finished_run_says_so_and_changes_no_file(uninterrupted_workdir, tmp_path):
+  runs_testing.assert_rerun_changes_nothing(
+    uninterrupted_workdir,
+    str(tmp_path / "w"),
+    _run,
+    lambda w: (
+      f"{w}: finished at step {STEPS}; nothing to do (delete the workdir or raise "
+      "total_steps to train more)"
+    ),
+  )
 
 
 @pytest.mark.slow
@@ -122,7 +116,7 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
   tests/test_front_door.py): finish the iteration, checkpoint, exit 0, no traceback."""
   workdir = str(tmp_path / "w")
   proc = _start("w", cwd=str(tmp_path))
-  _wait_for_row(proc, workdir, 0)
+  runs_testing.wait_for_row(proc, workdir, 0)
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err[-3000:]
@@ -131,13 +125,13 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
   stopped_at = int(out.split("checkpoint of step ")[1].split()[0])
   assert stopped_at < STEPS
   assert stopped_at in ckpt.complete_steps(os.path.join(workdir, "checkpoints"))
-  assert [r["step"] for r in _rows(workdir)] == list(range(stopped_at))
+  assert [r["step"] for r in runs_testing.rows(workdir)] == list(range(stopped_at))
 
   done = _run("w", cwd=str(tmp_path))
   assert done.returncode == 0, done.stderr[-3000:]
   assert f"resuming from the checkpoint of step {stopped_at}" in done.stdout
-  for got, want in zip(_rows(workdir), uninterrupted, strict=True):
-    assert _deterministic(got) == _deterministic(want), got["step"]
+  for got, want in zip(runs_testing.rows(workdir), uninterrupted, strict=True):
+    assert runs_testing.deterministic(got) == runs_testing.deterministic(want), got["step"]
 
 
 @pytest.mark.slow
@@ -145,7 +139,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_rerun_repeats_the_run(uninterrupt
   workdir = str(tmp_path)
   proc = _start(workdir, cwd=ROOT)
   # As in the kill -9 test: the step-4 save is due, or in flight, when the signals land.
-  _wait_for_row(proc, workdir, 3)
+  runs_testing.wait_for_row(proc, workdir, 3)
   proc.send_signal(signal.SIGINT)
   # Signals sent back to back may be delivered as one: send the second once the first is seen.
   seen = ""
@@ -161,10 +155,10 @@ def test_a_second_ctrl_c_stops_at_once_and_the_rerun_repeats_the_run(uninterrupt
 
   done = _run(workdir)
   assert done.returncode == 0, done.stderr[-3000:]
-  resumed = _rows(workdir)
+  resumed = runs_testing.rows(workdir)
   assert [r["step"] for r in resumed] == list(range(STEPS))
   for got, want in zip(resumed, uninterrupted, strict=True):
-    assert _deterministic(got) == _deterministic(want), got["step"]
+    assert runs_testing.deterministic(got) == runs_testing.deterministic(want), got["step"]
 
 
 @pytest.mark.slow
@@ -228,7 +222,7 @@ def test_saved_under_colocated_resumes_under_disaggregated(tmp_path):
   # The rollout engine starts from the restored weights, and the run continues.
   result = second.run()
   assert [r["step"] for r in result.metrics] == [2]
-  assert [r["step"] for r in _rows(workdir)] == [0, 1, 2]
+  assert [r["step"] for r in runs_testing.rows(workdir)] == [0, 1, 2]
 
 
 def huge_reward(prompts, responses, metadata):
@@ -245,7 +239,7 @@ def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path):
   before = jax.device_get(trainer.cluster.states[Role.ACTOR].params)
   with pytest.raises(trainer_lib.TooManySkippedUpdates, match="non-finite"):
     trainer.run()
-  rows = _rows(str(tmp_path))
+  rows = runs_testing.rows(str(tmp_path))
   # Two updates per iteration (mini_batches=2): the limit of 3 is reached in iteration 1.
   assert [r["step"] for r in rows] == [0, 1]
   assert rows[0]["update/skipped"] == 2 and rows[1]["update/skipped_in_row"] == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -71,11 +72,21 @@ class Timeline:
     with self._lock:
       return [r for r in self.records if r.iteration == iteration]
 
-  def write_json(self, path: str) -> None:
+  def continue_from(self, records: Sequence[StageRecord]) -> None:
+    """Starts with `records` (an interrupted run's) and goes on timing after their last end,
+    so that a resumed run's timeline reads as one run."""
     with self._lock:
-      rows = [dataclasses.asdict(r) for r in self.records]
-    with open(path, "w") as f:
+      self._origin = self._clock() - max((r.end for r in records), default=0.0)
+      self.records = [*records, *self.records]
+
+  def write_json(self, path: str, *, before: int | None = None) -> None:
+    """The records as a JSON list (with `before`, those of earlier iterations only), written
+    atomically: a crash leaves the old file or the new one."""
+    with self._lock:
+      rows = [dataclasses.asdict(r) for r in self.records if before is None or r.iteration < before]
+    with open(path + ".tmp", "w") as f:
       json.dump(rows, f, indent=1)
+    os.replace(path + ".tmp", path)
 
   @staticmethod
   def read_json(path: str) -> list[StageRecord]:

@@ -9,13 +9,18 @@ from rlhfjax import launch
 
 def train(config_dict: Any, workdir: str) -> None:
   """Runs the config's flow in `workdir` (made absolute and locked), resuming from its latest
-  checkpoint. Failures propagate to `launch.run`, which prints them as one `error:` line."""
+  checkpoint; a finished run (`rlhfjax.rerun`) says so and changes nothing. Failures propagate
+  to `launch.run`, which prints them as one `error:` line."""
   from rlhfjax import config as config_lib
-  from rlhfjax import distributed
+  from rlhfjax import distributed, rerun
   from rlhfjax.runner import loop
 
   workdir = launch.open_run(config_dict, workdir)
   config = config_lib.from_config_dict(config_dict)
+  if config.checkpoint.resume and rerun.is_finished(workdir, config.total_steps):
+    if distributed.is_primary():
+      print(rerun.finished_line(workdir))
+    return
   runner = loop.Runner(config, workdir)
   if runner.start_step:
     print(f"resuming from the checkpoint of step {runner.start_step}")

@@ -23,7 +23,7 @@ import jax
 import tqdm
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import data, distributed, signals
+from rlhfjax import data, distributed, rerun, signals
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
@@ -31,7 +31,7 @@ from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import registry
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
-from rlhfjax.observe.timeline import plot_gantt
+from rlhfjax.observe.timeline import Timeline, plot_gantt
 from rlhfjax.placement import plan_placement
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.runner import evaluation as evaluation_lib
@@ -104,6 +104,7 @@ class Runner:
       self.cluster.materialize()
     else:
       self._restore(resume_step)
+      self._continue_timeline(resume_step)
 
   def _load_prompts(self) -> tuple[data.PromptIterator, PromptBatch]:
     """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones,
@@ -153,6 +154,14 @@ class Runner:
     self.prompts.set_state(meta["data"])
     self.flow.restore(items, meta)
 
+  def _continue_timeline(self, step: int) -> None:
+    """The timeline continues the interrupted run's: its records of the iterations before
+    `step` (those the checkpoint holds; `_save` wrote them first) are kept."""
+    path = os.path.join(self.workdir, "timeline.json")
+    if distributed.is_primary() and os.path.exists(path):
+      kept = [r for r in Timeline.read_json(path) if r.iteration < step]
+      self.timeline.continue_from(kept)
+
   def _checkpoint_meta(self, step: int) -> dict[str, Any]:
     return {
       "step": step,
@@ -164,7 +173,12 @@ class Runner:
     }
 
   def _save(self, step: int, *, force: bool = False) -> bool:
-    """Checkpoint after `step` iterations (on the schedule, or always with `force`)."""
+    """Checkpoint after `step` iterations (on the schedule, or always with `force`), and
+    before it the timeline of those iterations, which a run resumed from it continues."""
+    if not self.checkpointer.due(step, force=force):
+      return False
+    if distributed.is_primary():
+      self.timeline.write_json(os.path.join(self.workdir, "timeline.json"), before=step)
     with self.cluster.resident():  # `save` returns once the arrays are copied
       items = {role.value: self.cluster.states[role] for role in self.cluster.trained}
       items.update(self.flow.checkpoint_items())
@@ -204,6 +218,8 @@ class Runner:
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
     primary = distributed.is_primary()
+    if primary:
+      rerun.clear(self.workdir)
     writer = MetricsWriter(self.workdir, enabled=primary, start_step=self.start_step)
     evaluation = evaluation_lib.read_evaluation(self.workdir, self.start_step)
     if self.start_step == 0 and self.eval_prompts:
@@ -244,6 +260,8 @@ class Runner:
       evaluation_lib.write_evaluation(self.workdir, evaluation)
     if primary:
       self._write_outputs(writer.rows())
+      if not stopped_early:
+        rerun.mark_finished(self.workdir, max(self.start_step, cfg.total_steps))
     self.checkpointer.close()
     return RunResult(
       metrics=rows,

@@ -24,7 +24,7 @@ import optax
 import tqdm
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import launch, signals
+from rlhfjax import launch, rerun, signals
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
 from rlhfjax.data import jsonl
@@ -349,9 +349,13 @@ class SupervisedTrainer(abc.ABC):
   def run(self) -> TrainResult:
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
-    writer = MetricsWriter(
-      self.workdir, enabled=jax.process_index() == 0, start_step=self.start_step
-    )
+    primary = jax.process_index() == 0
+    if primary:
+      rerun.clear(self.workdir)
+    # The row of step s is written before the checkpoint of step s: a run resumed from it
+    # keeps rows 1..s and redoes only later ones; a fresh run redoes the evaluation of step 0.
+    first_new = self.start_step + 1 if self.start_step else 0
+    writer = MetricsWriter(self.workdir, enabled=primary, start_step=first_new)
     rows: list[dict[str, float]] = []
     step = self.start_step
     stop = signals.StopRequest(what=f"{self.name} run").__enter__()
@@ -388,15 +392,18 @@ class SupervisedTrainer(abc.ABC):
       stop.__exit__()
       writer.close()
       self.checkpointer.close()
-    if jax.process_index() == 0:
+    stopped = stop.is_set() and step < cfg.total_steps
+    if primary:
       self._write_plots()
+      if not stopped:
+        rerun.mark_finished(self.workdir, step)
     return TrainResult(
       metrics=rows,
       workdir=self.workdir,
       start_step=self.start_step,
       final_step=step,
       compilations=self.traces.counts,
-      stopped=stop.is_set() and step < cfg.total_steps,
+      stopped=stopped,
     )
 
   def _train_one(self, step: int, batch: Batch) -> dict[str, float]:
@@ -440,15 +447,23 @@ def _drop_step(row: Mapping[str, float]) -> dict[str, float]:
 def run_script(
   trainer_cls: type[SupervisedTrainer], config_cls: type[SupervisedConfig], config_dict, workdir
 ) -> None:
-  """The body of `scripts/train_sft.py` and `scripts/train_rm.py`: bad config or data is one
-  `error:` line; the run ends by printing its first and last held-out `plot_key`."""
+  """The body of `scripts/train_sft.py` and `scripts/train_rm.py`: `workdir` is made absolute
+  and locked (`launch.open_run`); bad config or data is one `error:` line; a finished run says
+  so and changes nothing; the run ends by printing the first and last held-out `plot_key` of
+  the whole run (its earlier, interrupted parts too)."""
+  workdir = launch.open_run(config_dict, workdir)
   try:
-    trainer = trainer_cls(from_config_dict(config_dict, config_cls), workdir)
+    cfg = from_config_dict(config_dict, config_cls)
+    if cfg.checkpoint.resume and rerun.is_finished(workdir, cfg.total_steps):
+      print(rerun.finished_line(workdir))
+      return
+    trainer = trainer_cls(cfg, workdir)
   except ValueError as error:  # ConfigError, PlacementError, DataError, CheckpointError
     launch.fail(error)
   result = trainer.run()
-  evals = result.eval_rows()
   key = trainer_cls.plot_key
+  path = os.path.join(result.workdir, "metrics.jsonl")
+  evals = [row for row in MetricsWriter.read(path) if key in row] if os.path.exists(path) else []
   first_last = " -> ".join(f"{row[key]:.3f}" for row in (evals[0], evals[-1])) if evals else "-"
   print(
     f"{key} {first_last}; steps {result.start_step} -> {result.final_step}; "

@@ -1,0 +1,101 @@
+"""Helpers for tests that run the scripts as a user does, interrupt them and run them again."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+
+VOLATILE = ("time/", "throughput/")
+"""Metric keys that measure wall-clock time (seconds, tokens per second): they differ between
+any two runs by nature. Every other key, and every value of it, must repeat exactly: resume is
+exact (every random choice is a function of the seed and the step)."""
+
+
+def rows(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def deterministic(row: dict) -> dict:
+  return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def deterministic_rows(workdir: str) -> list[dict]:
+  return [deterministic(row) for row in rows(workdir)]
+
+
+def timeline_entries(workdir: str) -> list[tuple[int, str, str]]:
+  """(iteration, role, stage) of each record of `timeline.json`, the iterations in order.
+
+  Its times differ by nature, and so does the order of the records within an iteration:
+  stages that run at once (the reference's and the reward's scoring) finish in either order. So
+  the iterations must come in order and each iteration's entries are compared sorted.
+  """
+  with open(os.path.join(workdir, "timeline.json")) as f:
+    entries = [(r["iteration"], r["role"], r["stage"]) for r in json.load(f)]
+  iterations = [entry[0] for entry in entries]
+  assert iterations == sorted(iterations), iterations
+  return sorted(entries)
+
+
+def snapshot(directory: str) -> dict[str, bytes]:
+  """Every file under `directory` (relative path -> bytes)."""
+  files = {}
+  for root, _, names in os.walk(directory):
+    for name in names:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        files[os.path.relpath(path, directory)] = f.read()
+  return files
+
+
+def wait_until(
+  proc: subprocess.Popen, condition: Callable[[], bool], what: str, timeout: float = 400
+) -> None:
+  """Polls `condition` while `proc` runs; fails naming `what` when `proc` ends first or time
+  runs out."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if condition():
+      return
+    assert proc.poll() is None, (what, proc.communicate())
+    time.sleep(0.05)
+  proc.kill()
+  raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def has_row(workdir: str, step: int) -> bool:
+  """Whether `workdir/metrics.jsonl` has a complete row of `step` or later."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    return any(json.loads(line)["step"] >= step for line in f if line.endswith("\n"))
+
+
+def wait_for_row(proc: subprocess.Popen, workdir: str, step: int, timeout: float = 400) -> None:
+  wait_until(proc, lambda: has_row(workdir, step), f"a metrics row of step {step}", timeout)
+
+
+def assert_rerun_changes_nothing(
+  finished: str,
+  workdir: str,
+  run: Callable[[str], subprocess.CompletedProcess],
+  line: Callable[[str], str],
+) -> None:
+  """On a copy of the `finished` run's workdir at `workdir`, `run(workdir)` (the same command
+  again) exits 0 printing only `line(workdir)`, and leaves every file as it was: the same
+  names (no new TensorBoard events file either) and the same bytes."""
+  shutil.copytree(finished, workdir)
+  before = snapshot(workdir)
+  again = run(workdir)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout.strip().splitlines() == [line(workdir)]
+  after = snapshot(workdir)
+  assert after.keys() == before.keys()
+  for name, data in after.items():
+    assert data == before[name], name
