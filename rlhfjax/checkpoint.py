@@ -47,7 +47,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -433,13 +433,19 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def restore(
-    self, step: int, abstract_items: Mapping[str, Any]
+    self,
+    step: int,
+    abstract_items: Mapping[str, Any],
+    check_meta: Callable[[dict[str, Any], str], None] | None = None,
   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads a complete step into the shardings of `abstract_items`.
 
     `abstract_items` has the structure of the saved items with `jax.ShapeDtypeStruct` leaves
     carrying a `sharding`; the arrays are read straight into those shards, which may be on
     other devices and another mesh than at save time (restoring onto another placement).
+
+    `check_meta(meta, step_dir)`, if given, sees the meta before any array is read (a caller
+    refusing a checkpoint of another kind of run raises there).
 
     Returns:
       The items and the meta saved with them.
@@ -456,6 +462,8 @@ class Checkpointer:
     meta = _read_json(meta_file)
     if fingerprints.get(_META, {}).get("sha256") != _meta_fingerprint(meta):
       raise CheckpointError(f"corrupt checkpoint: {meta_file} does not match its fingerprint")
+    if check_meta is not None:
+      check_meta(meta, str(step_dir))
     restored = _restore_step(step_dir, abstract_items, fingerprints)
     return _join_items(abstract_items, restored), meta
 

@@ -35,6 +35,7 @@ from rlhfjax.observe.timeline import Timeline, plot_gantt
 from rlhfjax.placement import plan_placement
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.runner import evaluation as evaluation_lib
+from rlhfjax.runner import identity as identity_lib
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
 _SHOWN = ("reward/mean", "kl/mean", "loss/policy")
@@ -80,6 +81,7 @@ class Runner:
         f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
         f"only {cfg.model.for_role('actor').vocab_size}"
       )
+    self.template = data.ChatTemplate() if cfg.data.chat_template else None
     self.prompts, self.eval_prompts = self._load_prompts()
     self.cluster = Cluster(cfg, self.placement)
     self.timeline, self.traces = self.cluster.timeline, self.cluster.traces
@@ -119,7 +121,7 @@ class Runner:
         on_bad_record=d.on_bad_record,
       )
     )
-    template = data.ChatTemplate() if d.chat_template else None
+    template = self.template
     stream = functools.partial(
       data.prompt_iterator,
       tokenizer=self.tokenizer,
@@ -144,7 +146,10 @@ class Runner:
     """Reads checkpoint `step` straight into this placement's shards (which may differ from
     the placement that saved it) and the loop's and the flow's state from its meta."""
     abstract = {**self.cluster.abstract_states(), **self.flow.abstract_items()}
-    items, meta = self.checkpointer.restore(step, abstract)
+    current = self._identity()
+    items, meta = self.checkpointer.restore(
+      step, abstract, lambda meta, where: identity_lib.check(meta, current, where)
+    )
     if meta.get("seed") != self.cfg.seed:
       raise ckpt.CheckpointError(
         f"{self.checkpointer.directory / str(step)} was written with seed {meta.get('seed')}, "
@@ -162,8 +167,14 @@ class Runner:
       kept = [r for r in Timeline.read_json(path) if r.iteration < step]
       self.timeline.continue_from(kept)
 
+  def _identity(self) -> dict[str, Any]:
+    """What this run's checkpoints mean (`rlhfjax.runner.identity`)."""
+    roles = [role.value for role in Role if self.cluster.uses(role)]
+    return identity_lib.identity(self.cfg, roles, self.tokenizer, self.template)
+
   def _checkpoint_meta(self, step: int) -> dict[str, Any]:
     return {
+      identity_lib.KEY: self._identity(),
       "step": step,
       # Every random choice derives from (seed, iteration): this is the whole RNG state.
       "seed": self.cfg.seed,

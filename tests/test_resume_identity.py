@@ -1,0 +1,81 @@
+"""A resume refuses a checkpoint that another kind of run wrote (issue 28, item 3): another
+algorithm or flow, other roles, another model architecture, another tokenizer or template;
+each is one line naming the field and both values. Allowed changes resume."""
+
+import pathlib
+import re
+import runpy
+import shutil
+
+import pytest
+
+from rlhfjax import errors
+from rlhfjax.config import from_config_dict
+from rlhfjax.runner import Runner
+
+_ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _config(algorithm="grpo", **changes):
+  cd = runpy.run_path(str(_ROOT / "configs" / "grpo_tiny.py"))["get_config"]()
+  cd.algorithm.name = algorithm
+  cd.total_steps = 1
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  for dotted, value in changes.items():
+    node = cd
+    *sections, field = dotted.split("__")
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def grpo_workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("grpo")
+  Runner(_config(), str(workdir), show_progress=False).run()
+  return workdir
+
+
+@pytest.mark.parametrize(
+  ("algorithm", "changes", "message"),
+  [
+    ("rloo", {}, r"algorithm.name: the checkpoint has 'grpo', this run 'rloo'"),
+    ("ppo", {}, r"roles: the checkpoint has \['actor', 'reference', 'rollout'\], this run \["),
+    ("dpo", {}, r"algorithm.name: the checkpoint has 'grpo', this run 'dpo'"),
+    (
+      "grpo",
+      {"algorithm__flow": "examples.rejection_sampling:make_flow"},
+      r"algorithm.flow: the checkpoint has '', this run 'examples.rejection_sampling:make_flow'",
+    ),
+    (
+      "grpo",
+      {"model__overrides": {"max_position_embeddings": 256}},
+      r"model.actor.max_position_embeddings: the checkpoint has 512, this run 256",
+    ),
+    ("grpo", {"data__chat_template": True}, r"the tokenizer or chat template .* encodes prompts"),
+  ],
+  ids=["rloo", "ppo_adds_a_critic", "dpo", "user_flow", "architecture", "chat_template"],
+)
+def test_resume_refuses_a_checkpoint_of_another_kind_of_run(
+  grpo_workdir, algorithm, changes, message, monkeypatch
+):
+  monkeypatch.syspath_prepend(str(_ROOT))  # examples/ importable, as from the repository root
+  cfg = _config(algorithm, total_steps=2, **changes)
+  with pytest.raises(ValueError) as caught:
+    Runner(cfg, str(grpo_workdir), show_progress=False)
+  line, status = errors.describe(caught.value)
+  assert status == errors.USER_ERROR, line
+  assert "was written by another kind of run, so this one cannot resume it" in line, line
+  assert re.search(message, line), line
+  assert "A resume may change total_steps, the placement" in line
+
+
+def test_resume_allows_more_steps_and_another_placement(grpo_workdir, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(grpo_workdir, workdir)
+  cfg = _config(total_steps=2, placement__strategy="interleaved", model__dtype="bfloat16")
+  runner = Runner(cfg, str(workdir), show_progress=False)
+  assert runner.start_step == 1
