@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import runpy
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
+
+_ROOT = pathlib.Path(__file__).parent.parent
 
 VOLATILE = ("time/", "throughput/")
 """Metric keys that measure wall-clock time (seconds, tokens per second): they differ between
@@ -99,3 +103,17 @@ def assert_rerun_changes_nothing(
   assert after.keys() == before.keys()
   for name, data in after.items():
     assert data == before[name], name
+
+
+def shipped_config(name: str, changes: dict, variant: str = "colocated"):
+  """`configs/{name}.py`'s config with `changes` ('section.field' -> value) applied, typed."""
+  from rlhfjax.config import from_config_dict
+
+  cd = runpy.run_path(str(_ROOT / "configs" / f"{name}.py"))["get_config"](variant)
+  for dotted, value in changes.items():
+    *sections, field = dotted.split(".")
+    node = cd
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return from_config_dict(cd)

@@ -12,16 +12,15 @@ run in this process, on the same programs (the persistent compilation cache that
 
 import json
 import pathlib
-import runpy
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from runs_testing import shipped_config
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax.config import from_config_dict
 from rlhfjax.runner import Runner
 
 _ROOT = pathlib.Path(__file__).parent.parent
@@ -57,14 +56,7 @@ def _changes(name: str, steps: int) -> tuple[str, dict]:
 
 def _config(name: str, steps: int = _STEPS):
   config, changes = _changes(name, steps)
-  cd = runpy.run_path(str(_ROOT / "configs" / f"{config}_tiny.py"))["get_config"]("colocated")
-  for dotted, value in changes.items():
-    *sections, field = dotted.split(".")
-    node = cd
-    for section in sections:
-      node = node[section]
-    node[field] = value
-  return from_config_dict(cd)
+  return shipped_config(f"{config}_tiny", changes)
 
 
 def _start(name: str, workdir: pathlib.Path) -> subprocess.Popen:

@@ -4,32 +4,21 @@ each is one line naming the field and both values. Allowed changes resume."""
 
 import pathlib
 import re
-import runpy
 import shutil
 
 import pytest
+from runs_testing import shipped_config
 
 from rlhfjax import errors
-from rlhfjax.config import from_config_dict
 from rlhfjax.runner import Runner
 
 _ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _config(algorithm="grpo", **changes):
-  cd = runpy.run_path(str(_ROOT / "configs" / "grpo_tiny.py"))["get_config"]()
-  cd.algorithm.name = algorithm
-  cd.total_steps = 1
-  cd.rollout.batch_size = 8
-  cd.rollout.max_new_tokens = 8
-  cd.eval.num_prompts = 0
-  for dotted, value in changes.items():
-    node = cd
-    *sections, field = dotted.split("__")
-    for section in sections:
-      node = node[section]
-    node[field] = value
-  return from_config_dict(cd)
+  common = {"rollout.batch_size": 8, "rollout.max_new_tokens": 8, "eval.num_prompts": 0}
+  changes = {"algorithm.name": algorithm, "total_steps": 1, **common, **changes}
+  return shipped_config("grpo_tiny", {k.replace("__", "."): v for k, v in changes.items()})
 
 
 @pytest.fixture(scope="module")
