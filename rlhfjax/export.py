@@ -290,6 +290,15 @@ def _check_out(out: str, overwrite: bool) -> None:
     raise ExportError(f"--out {out} exists and is not empty; choose another or pass --overwrite")
 
 
+def _clear_weights(out: str) -> None:
+  """Creates `out`, without the weights of an earlier export it may hold (overwritten): a
+  stale `model.safetensors` beside a new index would be what `transformers` loads."""
+  os.makedirs(out, exist_ok=True)
+  for name in os.listdir(out):
+    if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+      os.remove(os.path.join(out, name))
+
+
 def _with_token_ids(model: ModelConfig, tokenizer: tokenizer_lib.Tokenizer) -> ModelConfig:
   """The model's bos/eos/pad ids, from the tokenizer where the model does not say."""
   return dataclasses.replace(
@@ -332,6 +341,8 @@ def export(
   """
   out = os.path.abspath(os.path.expanduser(out))
   _check_out(out, overwrite)
+  # Every process has looked at `out` before process 0 creates or clears it.
+  multihost_utils.sync_global_devices("rlhfjax.export: out checked")
   run = run_directory(workdir, stage)
   step_dir = step_directory(run, step)
   policy = read_policy_meta(step_dir)
@@ -356,8 +367,8 @@ def export(
   layers = jax.tree.map(lambda x: _cast(_local(x), dtype), params["layers"])
   del params
   if me == 0:
-    os.makedirs(out, exist_ok=True)
-  multihost_utils.sync_global_devices("rlhfjax.export: out exists")
+    _clear_weights(out)
+  multihost_utils.sync_global_devices("rlhfjax.export: out ready")
   written = []
   for shard in shards:
     if assignment.writer[shard.name] == me:

@@ -43,7 +43,8 @@ def _supervised(path: str, cls, workdir: pathlib.Path, **fields):
   config = runpy.run_path(str(ROOT / path))["get_config"]().to_dict()
   config["placement"].update(num_devices=4, tensor=2)
   config["model"]["overrides"] = {"num_layers": _LAYERS}
-  config["data"]["data_dir"] = str(workdir.parent / "data")
+  # The held-out pass runs before and after training: a few rows keep it short.
+  config["data"].update(data_dir=str(workdir.parent / "data"), eval_split="train[:8]")
   config["checkpoint"]["async_save"] = False
   config.update(batch_size=16, micro_batches=2, max_len=48, eval_every=0, log_every=1)
   config.update(total_steps=1, **fields)
@@ -202,6 +203,20 @@ def test_byte_tokenizer_json_encodes_like_ours():
   assert theirs.get_vocab_size() == ours.vocab_size
 
 
+def test_a_hugging_face_tokenizer_is_copied(tmp_path):
+  source = tmp_path / "tok"
+  source.mkdir()
+  (source / "tokenizer.json").write_text(export.byte_tokenizer_json(ByteTokenizer()))
+  (source / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+  (source / "unrelated.txt").write_text("")
+  for spec, out in ((source, tmp_path / "a"), (source / "tokenizer.json", tmp_path / "b")):
+    out.mkdir()
+    export._copy_tokenizer_files(str(spec), str(out))
+    assert sorted(os.listdir(out)) == ["tokenizer.json", "tokenizer_config.json"]
+    for name in os.listdir(out):
+      assert (out / name).read_bytes() == (source / name).read_bytes()
+
+
 def test_shard_files_split_over_processes_by_whole_layer_blocks():
   model = models.get_model_config("tiny", num_layers=_LAYERS)
   shards = hf.plan_shards(model, "lm", 4, export.parse_size(_SHARD))
@@ -213,24 +228,34 @@ def test_shard_files_split_over_processes_by_whole_layer_blocks():
   assert [s.name for s in hf.plan_shards(model, "lm", 4, 10**9)] == ["model.safetensors"]
 
 
-def test_errors_are_one_line(runs, tmp_path):
+def test_errors_name_the_flag_and_the_values(runs, tmp_path):
   (tmp_path / "empty").mkdir()
   (tmp_path / "full").mkdir()
   (tmp_path / "full" / "x").write_text("")
   cases = {
-    (tmp_path / "empty", tmp_path / "a"): "no complete checkpoint in",
-    (runs / "sft", tmp_path / "b", "--step=7"): "--step=7: no complete checkpoint of that step",
-    (runs / "sft", tmp_path / "full"): "exists and is not empty; choose another or pass",
-    (runs / "sft", tmp_path / "c", "--max_shard_size=lots"): "is not a size such as 2GB",
-    (tmp_path / "none", tmp_path / "d"): "does not exist",
+    (tmp_path / "empty", tmp_path / "a", None): "no complete checkpoint in .*empty/checkpoints",
+    (runs / "sft", tmp_path / "b", 7): r"--step=7: no complete checkpoint .*; steps: 1$",
+    (runs / "sft", tmp_path / "full", None): "full exists and is not empty; .* --overwrite",
+    (tmp_path / "none", tmp_path / "d", None): "--workdir .*none does not exist",
   }
-  for (workdir, out, *args), expected in cases.items():
-    result = _export(workdir, out, *args)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("error: ") and expected in result.stderr, result.stderr
-  assert _export(runs / "sft", tmp_path / "full", "--overwrite").returncode == 0
+  for (workdir, out, step), expected in cases.items():
+    with pytest.raises(export.ExportError, match=expected):
+      export.export(str(workdir), str(out), step=step)
+  with pytest.raises(export.ExportError, match="'lots' is not a size such as 2GB"):
+    export.parse_size("lots")
   with pytest.raises(hf.CheckpointError, match="cannot carry q/k norms"):
     hf.config_to_hf(models.get_model_config("tiny", qk_norm=True))
+  # The script: one line, exit status 2.
+  result = _export(runs / "sft", tmp_path / "full")
+  assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+  assert result.stderr.startswith("error: --out ") and "--overwrite" in result.stderr
+  # An earlier sharded export's index would make transformers load the old shards.
+  (tmp_path / "full" / "model.safetensors.index.json").write_text("{}")
+  (tmp_path / "full" / "model-00001-of-00002.safetensors").write_text("")
+  assert _export(runs / "sft", tmp_path / "full", "--overwrite").returncode == 0
+  assert sorted(f for f in os.listdir(tmp_path / "full") if "safetensors" in f) == [
+    "model.safetensors"
+  ]
 
 
 @pytest.mark.slow

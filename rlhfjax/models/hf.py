@@ -512,7 +512,12 @@ def shard_tensors(
 
 
 def write_shard(path: str, shard: ShardFile, tensors: Mapping[str, np.ndarray]) -> None:
-  save_file(dict(tensors), os.path.join(path, shard.name), metadata={"format": "pt"})
+  file = os.path.join(path, shard.name)
+  save_file(dict(tensors), file, metadata={"format": "pt"})
+  # safetensors creates the file private (0600): give it the permissions of any other file.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(file, 0o666 & ~umask)
 
 
 def write_index(path: str, config: ModelConfig, shards: list[ShardFile]) -> None:
