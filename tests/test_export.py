@@ -203,6 +203,15 @@ def test_byte_tokenizer_json_encodes_like_ours():
   assert theirs.get_vocab_size() == ours.vocab_size
 
 
+def test_a_checkpoint_without_its_policy_meta_is_one_line(tmp_path):
+  x = jax.device_put(np.zeros(3, np.float32), jax.devices()[0])
+  with ckpt.Checkpointer(tmp_path / "old" / "checkpoints") as checkpointer:
+    checkpointer.save(1, {"policy": {"w": x}}, {"step": 1}, force=True)
+  with pytest.raises(export.ExportError, match=r"old/checkpoints/1 does not say which model"):
+    export.export(str(tmp_path / "old"), str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+
+
 def test_a_hugging_face_tokenizer_is_copied(tmp_path):
   source = tmp_path / "tok"
   source.mkdir()

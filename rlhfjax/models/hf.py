@@ -6,7 +6,9 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sev
 value-head model (its `score` row becomes the value head), which is how reward models are shared.
 
 Weights are read with NumPy (no torch needed) and stacked per layer into the scanned layout of
-`rlhfjax.models.transformer`.
+`rlhfjax.models.transformer`. Written checkpoints are split by `plan_shards` into files of whole
+layers, so that the processes of a job can each write the files of the layers they hold
+(`rlhfjax.export`).
 """
 
 from __future__ import annotations
