@@ -457,11 +457,8 @@ class Checkpointer:
     step_dir = self.directory / str(step)
     if step not in complete_steps(self.directory):
       raise CheckpointError(f"no complete checkpoint for step {step}: {step_dir}")
+    meta = read_meta(step_dir)
     fingerprints = _read_json(step_dir / _FINGERPRINTS / _JSON_FILE)
-    meta_file = step_dir / _META / _JSON_FILE
-    meta = _read_json(meta_file)
-    if fingerprints.get(_META, {}).get("sha256") != _meta_fingerprint(meta):
-      raise CheckpointError(f"corrupt checkpoint: {meta_file} does not match its fingerprint")
     if check_meta is not None:
       check_meta(meta, str(step_dir))
     restored = _restore_step(step_dir, abstract_items, fingerprints)
@@ -501,11 +498,28 @@ def restore_params(path: epath.PathLike, abstract_params: Any, item: str = "acto
       or does not match `abstract_params`.
   """
   step_dir = find_step_dir(path)
-  item_dir = step_dir / (item + _PARAMS)
-  if not item_dir.exists():
-    item_dir = step_dir / item
-  if not item_dir.exists():
-    found = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
-    raise CheckpointError(f"no item {item!r} in {step_dir}; found {found}")
+  item_dir = item_directory(step_dir, item)
   fingerprints = _read_json(step_dir / _FINGERPRINTS / _JSON_FILE)
   return _restore_item(item_dir, abstract_params, fingerprints.get(item_dir.name, {}))
+
+
+def item_directory(step_dir: epath.PathLike, item: str) -> epath.Path:
+  """Where a step keeps the parameters of `item`: a TrainState's `<item>_params/` or a plain
+  item's `<item>/`."""
+  step_dir = epath.Path(step_dir)
+  for name in (item + _PARAMS, item):
+    if (step_dir / name).exists():
+      return step_dir / name
+  found = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
+  raise CheckpointError(f"no item {item!r} in {step_dir}; found {found}")
+
+
+def read_meta(step_dir: epath.PathLike) -> dict[str, Any]:
+  """The meta a complete step was saved with, checked against its fingerprint."""
+  step_dir = epath.Path(step_dir)
+  meta_file = step_dir / _META / _JSON_FILE
+  meta = _read_json(meta_file)
+  fingerprints = _read_json(step_dir / _FINGERPRINTS / _JSON_FILE)
+  if fingerprints.get(_META, {}).get("sha256") != _meta_fingerprint(meta):
+    raise CheckpointError(f"corrupt checkpoint: {meta_file} does not match its fingerprint")
+  return meta

@@ -6,12 +6,16 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sev
 value-head model (its `score` row becomes the value head), which is how reward models are shared.
 
 Weights are read with NumPy (no torch needed) and stacked per layer into the scanned layout of
-`rlhfjax.models.transformer`.
+`rlhfjax.models.transformer`. Written checkpoints are split by `plan_shards` into files of whole
+layers, so that the processes of a job can each write the files of the layers they hold
+(`rlhfjax.export`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +27,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rlhfjax.models import transformer
 from rlhfjax.models.config import ROPE_TYPES, HeadKind, ModelConfig, RopeScaling
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -403,54 +408,156 @@ def head_kind(params: Mapping) -> HeadKind:
 # Writing.
 
 
+def _top_paths(config: ModelConfig, head: HeadKind) -> dict[str, tuple[str, ...]]:
+  """HF name -> our path of the tensors outside the layers."""
+  paths = {
+    "model.embed_tokens.weight": ("embedding",),
+    "model.norm.weight": ("final_norm", "scale"),
+  }
+  if head == "value":
+    paths["score.weight"] = ("value_head",)
+  elif not config.tie_embeddings:
+    paths["lm_head.weight"] = ("lm_head", "kernel")
+  return paths
+
+
+def top_hf_tensors(config: ModelConfig, params: Mapping) -> dict[str, Any]:
+  """The HF tensors outside the layers (embedding, final norm, LM or score head) of `params`
+  (host or device arrays; `params['layers']` is not read)."""
+  out = {}
+  for name, path in _top_paths(config, head_kind(params)).items():
+    x = _get(params, path)
+    if name == "score.weight":
+      x = x.reshape(1, config.hidden_size)
+    elif name == "lm_head.weight":
+      x = x.T
+    out[name] = x
+  return out
+
+
+def layer_hf_tensors(config: ModelConfig, layers: Mapping, first: int = 0) -> dict[str, Any]:
+  """The HF tensors of the stacked host `layers` (a block of layers `first`, `first + 1`, ...)."""
+  out = {}
+  for hf_name, (ours, _, to_hf) in _layer_tensors(config).items():
+    stacked = _get(layers, ours)
+    for i in range(stacked.shape[0]):
+      out[f"model.layers.{first + i}.{hf_name}"] = to_hf(stacked[i])
+  return out
+
+
 def params_to_hf_tensors(config: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
   """HF tensor names to contiguous NumPy arrays, in the parameters' dtype."""
   host = jax.tree.map(np.asarray, jax.device_get(params))
-  out = {
-    "model.embed_tokens.weight": host["embedding"],
-    "model.norm.weight": host["final_norm"]["scale"],
-  }
-  for hf_name, (ours, _, to_hf) in _layer_tensors(config).items():
-    stacked = _get(host["layers"], ours)
-    for i in range(config.num_layers):
-      out[f"model.layers.{i}.{hf_name}"] = to_hf(stacked[i])
-  if "value_head" in host:
-    out["score.weight"] = host["value_head"].reshape(1, config.hidden_size)
-  elif not config.tie_embeddings:
-    out["lm_head.weight"] = host["lm_head"]["kernel"].T
+  out = {**top_hf_tensors(config, host), **layer_hf_tensors(config, host["layers"])}
   return {name: np.ascontiguousarray(t) for name, t in out.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFile:
+  """One safetensors file of an export: whole layers `layers`, or tensors outside the layers."""
+
+  name: str
+  layers: range
+  top: tuple[str, ...]
+  nbytes: int
+
+
+def plan_shards(
+  config: ModelConfig, head: HeadKind, itemsize: int, max_shard_bytes: int
+) -> list[ShardFile]:
+  """The files of a checkpoint of `itemsize`-byte elements, each at most `max_shard_bytes`
+  (unless one tensor is larger).
+
+  A layer never spans two files, and every layer file holds the same number of layers (the
+  largest divisor of `num_layers` that fits), so that the processes of a job holding equal
+  blocks of layers can each write whole files (`rlhfjax.export`). One file when all fits.
+  """
+  shapes = transformer.abstract_params(config, head)
+  paths = _top_paths(config, head)
+  top = {n: math.prod(_get(shapes, p).shape) * itemsize for n, p in paths.items()}
+  per_layer = sum(math.prod(x.shape[1:]) * itemsize for x in jax.tree.leaves(shapes["layers"]))
+  total = sum(top.values()) + per_layer * config.num_layers
+  if total <= max_shard_bytes:
+    return [ShardFile("model.safetensors", range(config.num_layers), tuple(top), total)]
+  groups: list[list[str]] = [[]]
+  size = 0
+  for name, nbytes in top.items():
+    if groups[-1] and size + nbytes > max_shard_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(name)
+    size += nbytes
+  layers = config.num_layers
+  fits = [d for d in range(1, layers + 1) if layers % d == 0 and d * per_layer <= max_shard_bytes]
+  k = max(fits, default=1)
+  count = len(groups) + layers // k
+  name = lambda i: f"model-{i + 1:05d}-of-{count:05d}.safetensors"  # noqa: E731
+  files = [
+    ShardFile(name(i), range(0), tuple(g), sum(top[n] for n in g)) for i, g in enumerate(groups)
+  ]
+  for j in range(layers // k):
+    files.append(ShardFile(name(len(files)), range(j * k, (j + 1) * k), (), k * per_layer))
+  return files
+
+
+def shard_tensors(
+  config: ModelConfig, shard: ShardFile, params: Mapping, layers: Mapping, first: int
+) -> dict[str, np.ndarray]:
+  """The host tensors of file `shard`: its top tensors from `params`, its layers from the
+  block `layers` that starts at layer `first`."""
+  out = {n: t for n, t in top_hf_tensors(config, params).items() if n in shard.top}
+  if shard.layers:
+    lo, hi = shard.layers.start - first, shard.layers.stop - first
+    block = jax.tree.map(lambda x: x[lo:hi], layers)
+    out.update(layer_hf_tensors(config, block, shard.layers.start))
+  return {n: np.ascontiguousarray(np.asarray(t)) for n, t in out.items()}
+
+
+def write_shard(path: str, shard: ShardFile, tensors: Mapping[str, np.ndarray]) -> None:
+  file = os.path.join(path, shard.name)
+  save_file(dict(tensors), file, metadata={"format": "pt"})
+  # safetensors creates the file private (0600): give it the permissions of any other file.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(file, 0o666 & ~umask)
+
+
+def write_index(path: str, config: ModelConfig, shards: list[ShardFile]) -> None:
+  """`model.safetensors.index.json` of a sharded checkpoint (nothing for one file)."""
+  if len(shards) == 1:
+    return
+  weight_map = {}
+  for shard in shards:
+    names = list(shard.top) + [
+      f"model.layers.{i}.{n}" for i in shard.layers for n in _layer_tensors(config)
+    ]
+    weight_map.update(dict.fromkeys(names, shard.name))
+  total = sum(s.nbytes for s in shards)
+  with open(os.path.join(path, _INDEX), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def write_config(path: str, config: ModelConfig, head: HeadKind) -> None:
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config_to_hf(config, head), f, indent=2)
 
 
 def save_hf_checkpoint(
   config: ModelConfig, params: Mapping, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30
 ) -> None:
-  """Writes `config.json` and safetensors weights that `transformers` loads as is.
+  """Writes `config.json` and safetensors weights that `transformers` loads as is, from one
+  process holding all of `params`.
 
-  Checkpoints larger than `max_shard_bytes` are split into numbered shards with an index.
+  Checkpoints larger than `max_shard_bytes` are split into numbered shards with an index
+  (`plan_shards`).
   """
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   head = head_kind(params)
-  tensors = params_to_hf_tensors(config, params)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name, t in tensors.items():
-    if shards[-1] and size + t.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = t
-    size += t.nbytes
-  metadata = {"format": "pt"}
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=metadata)
-  else:
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-      name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, os.path.join(path, name), metadata=metadata)
-      weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.nbytes for t in tensors.values())
-    with open(os.path.join(path, _INDEX), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config_to_hf(config, head), f, indent=2)
+  host = jax.tree.map(np.asarray, jax.device_get(params))
+  itemsize = host["embedding"].dtype.itemsize
+  shards = plan_shards(config, head, itemsize, max_shard_bytes)
+  for shard in shards:
+    write_shard(path, shard, shard_tensors(config, shard, host, host["layers"], 0))
+  write_index(path, config, shards)
+  write_config(path, config, head)

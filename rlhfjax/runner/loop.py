@@ -23,7 +23,7 @@ import jax
 import tqdm
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import data, distributed, rerun, signals
+from rlhfjax import data, distributed, export, rerun, signals
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
@@ -181,6 +181,13 @@ class Runner:
       "data": self.prompts.get_state(),
       "placement": self.placement.strategy,
       **self.flow.meta(),
+      **export.policy_meta(
+        Role.ACTOR.value,
+        "lm",
+        self.cfg.model.for_role(Role.ACTOR.value),
+        self.cfg.data.tokenizer,
+        self.cfg.data.chat_template,
+      ),
     }
 
   def _save(self, step: int, *, force: bool = False) -> bool:

@@ -24,7 +24,7 @@ import optax
 import tqdm
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import launch, rerun, signals
+from rlhfjax import export, launch, rerun, signals
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
 from rlhfjax.data import jsonl
@@ -427,6 +427,8 @@ class SupervisedTrainer(abc.ABC):
 
   def _save(self, step: int, *, force: bool = False) -> None:
     meta = {"data": self.train_batches.get_state(), "trainer": self.name, "step": step}
+    data = self.cfg.data
+    meta |= export.policy_meta(self.item, self.head, self.model, data.tokenizer, data.chat_template)
     self.checkpointer.save(step, {self.item: self.state}, meta=meta, force=force)
 
   def _write_plots(self) -> None:
