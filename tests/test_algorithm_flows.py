@@ -18,6 +18,7 @@ from rlhfjax.runner import Runner
 _ROOT = pathlib.Path(__file__).parent.parent
 _ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
 _VARIANTS = ("colocated", "disaggregated")
+_CRITIC_PREFIXES = ("value/", "critic/")
 
 
 def _config(name: str, variant: str = "colocated", **changes):
@@ -92,6 +93,9 @@ def test_no_critic_and_each_program_compiles_once(runs, name):
   assert {"reward/mean", "loss/policy", "time/iteration", "time/generate", "time/update"} <= set(
     rows[0]
   )
+  # Without a critic there is no value metric to log (not a 0 standing in for one).
+  critic_keys = {k for r in rows for k in r if k == "loss/value" or k.startswith(_CRITIC_PREFIXES)}
+  assert not critic_keys, critic_keys
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)

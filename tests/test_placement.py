@@ -230,7 +230,8 @@ _BAD_PLACEMENTS = [
   ({"strategy": "colocated", "tensor": 3}, r"^actor: placement\.tensor=3 does not divide its 8"),
   (
     {"strategy": "colocated", "rollout_tensor": 16},
-    r"^rollout: placement\.rollout_tensor=16 does not divide its 8 devices$",
+    r"^rollout: placement\.rollout_tensor=16 does not divide its 8 devices; set "
+    r"placement\.rollout_tensor to one of 1, 2, 4 or 8$",
   ),
   ({"strategy": "interleaved", "num_devices": 7}, r"^interleaved splits 7 devices into two"),
   (
@@ -247,7 +248,8 @@ _BAD_PLACEMENTS = [
   ),
   (
     _explicit(actor={"devices": [0, 1, 2, 8]}),
-    r"^actor: device index 8 is out of range for 8 devices \(valid: 0\.\.7\)$",
+    r"^actor: device index 8 is out of range for 8 devices \(valid: 0\.\.7; list those in "
+    r"placement\.explicit\.actor\.devices\)$",
   ),
   (_explicit(actor={"devices": [-1, 0, 1, 2]}), r"^actor: device index -1 is out of range"),
   (_explicit(actor={"devices": [0, 1, 1, 2]}), r"^actor: device 1 is listed more than once$"),
@@ -703,6 +705,29 @@ _BAD_RUNS = {
   "unknown_override": (["--config.placement.stratgy=x"], r"'stratgy'.*did you mean.*strategy"),
   "unknown_field_in_file": (None, r"unknown config field 'placement\.stratgy'; did you mean"),
   "unknown_size": (["--config.model.size=huge"], r"unknown model size 'huge'"),
+  # On one device each strategy that cannot be laid out names the flag to change.
+  "one_device_colocated": (
+    ["--config.placement.num_devices=1"],
+    r"rollout_tensor=2 does not divide its 1 devices; set placement\.rollout_tensor to one of 1$",
+  ),
+  "one_device_interleaved": (
+    ["--config.placement.num_devices=1", "--config.placement.strategy=interleaved"],
+    r"needs an even number \(on 1 device\(s\) set placement\.strategy=colocated\)$",
+  ),
+  "one_device_disaggregated": (
+    ["--config.placement.num_devices=1", "--config.placement.strategy=disaggregated"],
+    r"need at least 1 for the rollout and 1 for training \(on 1 device\(s\) set "
+    r"placement\.strategy=colocated\)$",
+  ),
+  "one_device_explicit": (
+    ["--config.placement.num_devices=1", "--config.placement.strategy=explicit"],
+    r"out of range for 1 devices \(valid: 0\.\.0; list those in placement\.explicit\.",
+  ),
+}
+# ... and those that can be laid out on one device are.
+_ONE_DEVICE_RUNS = {
+  "colocated": ["--config.placement.rollout_tensor=1"],
+  "auto": ["--config.placement.strategy=auto", "--config.placement.hardware=h100"],
 }
 
 
@@ -719,6 +744,12 @@ def script_runs(tmp_path_factory):
     for name, args in _GOOD_RUNS.items()
   }
   cases["options"] = [f"--config={options}"]
+  for name, args in _ONE_DEVICE_RUNS.items():
+    cases[f"one_device_{name}_works"] = [
+      "--config=configs/ppo_tiny.py",
+      "--config.placement.num_devices=1",
+      *args,
+    ]
   for name, (args, _) in _BAD_RUNS.items():
     cases[name] = [f"--config={typo}"] if args is None else ["--config=configs/ppo_tiny.py", *args]
   processes = {
@@ -752,6 +783,17 @@ def test_show_placement_prints_every_role(script_runs, strategy):
     assert any(
       line.split()[:5] == ["rollout", "4-7", "data=2", "tensor=2", "generation"] for line in lines
     ), stdout
+
+
+@pytest.mark.parametrize("strategy", list(_ONE_DEVICE_RUNS))
+def test_show_placement_on_one_device(script_runs, strategy):
+  returncode, stdout, stderr = script_runs[f"one_device_{strategy}_works"]
+  assert returncode == 0, stderr
+  lines = stdout.splitlines()
+  # auto reports the strategy its planner chose; on one device only colocated fits.
+  assert any(line.startswith("colocated placement on 1 devices") for line in lines), stdout
+  for role in (Role.ACTOR, Role.CRITIC, Role.ROLLOUT):
+    assert any(line.split()[:2] == [role.value, "0"] for line in lines), (role, stdout)
 
 
 def test_show_placement_prints_what_remat_chunks_and_offload_save(script_runs, monkeypatch):

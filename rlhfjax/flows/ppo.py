@@ -491,8 +491,9 @@ class PPOFlow:
       "throughput/tokens_per_s_per_device": seqs.num_tokens / elapsed / num_devices,
       "sync/bytes": float(bytes_synced),
       "loss/policy": update_metrics["loss/policy"],
-      "loss/value": update_metrics.get("loss/value", 0.0),
     }
+    # The critic's metrics (loss/value, value/*, critic/*) come only from a critic's update:
+    # a critic-free flow has none to log, not zeros.
     for key, value in update_metrics.items():
       row.setdefault(key, value)
     return row

@@ -112,7 +112,8 @@ def disaggregated(
   if not 1 <= num_rollout <= num_devices - 1:
     raise PlacementError(
       f"disaggregated: rollout_fraction={rollout_fraction} of {num_devices} devices gives "
-      f"{num_rollout} rollout devices; need at least 1 for the rollout and 1 for training"
+      f"{num_rollout} rollout devices; need at least 1 for the rollout and 1 for training "
+      f"(on {num_devices} device(s) set placement.strategy=colocated)"
     )
   training = _device_range(0, num_devices - num_rollout)
   rollout = _device_range(num_devices - num_rollout, num_devices)
@@ -294,16 +295,24 @@ def _device_range(start: int, stop: int) -> tuple[int, ...]:
 def _halves(devices: Sequence[int], what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
   if len(devices) < 2 or len(devices) % 2:
     raise PlacementError(
-      f"{what} splits {len(devices)} devices into two halves; needs an even number"
+      f"{what} splits {len(devices)} devices into two halves; needs an even number "
+      f"(on {len(devices)} device(s) set placement.strategy=colocated)"
     )
   half = len(devices) // 2
   return tuple(devices[:half]), tuple(devices[half:])
 
 
+def _divisors(n: int) -> str:
+  """The sizes a mesh axis over `n` devices can take, as 'a, b or c' for a message."""
+  sizes = [str(d) for d in range(1, n + 1) if n % d == 0]
+  return sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
+
+
 def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpec:
   if tensor < 1 or len(devices) % tensor:
     raise PlacementError(
-      f"{role}: placement.tensor={tensor} does not divide its {len(devices)} devices"
+      f"{role}: placement.tensor={tensor} does not divide its {len(devices)} devices; "
+      f"set placement.tensor to one of {_divisors(len(devices))}"
     )
   return RoleSpec(
     devices=devices,
@@ -315,7 +324,8 @@ def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpe
 def _generation_spec(devices: tuple[int, ...], tensor: int) -> RoleSpec:
   if tensor < 1 or len(devices) % tensor:
     raise PlacementError(
-      f"rollout: placement.rollout_tensor={tensor} does not divide its {len(devices)} devices"
+      f"rollout: placement.rollout_tensor={tensor} does not divide its {len(devices)} devices; "
+      f"set placement.rollout_tensor to one of {_divisors(len(devices))}"
     )
   return RoleSpec(
     devices=devices,

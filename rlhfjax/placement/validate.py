@@ -118,7 +118,7 @@ def _check_devices(role: Role, spec: RoleSpec, num_devices: int) -> None:
     if not 0 <= d < num_devices:
       raise PlacementError(
         f"{role}: device index {d} is out of range for {num_devices} devices "
-        f"(valid: 0..{num_devices - 1})"
+        f"(valid: 0..{num_devices - 1}; list those in placement.explicit.{role}.devices)"
       )
     if d in seen:
       raise PlacementError(f"{role}: device {d} is listed more than once")
