@@ -5,10 +5,10 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sev
 (`*ForCausalLM`) load with the LM head; `*ForSequenceClassification` with one label loads as a
 value-head model (its `score` row becomes the value head), which is how reward models are shared.
 
-Weights are read with NumPy (no torch needed) and stacked per layer into the scanned layout of
-`rlhfjax.models.transformer`. Written checkpoints are split by `plan_shards` into files of whole
-layers, so that the processes of a job can each write the files of the layers they hold
-(`rlhfjax.export`).
+Weights are read with NumPy (no torch needed), each process only the slices its devices hold
+(`rlhfjax.models.hf_read`), into the scanned layout of `rlhfjax.models.transformer`. Written
+checkpoints are split by `plan_shards` into files of whole layers, so that the processes of a
+job can each write the files of the layers they hold (`rlhfjax.export`).
 """
 
 from __future__ import annotations
@@ -22,21 +22,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rlhfjax.models import transformer
+from rlhfjax.models import hf_read, transformer
 from rlhfjax.models.config import ROPE_TYPES, HeadKind, ModelConfig, RopeScaling
+from rlhfjax.models.hf_read import INDEX as _INDEX
+from rlhfjax.models.hf_read import CheckpointError
+from rlhfjax.models.hf_read import get_at as _get
+from rlhfjax.models.hf_read import set_at as _set
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-_INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-  """A checkpoint directory that cannot be read as a supported Hugging Face model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,59 +269,8 @@ def _layer_tensors(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Any,
   return table
 
 
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value
-
-
-def _get(tree: Mapping, path: tuple[str, ...]):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading.
-
-
-def _shard_files(path: str) -> list[str]:
-  index = os.path.join(path, _INDEX)
-  if os.path.exists(index):
-    try:
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-      raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-    return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
-  single = os.path.join(path, "model.safetensors")
-  if os.path.exists(single):
-    return [single]
-  raise CheckpointError(f"{path}: no model.safetensors or {_INDEX} found")
-
-
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
-  tensors = {}
-  for file in _shard_files(path):
-    if not os.path.exists(file):
-      raise CheckpointError(f"{file}: listed in {_INDEX} but missing")
-    try:
-      with safe_open(file, framework="numpy") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-          tensors[name] = f.get_tensor(name)
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-      raise CheckpointError(f"{file}: cannot read safetensors ({e})") from None
-  # Classification checkpoints name the trunk `model.`; some exports drop the prefix.
-  if not any(n.startswith("model.") for n in tensors):
-    tensors = {
-      ("model." + n if not n.startswith(("lm_head", "score")) else n): t for n, t in tensors.items()
-    }
-  return tensors
-
-
-def _to_dtype(x: np.ndarray, dtype) -> np.ndarray:
-  target = ml_dtypes.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
-  return np.asarray(x, dtype=np.float32).astype(target) if x.dtype != target else x
 
 
 def params_from_hf_tensors(
@@ -335,12 +281,15 @@ def params_from_hf_tensors(
   *,
   path: str = "checkpoint",
 ) -> dict:
-  """Our parameter tree (NumPy leaves) from HF tensor names to arrays."""
+  """Our parameter tree (NumPy leaves) from HF tensor names to whole arrays in memory.
+
+  `load_hf_checkpoint` reads a directory by slices instead (`hf_read.read_params`).
+  """
 
   def take(name):
     if name not in tensors:
       raise CheckpointError(f"{path}: tensor {name!r} is missing")
-    return _to_dtype(np.asarray(tensors[name]), dtype)
+    return hf_read.to_dtype(np.asarray(tensors[name]), dtype)
 
   params: dict = {
     "embedding": take("model.embed_tokens.weight"),
@@ -383,8 +332,9 @@ def load_hf_checkpoint(
   Args:
     path: directory with `config.json` and safetensors weights (single file or sharded).
     dtype: parameter and compute dtype (float32 or bfloat16).
-    shardings: optional tree of `jax.sharding.Sharding` matching the parameters; each leaf is
-      placed straight onto its devices instead of the default device.
+    shardings: optional tree of `jax.sharding.Sharding` matching the parameters; each process
+      reads only the slices of each leaf that its devices hold, straight into them. None: every
+      leaf whole on the first local device.
 
   Returns:
     `(config, params)`. A `*ForSequenceClassification` checkpoint returns value-head params
@@ -392,11 +342,8 @@ def load_hf_checkpoint(
   """
   path = os.fspath(path)
   config, head = read_hf_config(path, dtype)
-  params = params_from_hf_tensors(config, head, _read_tensors(path), dtype, path=path)
-  if shardings is None:
-    params = jax.tree.map(jnp.asarray, params)
-  else:
-    params = jax.device_put(params, shardings)
+  with hf_read.SafetensorsReader(path) as reader:
+    params = hf_read.read_params(reader, config, head, dtype, shardings=shardings)
   return config, params
 
 
