@@ -602,7 +602,7 @@ def test_format_placement_table_lists_every_role():
       {"model": {"size": "tiny", "dtype": "float16"}},
       r"^'model\.dtype' must be one of float32, bfloat16, got 'float16'$",
     ),
-    ({"model": {}}, r"^missing config field 'model\.size'$"),
+    ({"model": {}}, r"^'model': set 'model\.size' \(a registered size\) or 'model\.hf' "),
     ({"placement": {}}, r"^missing config field 'model'$"),
     (
       {"model": {"size": "tiny"}, "placement": {"num_devices": "8"}},
