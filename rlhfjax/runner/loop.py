@@ -27,6 +27,7 @@ from rlhfjax import data, distributed, signals
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.data.chat_template import load_chat_template
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import registry
 from rlhfjax.flows.stages import FlowContext
@@ -118,7 +119,7 @@ class Runner:
         on_bad_record=d.on_bad_record,
       )
     )
-    template = data.ChatTemplate() if d.chat_template else None
+    template = load_chat_template(d.tokenizer) if d.chat_template else None
     stream = functools.partial(
       data.prompt_iterator,
       tokenizer=self.tokenizer,
