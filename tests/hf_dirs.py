@@ -12,7 +12,21 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from rlhfjax import models as rlhf_models
-from rlhfjax.models.config import ModelConfig
+from rlhfjax.models.config import ModelConfig, get_model_config
+
+_TINY = get_model_config("tiny")
+_LLAMA32 = get_model_config("1b")
+TINY_QWEN2 = _TINY.replace(
+  architecture="qwen2", qkv_bias=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6
+)
+"""Qwen2's architecture (q/k/v bias, tied embeddings, its rope and eps) on the tiny shapes."""
+TINY_LLAMA3 = _TINY.replace(
+  rope_theta=_LLAMA32.rope_theta,
+  rope_scaling=_LLAMA32.rope_scaling,
+  max_position_embeddings=_LLAMA32.max_position_embeddings,
+  tie_embeddings=True,
+)
+"""Llama 3.2's rope (theta 500000, llama3 scaling) and tied embeddings on the tiny shapes."""
 
 # Qwen2.5-Instruct's template without the tool-calling branches (those need tools=...).
 QWEN25_TEMPLATE = (

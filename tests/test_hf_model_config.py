@@ -8,6 +8,7 @@ import os
 import runpy
 
 import pytest
+from hf_dirs import TINY_LLAMA3, TINY_QWEN2
 
 from rlhfjax import config as config_lib
 from rlhfjax.config import ConfigError
@@ -16,28 +17,8 @@ from rlhfjax.models import hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_config.get_model_config("tiny")
-QWEN2 = TINY.replace(
-  architecture="qwen2",
-  qkv_bias=True,
-  tie_embeddings=True,
-  rope_theta=1_000_000.0,
-  rms_norm_eps=1e-6,
-  sliding_window=None,
-  max_position_embeddings=32_768,
-  bos_token_id=None,
-  eos_token_ids=(7,),
-  pad_token_id=5,
-)
-# Llama 3.2's rope (theta 500000, llama3 scaling) on the tiny shapes.
-_LLAMA32 = model_config.get_model_config("1b")
-LLAMA3 = TINY.replace(
-  rope_theta=_LLAMA32.rope_theta,
-  rope_scaling=_LLAMA32.rope_scaling,
-  max_position_embeddings=_LLAMA32.max_position_embeddings,
-  tie_embeddings=True,
-  bos_token_id=1,
-  eos_token_ids=(2, 3),
-)
+QWEN2 = TINY_QWEN2.replace(max_position_embeddings=32_768, eos_token_ids=(7,), pad_token_id=5)
+LLAMA3 = TINY_LLAMA3.replace(bos_token_id=1, eos_token_ids=(2, 3))
 
 
 def _write_config(path, model: model_config.ModelConfig, head="lm", **changes) -> str:
