@@ -31,6 +31,9 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   config.model.size = "tiny"
+  # A Hugging Face checkpoint directory instead (its architecture, weights and tokenizer):
+  # --config.model.size= --config.model.hf=/path/to/Qwen2.5-0.5B-Instruct
+  config.model.hf = ""
 
   config.placement = ml_collections.ConfigDict()
   config.placement.strategy = variant.split("_")[0]

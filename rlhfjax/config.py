@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -47,6 +48,10 @@ class RoleModelSection:
   """Attention kernel (`models.config.ATTENTION_IMPLS`)."""
   logprob_chunk_size: int | None = None
   """Tokens per chunk of the log-prob / entropy / LM-loss computation."""
+  hf: str = ""
+  """The critic's or the reward model's own Hugging Face checkpoint directory (a causal LM or a
+  one-label *ForSequenceClassification): its config.json gives the role's architecture, and
+  its weights start the role unless `init.critic` / `init.reward` say otherwise."""
 
   def __post_init__(self):
     choices = {
@@ -66,7 +71,7 @@ class RoleModelSection:
     return {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if getattr(self, f.name) is not None
+      if getattr(self, f.name) is not None and f.name != "hf"
     }
 
 
@@ -75,10 +80,17 @@ _ROLES = ("actor", "critic", "reference", "reward", "rollout")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
-  """Which registered model each role runs."""
+  """Which model each role runs: a registered size or a Hugging Face checkpoint's config.json."""
 
-  size: str
-  """Size of the actor; the reference and the rollout run the same model."""
+  size: str | None = None
+  """Size of the actor; the reference and the rollout run the same model. None: `hf`'s."""
+  hf: str = ""
+  """A local Hugging Face checkpoint directory (Llama 1-3.x, Mistral, Qwen2/2.5/3) whose
+  config.json gives every role's architecture (sizes, heads, rope, norm eps, biases, tied
+  embeddings, dtype from `torch_dtype`, special token ids). Its weights start the actor and
+  the reference when `init.actor` / `init.hf_checkpoint` are empty, and its tokenizer.json is
+  the tokenizer when `data.tokenizer` is left at 'byte'. A `size` or `overrides` given as well
+  must agree with it on every architecture field."""
   critic_size: str | None = None
   """Size of the critic; None: the actor's size."""
   reward_size: str | None = None
@@ -87,13 +99,24 @@ class ModelSection:
   """Compute dtype override for every model ('float32' or 'bfloat16'); None: the size's own."""
   param_dtype: str | None = None
   """Parameter dtype override for every model; None: the size's own."""
-  overrides: dict[str, int] = dataclasses.field(default_factory=dict)
-  """Integer `ModelConfig` fields changed for every model, e.g. {'num_layers': 4}."""
+  overrides: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Number `ModelConfig` fields changed for every model, e.g. {'num_layers': 4} or
+  {'rope_theta': 500000.0}."""
   roles: dict[str, RoleModelSection] = dataclasses.field(default_factory=dict)
   """Per-role settings over the above, e.g. {'reference': {'param_dtype': 'bfloat16'},
   'actor': {'remat': 'dots_with_no_batch_dims_saveable', 'logprob_chunk_size': 1024}}."""
 
   def __post_init__(self):
+    if self.size == "":  # `--config.model.size=` unsets a shipped config's size
+      object.__setattr__(self, "size", None)
+    if self.size is None and not self.hf:
+      raise ConfigError("'model': set 'model.size' (a registered size) or 'model.hf' (a directory)")
+    for role, section in self.roles.items():
+      if section.hf and role not in ("critic", "reward"):
+        raise ConfigError(
+          f"'model.roles.{role}.hf': only the critic and the reward model take their own "
+          "checkpoint; the actor, reference and rollout run 'model.hf'"
+        )
     known = model_config.model_sizes()
     for name in ("size", "critic_size", "reward_size"):
       value = getattr(self, name)
@@ -101,10 +124,11 @@ class ModelSection:
         raise ConfigError(
           f"unknown model size {value!r} for 'model.{name}'; known sizes: {', '.join(known)}"
         )
-    fields = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
+    fields = {f.name: f.type for f in dataclasses.fields(model_config.ModelConfig)}
     for name in self.overrides:
       if name not in fields:
         raise ConfigError(f"unknown model field {name!r} in 'model.overrides'")
+    object.__setattr__(self, "overrides", _whole_numbers(self.overrides, fields))
     for name in ("dtype", "param_dtype"):
       value = getattr(self, name)
       if value is not None and value not in _DTYPES:
@@ -122,15 +146,29 @@ class ModelSection:
         "the weight sync would only add bytes, not precision"
       )
 
-  def size_for(self, role: str) -> str:
-    """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs."""
-    if role == "critic":
-      return self.critic_size or self.size
-    if role == "reward":
-      return self.reward_size or self.size
-    if role in ("actor", "reference", "rollout"):
-      return self.size
-    raise ValueError(f"unknown role {role!r}")
+  def size_for(self, role: str) -> str | None:
+    """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs; None
+    when only a checkpoint's config.json says (`hf_for`)."""
+    if role not in _ROLES:
+      raise ValueError(f"unknown role {role!r}")
+    own = {"critic": self.critic_size, "reward": self.reward_size}.get(role)
+    if own is not None:
+      return own
+    return None if self.roles.get(role, RoleModelSection()).hf else self.size
+
+  def hf_for(self, role: str) -> str:
+    """The Hugging Face directory whose config.json `role` runs; '' for a registered size."""
+    own = self.roles.get(role, RoleModelSection()).hf
+    if own:
+      return own
+    # A critic or reward model given its own size does not run the actor's checkpoint.
+    if {"critic": self.critic_size, "reward": self.reward_size}.get(role) is not None:
+      return ""
+    return self.hf
+
+  def model_name(self, role: str) -> str:
+    """What `role` runs, for messages: its size or its checkpoint directory."""
+    return self.hf_for(role) or str(self.size_for(role))
 
   def for_role(self, role: str) -> model_config.ModelConfig:
     """The `ModelConfig` of `role`, with the dtype and field overrides applied."""
@@ -139,13 +177,48 @@ class ModelSection:
       for name in ("dtype", "param_dtype")
       if getattr(self, name) is not None
     }
+    role_section = self.roles.get(role, RoleModelSection())
+    changes = {**overrides, **self.overrides, **role_section.overrides()}
     try:
-      role_section = self.roles.get(role, RoleModelSection())
-      return model_config.get_model_config(
-        self.size_for(role), **{**overrides, **self.overrides, **role_section.overrides()}
-      )
+      if self.hf_for(role):
+        return self._from_hf(role, changes)
+      return model_config.get_model_config(self.size_for(role), **changes)
+    except model_config.ArchitectureMismatch as e:
+      raise ConfigError(str(e)) from None
     except ValueError as e:
       raise ConfigError(f"model: {e}") from None
+
+  def _from_hf(self, role: str, changes: dict[str, Any]) -> model_config.ModelConfig:
+    """The checkpoint's architecture with the numerics changes; any architecture field the
+    config gives too (a size, an override) must equal the checkpoint's."""
+    from rlhfjax.models import hf
+
+    directory = self.hf_for(role)
+    found, _ = hf.read_hf_config(directory)
+    numerics = {k: v for k, v in changes.items() if k in model_config.NUMERICS_FIELDS}
+    size = self.size_for(role)
+    given = model_config.get_model_config(size, **changes) if size else found.replace(**changes)
+    what = f"model.roles.{role}.hf" if self.roles.get(role, RoleModelSection()).hf else "model.hf"
+    try:
+      model_config.check_same_architecture(
+        found, given, f"{what}: {os.path.join(directory, 'config.json')}"
+      )
+    except model_config.ArchitectureMismatch as e:
+      hint = f" (the size {size!r} is another model: --config.model.size= runs the checkpoint's)"
+      raise model_config.ArchitectureMismatch(f"{e}{hint if size else ''}") from None
+    return found.replace(**numerics)
+
+
+def _whole_numbers(overrides: dict[str, float], types: dict[str, Any]) -> dict[str, float]:
+  """`overrides` (read as floats) with the integer fields of `ModelConfig` made ints again."""
+  out = {}
+  for name, value in overrides.items():
+    if "int" in str(types[name]).split(" | "):
+      if not float(value).is_integer():
+        raise ConfigError(f"'model.overrides.{name}' must be a whole number, got {value!r}")
+      value = int(value)
+    out[name] = value
+  return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -465,9 +538,12 @@ class DataSection:
   data_dir: str = ""
   """Where TFDS writes the prepared array_record files; empty: WORKDIR/data."""
   tokenizer: str = "byte"
-  """'byte' (built in) or the path of a Hugging Face tokenizer.json (or its directory)."""
+  """'byte' (built in) or the path of a Hugging Face tokenizer.json (or its directory); left
+  at 'byte' with `model.hf` set: that directory's tokenizer."""
   chat_template: bool = False
-  """Wrap prompts in the minimal chat template (user / assistant markers)."""
+  """Wrap prompts in a chat template: the tokenizer directory's own (chat_template.jinja or
+  tokenizer_config.json's `chat_template`, rendered as `transformers` does) when it has one,
+  else the minimal built-in one (user / assistant markers)."""
   on_bad_record: str = "error"
   """A malformed JSONL record: 'error' (one line naming file:line) or 'skip' (counted)."""
   on_long_prompt: str = "truncate"
@@ -492,20 +568,21 @@ class RoleInitSection:
   """Where PPO's models start; empty: a random initialisation (seeded by `seed`).
 
   Each field is an rlhfjax run's checkpoints directory (its latest complete step) or one step
-  directory in it, or a local Hugging Face checkpoint directory (one with a config.json). The
-  weights must have the shapes of the `model` section.
+  directory in it, or a local Hugging Face checkpoint directory (one with a config.json). A
+  Hugging Face checkpoint must have the architecture of the `model` section (every field, not
+  only the shapes: rope, norm eps, biases); a difference is an error naming the fields.
   """
 
   actor: str = ""
   """The policy: an SFT run (item 'policy') or a Hugging Face causal LM. The reference is the
-  same weights."""
+  same weights. Empty with `model.hf` set: that directory's weights."""
   critic: str = ""
   """The critic: a reward-model run (item 'reward'), an SFT run (its trunk; the value head
   starts at zero) or a Hugging Face sequence-classification checkpoint; empty: the actor's
-  trunk if `actor` is set, else random."""
+  trunk if `actor` is set, else random. Empty with `model.roles.critic.hf` set: its weights."""
   reward: str = ""
   """The reward model: a reward-model run (item 'reward') or a Hugging Face
-  sequence-classification checkpoint."""
+  sequence-classification checkpoint. Empty with `model.roles.reward.hf` set: its weights."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -570,6 +647,17 @@ class ExperimentConfig:
 
   def __post_init__(self):
     ranges.check("", self, seed=ranges.SEED, total_steps=ranges.COUNT, log_every=ranges.COUNT)
+    init = self.init
+    # A model given as a checkpoint directory starts from its weights unless told otherwise.
+    defaults = {
+      "actor": self.model.hf_for("actor"),
+      "critic": self.model.roles.get("critic", RoleModelSection()).hf,
+      "reward": self.model.roles.get("reward", RoleModelSection()).hf,
+    }
+    changes = {k: v for k, v in defaults.items() if v and not getattr(init, k)}
+    if changes:
+      object.__setattr__(self, "init", dataclasses.replace(init, **changes))
+    _checkpoint_tokenizer(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -611,12 +699,13 @@ class TrainPlacementSection:
 class InitSection:
   """Where the trained model's first weights come from; both empty: a random initialisation.
 
-  The checkpoint's model must have the shapes of the `model` section: the config, not the
+  The checkpoint's model must have the architecture of the `model` section: the config, not the
   checkpoint, says what PPO will later build, so a mismatch is an error rather than a surprise.
   """
 
   hf_checkpoint: str = ""
-  """A local Hugging Face checkpoint directory (config.json and safetensors)."""
+  """A local Hugging Face checkpoint directory (config.json and safetensors). Both empty with
+  `model.hf` (or the reward model's `model.roles.reward.hf`) set: that directory's weights."""
   checkpoint: str = ""
   """An rlhfjax checkpoint directory, e.g. an SFT run's `WORKDIR/checkpoints` (its latest
   step). The reward model takes its trunk from an SFT checkpoint; the value head starts fresh."""
@@ -672,6 +761,13 @@ class SupervisedConfig:
       raise ConfigError(
         f"'micro_batches'={self.micro_batches} must divide 'batch_size'={self.batch_size}"
       )
+    _checkpoint_tokenizer(self)
+
+
+def _checkpoint_tokenizer(cfg: ExperimentConfig | SupervisedConfig) -> None:
+  """The tokenizer of `model.hf` when `data.tokenizer` is left at its default ('byte')."""
+  if cfg.model.hf and cfg.data.tokenizer == "byte":
+    object.__setattr__(cfg, "data", dataclasses.replace(cfg.data, tokenizer=cfg.model.hf))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

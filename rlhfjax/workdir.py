@@ -35,6 +35,10 @@ LOCK_FILE = ".lock"
 PATH_FIELDS = {
   "data": ("prompts", "demonstrations", "preferences", "data_dir", "tokenizer"),
   "init": ("actor", "critic", "reward", "hf_checkpoint", "checkpoint"),
+  "model": ("hf",),
+  # model.roles.critic / model.roles.reward
+  "critic": ("hf",),
+  "reward": ("hf",),
 }
 _NOT_PATHS = ("", "byte")
 

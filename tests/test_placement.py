@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from rlhfjax.config import ConfigError, ExperimentConfig, from_config_dict
+from rlhfjax.models import config as model_config
+from rlhfjax.models import hf
 from rlhfjax.placement import (
   Layout,
   PlacementError,
@@ -604,7 +606,7 @@ def test_format_placement_table_lists_every_role():
       {"model": {"size": "tiny", "dtype": "float16"}},
       r"^'model\.dtype' must be one of float32, bfloat16, got 'float16'$",
     ),
-    ({"model": {}}, r"^missing config field 'model\.size'$"),
+    ({"model": {}}, r"^'model': set 'model\.size' \(a registered size\) or 'model\.hf' "),
     ({"placement": {}}, r"^missing config field 'model'$"),
     (
       {"model": {"size": "tiny"}, "placement": {"num_devices": "8"}},
@@ -731,6 +733,18 @@ _ONE_DEVICE_RUNS = {
 }
 
 
+# A Hugging Face checkpoint's architecture from its config.json alone (no weights needed to plan):
+# the public Qwen2.5-1.5B-Instruct numbers, on one 80 GiB device.
+_QWEN_DIR = "configs/hf/qwen2.5-1.5b-instruct"
+_HF_RUN = [
+  "--config.model.size=",
+  f"--config.model.hf={_QWEN_DIR}",
+  "--config.placement.num_devices=1",
+  "--config.placement.memory_per_device_gb=80",
+  "--config.placement.rollout_tensor=1",
+]
+
+
 @pytest.fixture(scope="module")
 def script_runs(tmp_path_factory):
   """Runs every show_placement case at once (each starts JAX) and returns name -> result."""
@@ -750,6 +764,7 @@ def script_runs(tmp_path_factory):
       "--config.placement.num_devices=1",
       *args,
     ]
+  cases["hf"] = ["--config=configs/grpo_tiny.py", *_HF_RUN]
   for name, (args, _) in _BAD_RUNS.items():
     cases[name] = [f"--config={typo}"] if args is None else ["--config=configs/ppo_tiny.py", *args]
   processes = {
@@ -794,6 +809,19 @@ def test_show_placement_on_one_device(script_runs, strategy):
   assert any(line.startswith("colocated placement on 1 devices") for line in lines), stdout
   for role in (Role.ACTOR, Role.CRITIC, Role.ROLLOUT):
     assert any(line.split()[:2] == [role.value, "0"] for line in lines), (role, stdout)
+
+
+def test_show_placement_plans_a_hugging_face_checkpoint_from_its_config_json(script_runs):
+  returncode, stdout, stderr = script_runs["hf"]
+  assert returncode == 0, stderr
+  lines = stdout.splitlines()
+  assert lines[0].startswith("colocated placement on 1 devices")
+  model, _ = hf.read_hf_config(REPO / _QWEN_DIR)
+  assert (model.num_layers, model.hidden_size, model.param_dtype) == (28, 1536, "bfloat16")
+  params_gib = model_config.param_count(model) * 2 / 2**30  # bf16, as its torch_dtype
+  actor = next(line.split() for line in lines if line.startswith("actor "))
+  assert actor[7] == f"{params_gib:.2f}", stdout
+  assert any(line.startswith("summary: colocated on 1 devices") for line in lines), stdout
 
 
 def test_show_placement_prints_what_remat_chunks_and_offload_save(script_runs, monkeypatch):

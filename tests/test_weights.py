@@ -102,5 +102,27 @@ def test_a_policy_cannot_start_from_a_value_head(tmp_path):
 def test_another_model_is_an_error_naming_the_fields(hf_policy):
   other = dataclasses.replace(MODEL, num_layers=MODEL.num_layers + 1)
   rt = RoleRuntime.create(Role.ACTOR, RoleSpec.training((0, 1), fsdp=2), other, "lm")
-  with pytest.raises(weights.WeightsError, match=r"num_layers=3 \(config: 4\)"):
+  with pytest.raises(weights.WeightsError, match=r"config.json has num_layers=3, the config has 4"):
     _load(hf_policy, rt, model=other)
+
+
+def test_same_shapes_another_architecture_is_an_error_naming_every_field(policy, tmp_path):
+  """The issue's reproduction: rope_theta and rms_norm_eps change no shape, so a shape check
+  let these weights run as another model, silently."""
+  llama3 = MODEL.replace(rope_theta=500_000.0, rms_norm_eps=1e-6)
+  models.save_hf_checkpoint(llama3, policy, str(tmp_path))
+  config = str(tmp_path / "config.json")
+  expected = (
+    f"init.test: {config} has rope_theta=500000.0, the config has 10000.0; "
+    "rms_norm_eps=1e-06, the config has 1e-05"
+  )
+  with pytest.raises(weights.WeightsError) as error:
+    _load(str(tmp_path), _runtime("lm"))
+  assert str(error.value) == expected
+
+
+def test_numerics_a_user_chooses_are_not_a_mismatch(policy, hf_policy):
+  numerics = MODEL.replace(dtype="bfloat16", remat="full", attention="einsum", logprob_chunk_size=7)
+  rt = RoleRuntime.create(Role.ACTOR, RoleSpec.training((0, 1), fsdp=2), numerics, "lm")
+  params = _load(hf_policy, rt, model=numerics)
+  np.testing.assert_array_equal(np.asarray(params["embedding"]), policy["embedding"])

@@ -56,7 +56,10 @@ def sampling(cfg: ExperimentConfig, tokenizer: Any, **changes: Any) -> SamplingP
     top_k=r.top_k,
     top_p=r.top_p,
     max_new_tokens=r.max_new_tokens,
-    stop_token_ids=(tokenizer.eos_id,),
+    # A checkpoint's own stop tokens too (Llama 3 Instruct ends a turn with <|eot_id|>).
+    stop_token_ids=tuple(
+      dict.fromkeys((tokenizer.eos_id, *cfg.model.for_role("actor").eos_token_ids))
+    ),
   )
   return dataclasses.replace(params, **changes)
 

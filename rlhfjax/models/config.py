@@ -178,6 +178,42 @@ class ModelConfig:
     return dataclasses.replace(self, **changes)
 
 
+NUMERICS_FIELDS = ("dtype", "param_dtype", "remat", "attention", "logprob_chunk_size")
+"""How a model is computed, which a user may choose for any checkpoint."""
+# The family name only picks the export format, and the token ids belong to the tokenizer:
+# neither changes what the network computes from given weights.
+_NOT_ARCHITECTURE = (*NUMERICS_FIELDS, "architecture", "bos_token_id", "eos_token_ids")
+_NOT_ARCHITECTURE += ("pad_token_id",)
+
+
+class ArchitectureMismatch(ValueError):
+  """A checkpoint's architecture differs from the config's."""
+
+
+def architecture_diff(
+  found: ModelConfig, expected: ModelConfig
+) -> list[tuple[str, object, object]]:
+  """(field, found, expected) for every architecture field where the two configs differ."""
+  return [
+    (f.name, getattr(found, f.name), getattr(expected, f.name))
+    for f in dataclasses.fields(ModelConfig)
+    if f.name not in _NOT_ARCHITECTURE and getattr(found, f.name) != getattr(expected, f.name)
+  ]
+
+
+def check_same_architecture(found: ModelConfig, expected: ModelConfig, where: str) -> None:
+  """Raises `ArchitectureMismatch`, one line naming every differing field and both values:
+  `where` (a checkpoint's config.json) has ..., the config has ...
+
+  Raises:
+    ArchitectureMismatch: the configs differ in an architecture field.
+  """
+  diff = architecture_diff(found, expected)
+  if diff:
+    parts = "; ".join(f"{name}={a}, the config has {b}" for name, a, b in diff)
+    raise ArchitectureMismatch(f"{where} has {parts}")
+
+
 def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
   """Number of parameters of the model with the given head."""
   d, f, h, kv, hd = (

@@ -311,17 +311,51 @@ def params_from_hf_tensors(
   return params
 
 
-def read_hf_config(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, HeadKind]:
-  """The model and head a Hugging Face checkpoint directory holds, from its `config.json`."""
-  config_path = os.path.join(os.fspath(path), "config.json")
+def read_hf_json(path: str | os.PathLike, name: str = "config.json") -> dict[str, Any]:
+  """A JSON object of a checkpoint directory (`config.json`, `generation_config.json`, ...)."""
+  file = os.path.join(os.fspath(path), name)
   try:
-    with open(config_path) as f:
-      hf = json.load(f)
+    with open(file, encoding="utf-8") as f:
+      value = json.load(f)
   except FileNotFoundError:
-    raise CheckpointError(f"{config_path}: not found") from None
+    raise CheckpointError(f"{file}: not found") from None
   except json.JSONDecodeError as e:
-    raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
-  return config_from_hf(hf, dtype=dtype, path=config_path)
+    raise CheckpointError(f"{file}: invalid JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{file}: not a JSON object")
+  return value
+
+
+def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
+  """The dtype a checkpoint was saved in (`dtype`, or the older `torch_dtype`), as a
+  `ModelConfig` dtype: float16 becomes bfloat16 (same width; float16 is not supported here)."""
+  name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+  return "float32" if name == "float32" else "bfloat16"
+
+
+def read_hf_config(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, HeadKind]:
+  """The model and head a Hugging Face checkpoint directory holds, from its `config.json`.
+
+  Args:
+    path: the checkpoint directory.
+    dtype: parameter and compute dtype; None: the checkpoint's own (`checkpoint_dtype`).
+  """
+  hf = read_hf_json(path)
+  config, head = config_from_hf(
+    hf,
+    dtype=checkpoint_dtype(hf) if dtype is None else dtype,
+    path=os.path.join(os.fspath(path), "config.json"),
+  )
+  return config.replace(eos_token_ids=stop_token_ids(path, config.eos_token_ids)), head
+
+
+def stop_token_ids(path: str | os.PathLike, default: tuple[int, ...]) -> tuple[int, ...]:
+  """The eos ids generation stops at: generation_config.json's when it has them, else
+  `default` (config.json's)."""
+  if not os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):
+    return default
+  ids = _as_tuple(read_hf_json(path, "generation_config.json").get("eos_token_id"))
+  return ids or default
 
 
 def load_hf_checkpoint(

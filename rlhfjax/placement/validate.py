@@ -93,7 +93,7 @@ def check_models(
       if heads % tensor:
         raise PlacementError(
           f"{role}: tensor={tensor} does not divide {name}={heads} of model "
-          f"{model.size_for(role)!r}"
+          f"{model.model_name(role)!r}"
         )
   rollout_spec = spec.roles.get(Role.ROLLOUT)  # None for a flow that generates nothing (DPO)
   batch_axes = memory.BATCH_AXES[rollout_spec.layout] if rollout_spec else ()

@@ -27,6 +27,7 @@ from rlhfjax import data, distributed, export, rerun, signals
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.data.chat_template import load_chat_template
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import registry
 from rlhfjax.flows.stages import FlowContext
@@ -81,7 +82,7 @@ class Runner:
         f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
         f"only {cfg.model.for_role('actor').vocab_size}"
       )
-    self.template = data.ChatTemplate() if cfg.data.chat_template else None
+    self.template = load_chat_template(cfg.data.tokenizer) if cfg.data.chat_template else None
     self.prompts, self.eval_prompts = self._load_prompts()
     self.cluster = Cluster(cfg, self.placement)
     self.timeline, self.traces = self.cluster.timeline, self.cluster.traces

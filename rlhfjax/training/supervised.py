@@ -29,6 +29,7 @@ from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
 from rlhfjax.data import jsonl
 from rlhfjax.data import tokenizer as tokenizer_lib
+from rlhfjax.data.chat_template import load_chat_template
 from rlhfjax.models.config import HeadKind, ModelConfig
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
@@ -253,7 +254,7 @@ class SupervisedTrainer(abc.ABC):
       seed=cfg.seed,
       repeat=train,
       on_long_prompt=cfg.data.on_long_prompt,
-      chat_template=tokenizer_lib.ChatTemplate() if cfg.data.chat_template else None,
+      chat_template=load_chat_template(cfg.data.tokenizer) if cfg.data.chat_template else None,
     )
 
   @abc.abstractmethod
@@ -281,8 +282,15 @@ class SupervisedTrainer(abc.ABC):
     starts a value model with a zero value head, see `rlhfjax.training.weights`)."""
     init = self.cfg.init
     rt = self.runtime
+    hf = self.cfg.model.hf_for(self.role.value)
+    if not (init.hf_checkpoint or init.checkpoint) and hf:
+      source, what = hf, "model.hf"  # a model given as a checkpoint starts from its weights
+    elif init.hf_checkpoint:
+      source, what = init.hf_checkpoint, "init.hf_checkpoint"
+    else:
+      source, what = init.checkpoint, "init.checkpoint"
     return weights.load_params(
-      init.hf_checkpoint or init.checkpoint,
+      source,
       model=self.model,
       head=self.head,
       mesh=rt.mesh,
@@ -290,7 +298,7 @@ class SupervisedTrainer(abc.ABC):
       shardings=rt.param_shardings,
       rng=rng,
       items=self.init_items,
-      what="init.hf_checkpoint" if init.hf_checkpoint else "init.checkpoint",
+      what=what,
     )
 
   # -------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import models
 from rlhfjax.mesh import rules
+from rlhfjax.models import config as model_config
 from rlhfjax.models.config import HeadKind, ModelConfig
 
 # Which head a saved item carries, by the item names the trainers use.
@@ -33,20 +34,6 @@ ITEM_HEADS: dict[str, HeadKind] = {
   "critic": "value",  # PPO
 }
 
-# Fields that decide parameter shapes: a checkpoint must agree with the config on all of them.
-_SHAPE_FIELDS = (
-  "vocab_size",
-  "hidden_size",
-  "intermediate_size",
-  "num_layers",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "qkv_bias",
-  "o_bias",
-  "tie_embeddings",
-)
-
 
 class WeightsError(ValueError):
   """Weights cannot start a role: wrong model, wrong head or no such item."""
@@ -54,17 +41,6 @@ class WeightsError(ValueError):
 
 def is_hf_checkpoint(source: str) -> bool:
   return os.path.isfile(os.path.join(source, "config.json"))
-
-
-def check_same_model(found: ModelConfig, expected: ModelConfig, what: str) -> None:
-  """The weights must be the model the config names: the config is what later stages build."""
-  diff = [
-    f"{name}={getattr(found, name)} (config: {getattr(expected, name)})"
-    for name in _SHAPE_FIELDS
-    if getattr(found, name) != getattr(expected, name)
-  ]
-  if diff:
-    raise WeightsError(f"{what} is not the model of the 'model' section: {', '.join(diff)}")
 
 
 def param_shardings(model: ModelConfig, head: HeadKind, mesh, layout) -> Any:
@@ -114,7 +90,14 @@ def _from_hf(source, model, head, mesh, layout, shardings, what) -> Any:
   from rlhfjax.models import hf
 
   found, found_head = hf.read_hf_config(source, dtype=model.jnp_param_dtype)
-  check_same_model(found, model, f"{what} {source!r}")
+  # The config is what later stages build (and export): weights of another architecture
+  # would run silently wrong, so every architecture field must agree, not only the shapes.
+  try:
+    model_config.check_same_architecture(
+      found, model, f"{what}: {os.path.join(source, 'config.json')}"
+    )
+  except model_config.ArchitectureMismatch as e:
+    raise WeightsError(str(e)) from None
   _check_heads(found_head, head, f"{what} {source!r}")
   _, params = models.load_hf_checkpoint(
     source,

@@ -1,0 +1,106 @@
+"""Small Hugging Face checkpoint directories written by the tests (no downloads): a byte-level
+BPE tokenizer.json trained on a few sentences, tokenizer_config.json with a chat template, and
+optionally the weights and config.json of a random model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from rlhfjax import models as rlhf_models
+from rlhfjax.models.config import ModelConfig, get_model_config
+
+_TINY = get_model_config("tiny")
+_LLAMA32 = get_model_config("1b")
+TINY_QWEN2 = _TINY.replace(
+  architecture="qwen2", qkv_bias=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6
+)
+"""Qwen2's architecture (q/k/v bias, tied embeddings, its rope and eps) on the tiny shapes."""
+TINY_LLAMA3 = _TINY.replace(
+  rope_theta=_LLAMA32.rope_theta,
+  rope_scaling=_LLAMA32.rope_scaling,
+  max_position_embeddings=_LLAMA32.max_position_embeddings,
+  tie_embeddings=True,
+)
+"""Llama 3.2's rope (theta 500000, llama3 scaling) and tied embeddings on the tiny shapes."""
+
+# Qwen2.5-Instruct's template without the tool-calling branches (those need tools=...).
+QWEN25_TEMPLATE = (
+  "{%- if messages[0]['role'] == 'system' %}"
+  "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+  "{%- else %}"
+  "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+  "You are a helpful assistant.<|im_end|>\\n' }}"
+  "{%- endif %}"
+  "{%- for message in messages %}"
+  "{%- if message.role != 'system' %}"
+  "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+  "{%- endif %}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN25_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Llama-3-Instruct's template: the BOS written by the template, a header per turn.
+LLAMA3_TEMPLATE = (
+  "{% set loop_messages = messages %}{% for message in loop_messages %}"
+  "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+  " + message['content'] | trim + '<|eot_id|>' %}"
+  "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+  "{{ content }}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+  "{% endif %}"
+)
+LLAMA3_SPECIALS = (
+  "<|begin_of_text|>",
+  "<|end_of_text|>",
+  "<|start_header_id|>",
+  "<|end_header_id|>",
+  "<|eot_id|>",
+)
+
+_CORPUS = [
+  "You are a helpful assistant. Answer the question in one word.",
+  "Name a colour with many vowels: aubergine, turquoise, ochre.",
+  "the quick brown fox jumps over the lazy dog " * 3,
+  "user assistant system header answer question word vowel",
+]
+
+
+def write_tokenizer(
+  path, *, specials: tuple[str, ...], bos: str | None, eos: str, template: str, vocab=300
+):
+  """tokenizer.json (byte-level BPE with `specials` as special tokens) and tokenizer_config.json
+  naming bos/eos and carrying `template`."""
+  os.makedirs(path, exist_ok=True)
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab,
+    special_tokens=list(specials),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(_CORPUS, trainer)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": bos,
+    "eos_token": eos,
+    "pad_token": specials[0],
+    "chat_template": template,
+  }
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+  return tok
+
+
+def write_checkpoint(path, model: ModelConfig, *, seed: int = 0) -> None:
+  """Random weights of `model` as a Hugging Face checkpoint (config.json and safetensors)."""
+  params = jax.device_get(rlhf_models.init_params(model, "lm", jax.random.key(seed)))
+  rlhf_models.save_hf_checkpoint(model, params, str(path))

@@ -1,0 +1,133 @@
+"""GRPO on a local Hugging Face checkpoint directory: `--config.model.hf=DIR` runs the
+checkpoint's architecture from its weights, tokenizer and chat template; a checkpoint of another
+architecture given to a shipped config is one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from hf_dirs import (
+  LLAMA3_SPECIALS,
+  LLAMA3_TEMPLATE,
+  QWEN25_SPECIALS,
+  QWEN25_TEMPLATE,
+  TINY_LLAMA3,
+  TINY_QWEN2,
+  write_checkpoint,
+  write_tokenizer,
+)
+
+from rlhfjax.config import from_config_dict
+from rlhfjax.models import config as model_config
+from rlhfjax.models import hf
+from rlhfjax.placement.spec import Role
+from rlhfjax.runner.loop import Runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = model_config.get_model_config("tiny")
+# The templates' system headers make prompts longer than the tiny config's 48 tokens.
+RUN_FLAGS = {
+  "total_steps": 2,
+  "rollout.batch_size": 8,
+  "rollout.max_new_tokens": 8,
+  "rollout.max_prompt_len": 128,
+  "eval.num_prompts": 0,
+  "data.chat_template": True,
+}
+
+
+def _qwen2_dir(path) -> str:
+  tok = write_tokenizer(
+    path, specials=QWEN25_SPECIALS, bos=None, eos="<|im_end|>", template=QWEN25_TEMPLATE
+  )
+  model = TINY_QWEN2.replace(
+    eos_token_ids=(tok.token_to_id("<|im_end|>"),),
+    pad_token_id=tok.token_to_id("<|endoftext|>"),
+  )
+  write_checkpoint(path, model)
+  return str(path)
+
+
+def _llama3_dir(path) -> str:
+  tok = write_tokenizer(
+    path,
+    specials=LLAMA3_SPECIALS,
+    bos="<|begin_of_text|>",
+    eos="<|eot_id|>",
+    template=LLAMA3_TEMPLATE,
+  )
+  model = TINY_LLAMA3.replace(
+    bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+    eos_token_ids=(tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")),
+  )
+  write_checkpoint(path, model, seed=3)
+  return str(path)
+
+
+def _train(*flags: str, config: str = "configs/grpo_tiny.py") -> subprocess.CompletedProcess:
+  paths = (ROOT, os.environ.get("PYTHONPATH"))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+  command = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--config={config}"]
+  return subprocess.run(
+    [*command, *flags], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+  )
+
+
+@pytest.mark.slow
+def test_train_script_runs_grpo_on_a_qwen2_checkpoint(tmp_path):
+  path = _qwen2_dir(tmp_path / "qwen2")
+  flags = [f"--config.{k}={v}" for k, v in RUN_FLAGS.items()]
+  done = _train(
+    f"--workdir={tmp_path / 'run'}", "--config.model.size=", f"--config.model.hf={path}", *flags
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [0, 1]
+
+
+@pytest.mark.slow
+def test_grpo_on_a_llama3_checkpoint_runs_its_architecture_and_weights(tmp_path):
+  path = _llama3_dir(tmp_path / "llama3")
+  cd = runpy.run_path(os.path.join(ROOT, "configs", "grpo_tiny.py"))["get_config"]()
+  cd.model.size = ""
+  cd.model.hf = path
+  for dotted, value in RUN_FLAGS.items():
+    section, _, field = dotted.rpartition(".")
+    (cd[section] if section else cd)[field] = value
+  runner = Runner(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
+  expected, _ = hf.read_hf_config(path)
+  for role in (Role.ACTOR, Role.REFERENCE):
+    assert runner.cluster.roles[role].model == expected
+  assert expected.rope_scaling.type == "llama3" and expected.eos_token_ids == (1, 4)
+  runner.run()
+  # The reference is the initial policy: the checkpoint's weights, not a random draw.
+  _, weights = hf.load_hf_checkpoint(path)
+  reference = runner.cluster.params[Role.REFERENCE]
+  np.testing.assert_array_equal(
+    np.asarray(jax.device_get(reference["embedding"])), np.asarray(weights["embedding"])
+  )
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_architecture_is_one_line_exit_2(tmp_path):
+  """The issue's reproduction, through the script: same shapes, another rope and norm eps."""
+  path = tmp_path / "llama3"
+  write_checkpoint(path, TINY.replace(rope_theta=500_000.0, rms_norm_eps=1e-6))
+  done = _train(
+    f"--workdir={tmp_path / 'run'}",
+    f"--config.init.actor={path}",
+    "--config.total_steps=1",
+    config="configs/ppo_tiny.py",
+  )
+  assert done.returncode == 2, done.stderr[-3000:]
+  assert done.stderr.strip().splitlines()[-1] == (
+    f"error: init.actor: {path}/config.json has rope_theta=500000.0, the config has 10000.0; "
+    "rms_norm_eps=1e-06, the config has 1e-05"
+  )
