@@ -128,7 +128,8 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   # Where the models start: an SFT run for the actor (and reference, and the critic's trunk),
   # a reward-model run for the reward role, or Hugging Face checkpoints; empty: random.
   config.init = ml_collections.ConfigDict({"actor": "", "critic": "", "reward": ""})
-  config.eval = ml_collections.ConfigDict({"num_prompts": 64, "temperature": 0.0})
+  # every_steps=N also evaluates every N iterations (eval/* in metrics.jsonl); 0: before and after.
+  config.eval = ml_collections.ConfigDict({"num_prompts": 64, "temperature": 0.0, "every_steps": 0})
   # One process unless enabled; see scripts/train_ppo.py for a two-process run on one machine.
   config.distributed = ml_collections.ConfigDict(
     {

@@ -587,15 +587,25 @@ class RoleInitSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSection:
-  """Evaluation of the policy on held-out prompts, before PPO and after it."""
+  """Evaluation of the policy on held-out prompts, before training and after it (and every
+  `every_steps` iterations)."""
 
   num_prompts: int = 64
   """Prompts of the data's eval split used (rounded up to whole rollout batches)."""
   temperature: float = 0.0
   """Sampling temperature of the evaluation; 0: greedy."""
+  every_steps: int = 0
+  """Also evaluate every this many iterations, into the metrics as `eval/*` at that step
+  (`eval.json` and `eval.md` keep before and after); 0: only before and after."""
 
   def __post_init__(self):
-    ranges.check("eval", self, num_prompts=ranges.NON_NEGATIVE, temperature=ranges.NON_NEGATIVE)
+    ranges.check(
+      "eval",
+      self,
+      num_prompts=ranges.NON_NEGATIVE,
+      temperature=ranges.NON_NEGATIVE,
+      every_steps=ranges.NON_NEGATIVE,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ class Rewards:
     if not self.use_model and cfg.init.reward:
       raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
     self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
-    self.task_fn = tasks.TASK_REWARDS.get(cfg.data.task)
+    self.task_fn = task_rule(cfg)
     b = cfg.rollout.batch_size
     if self.use_model:
       source = WeightSource(
@@ -143,3 +143,14 @@ class Rewards:
         self.task_fn(seqs.prompts, seqs.responses, meta), np.float32
       )
     return scores
+
+
+def task_rule(cfg: ExperimentConfig) -> Any:
+  """The bundled task's own rule, which evaluations report as `task_reward`, or None where it
+  says nothing about this run: the prompts are the user's (`data.prompts`), or the reward is
+  a function of the user's, which is then what the run is evaluated by."""
+  rule = tasks.TASK_REWARDS.get(cfg.data.task)
+  if rule is None or cfg.data.prompts:
+    return None
+  own = f"{rule.__module__}:{rule.__name__}"
+  return rule if cfg.reward.fn in ("", own) else None

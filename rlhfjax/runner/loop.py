@@ -230,6 +230,16 @@ class Runner:
     row.update({f"data/{k}": float(v) for k, v in self.prompts.stats.items()})
     return row
 
+  def _periodic_evaluation(self, iteration: int) -> dict[str, float]:
+    """`eval/*` metrics after every `eval.every_steps`-th iteration but the last (the final
+    evaluation follows it). Tied to the iteration, so a resumed run neither repeats nor skips
+    one; the evaluation's fixed seed makes it the uninterrupted run's."""
+    every, done = self.cfg.eval.every_steps, iteration + 1
+    if not (every and self.eval_prompts) or done % every or done == self.cfg.total_steps:
+      return {}
+    result = self.evaluate()
+    return {f"eval/{k}": float(v) for k, v in result.items() if isinstance(v, float)}
+
   def run(self) -> RunResult:
     """Runs the iterations from `start_step` to `total_steps`, with an evaluation before the
     first (of a fresh run) and after the last. SIGTERM stops it after the current iteration
@@ -258,8 +268,10 @@ class Runner:
     try:
       for iteration in bar:
         row = self._iteration(iteration)
+        periodic = self._periodic_evaluation(iteration)
+        row.update(periodic)
         rows.append(row)
-        if iteration % cfg.log_every == 0 or iteration == cfg.total_steps - 1:
+        if periodic or iteration % cfg.log_every == 0 or iteration == cfg.total_steps - 1:
           writer.write(iteration, {k: v for k, v in row.items() if k != "step"})
         bar.set_postfix({k: f"{row[k]:.3f}" for k in _SHOWN if k in row})
         self._check_skipped(iteration, row)
