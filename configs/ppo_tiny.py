@@ -11,6 +11,8 @@ interleaved_split, disaggregated, disaggregated_async, explicit.
 
 import ml_collections
 
+from rlhfjax.config import ExperimentConfig, complete
+
 _VARIANTS = (
   "colocated",
   "interleaved",
@@ -149,4 +151,5 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.critic_optimizer = ml_collections.ConfigDict(
     {"learning_rate": 2e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}
   )
-  return config
+  # Every field of ExperimentConfig settable from the command line, at its default unless set above.
+  return complete(config, ExperimentConfig)

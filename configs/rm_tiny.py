@@ -15,6 +15,8 @@ import runpy
 
 import ml_collections
 
+from rlhfjax.config import RewardModelConfig, complete
+
 
 def get_config() -> ml_collections.ConfigDict:
   sft = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sft_tiny.py")
@@ -26,4 +28,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.preferences = ""  # empty: the bundled preferences of data.task
   config.optimizer.learning_rate = 1e-3
   config.checkpoint.every_steps = 10
-  return config
+  # Every field of RewardModelConfig settable from the command line (defaults unless set above).
+  return complete(config, RewardModelConfig)

@@ -12,6 +12,8 @@ reference from WORKDIR/checkpoints (item 'policy').
 
 import ml_collections
 
+from rlhfjax.config import SFTConfig, complete
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -57,4 +59,5 @@ def get_config() -> ml_collections.ConfigDict:
     {"every_steps": 20, "keep": 2, "async_save": True, "resume": True}
   )
   config.init = ml_collections.ConfigDict({"hf_checkpoint": "", "checkpoint": ""})
-  return config
+  # Every field of SFTConfig settable from the command line, at its default unless set above.
+  return complete(config, SFTConfig)

@@ -107,6 +107,9 @@ class ModelSection:
   'actor': {'remat': 'dots_with_no_batch_dims_saveable', 'logprob_chunk_size': 1024}}."""
 
   def __post_init__(self):
+    # A role's section with nothing set is the same as none (`complete` writes one per role).
+    unset = RoleModelSection()
+    object.__setattr__(self, "roles", {r: s for r, s in self.roles.items() if s != unset})
     if self.size == "":  # `--config.model.size=` unsets a shipped config's size
       object.__setattr__(self, "size", None)
     if self.size is None and not self.hf:
@@ -896,3 +899,85 @@ def _type_error(path: str, tp: Any, value: Any) -> ConfigError:
   return ConfigError(
     f"config field {path!r} must be {expected}, got {type(value).__name__} {value!r}"
   )
+
+
+_COMPLETED_KEYS = {"roles": _ROLES}
+"""Keys a `dict[str, section]` field is completed with (`complete`): a role's section exists
+for every role, so `--config.model.roles.actor.remat=full` is an override, not a new key."""
+
+
+def complete(config_dict: Any, cls: type) -> Any:
+  """Adds every field of the typed config `cls` that `config_dict` (a config file's
+  `ConfigDict`) lacks, with its default, so that every field is settable from the command line
+  on every config (`ml_collections` refuses an override of a key the file did not write).
+
+  A field whose default is None becomes a typed `FieldReference` (an override of a None field
+  needs its type); sections recurse; a `dict[str, section]` of roles gets each role's section.
+  What the file wrote is kept as it is, so the typed config it means does not change.
+  """
+  import ml_collections  # noqa: PLC0415 - config files call this; the library does not need it
+
+  hints = _type_hints(cls)
+  for field in dataclasses.fields(cls):
+    tp = hints[field.name]
+    inner = _optional_inner(tp)
+    if field.name in config_dict:
+      value = config_dict[field.name]
+      if dataclasses.is_dataclass(inner) and isinstance(value, ml_collections.ConfigDict):
+        complete(value, inner)
+      elif _is_section_dict(inner) and isinstance(value, ml_collections.ConfigDict):
+        _complete_section_dict(value, field.name, inner)
+      continue
+    if dataclasses.is_dataclass(inner):
+      if field.default is None:
+        continue  # an optional section: absent means None
+      config_dict[field.name] = complete(ml_collections.ConfigDict(), inner)
+    elif _is_section_dict(inner):
+      config_dict[field.name] = _complete_section_dict(
+        ml_collections.ConfigDict(), field.name, inner
+      )
+    else:
+      default = _default(field)
+      if default is dataclasses.MISSING:
+        continue
+      if default is None:
+        if isinstance(inner, type) and inner in (int, float, str, bool):
+          config_dict[field.name] = ml_collections.FieldReference(None, field_type=inner)
+      elif isinstance(default, int | float | str | bool | tuple):
+        config_dict[field.name] = default
+      elif isinstance(default, dict):  # e.g. model.overrides: keys are the user's to add
+        config_dict[field.name] = ml_collections.ConfigDict(default)
+  return config_dict
+
+
+def _optional_inner(tp: Any) -> Any:
+  if typing.get_origin(tp) in (types.UnionType, typing.Union):
+    args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+    if len(args) == 1:
+      return args[0]
+  return tp
+
+
+def _is_section_dict(tp: Any) -> bool:
+  args = typing.get_args(tp)
+  return typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1])
+
+
+def _complete_section_dict(value: Any, name: str, tp: Any) -> Any:
+  import ml_collections  # noqa: PLC0415
+
+  section = typing.get_args(tp)[1]
+  for key in _COMPLETED_KEYS.get(name, ()):
+    if key not in value:
+      value[key] = ml_collections.ConfigDict()
+  for key in value:
+    complete(value[key], section)
+  return value
+
+
+def _default(field: dataclasses.Field) -> Any:
+  if field.default is not dataclasses.MISSING:
+    return field.default
+  if field.default_factory is not dataclasses.MISSING:
+    return field.default_factory()
+  return dataclasses.MISSING

@@ -10,6 +10,8 @@ import math
 import os
 import re
 import runpy
+import subprocess
+import sys
 import types
 import typing
 
@@ -217,3 +219,72 @@ def _get_raw(name, path):
       return _ABSENT
     node = node[part]
   return node
+
+
+def _schema_paths(cls, prefix=""):
+  """Every dotted field of `cls` (sections recursed; a dict of role sections under each role)."""
+  hints = typing.get_type_hints(cls)
+  for field in dataclasses.fields(cls):
+    tp, path = hints[field.name], f"{prefix}{field.name}"
+    section = _section_type(tp)
+    args = typing.get_args(tp)
+    if section is not None:
+      yield from _schema_paths(section, f"{path}.")
+    elif typing.get_origin(tp) is dict and args and dataclasses.is_dataclass(args[1]):
+      for role in ("actor", "critic", "reference", "reward", "rollout"):
+        yield from _schema_paths(args[1], f"{path}.{role}.")
+    else:
+      yield path
+
+
+_ALL_CONFIGS = sorted(
+  os.path.basename(p)[:-3]
+  for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+  if not os.path.basename(p).startswith("pipeline")
+)
+
+
+@pytest.mark.parametrize("name", _ALL_CONFIGS)
+def test_every_documented_field_is_settable_on_every_config(name):
+  """Issue 28, item 9: a field the README or docs/ name (`model.roles.actor.remat`,
+  `offload.params`, `data.preferences`, ...) is a key of every shipped config of its kind, so
+  `--config.<field>=...` is an override, never `bad --config override`."""
+  cls = SHIPPED.get(name, config_lib.ExperimentConfig)
+  pages = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+  text = ""
+  for page in pages:
+    with open(page) as f:
+      text += f.read()
+  documented = set(re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+)\b", text))
+  schema = set(_schema_paths(cls))
+  wanted = documented & schema
+  cd = runpy.run_path(os.path.join(ROOT, "configs", f"{name}.py"))["get_config"]()
+  missing = []
+  for path in sorted(schema):  # every field of the schema, documented or not
+    node = cd
+    for part in path.split("."):
+      if part not in node:
+        missing.append(path)
+        break
+      node = node[part]
+  assert not missing, f"configs/{name}.py lacks {missing}"
+  assert wanted, "the docs name no field of this config?"
+
+
+def test_documented_overrides_from_the_command_line(tmp_path):
+  """The issue's refused overrides, through a script's flag parsing."""
+  out = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "scripts", "show_placement.py"),
+      f"--config={os.path.join(ROOT, 'configs', 'dpo_tiny.py')}",
+      "--config.model.roles.actor.remat=full",
+      "--config.model.roles.reference.param_dtype=bfloat16",
+      "--config.offload.params=('reference',)",
+      f"--config.data.preferences={tmp_path / 'prefs.jsonl'}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr
