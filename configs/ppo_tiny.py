@@ -148,4 +148,9 @@ def get_config(variant: str = "colocated") -> ml_collections.ConfigDict:
   config.critic_optimizer = ml_collections.ConfigDict(
     {"learning_rate": 2e-3, "warmup_steps": 0, "decay": "constant", "max_grad_norm": 1.0}
   )
+  # Weights & Biases beside metrics.jsonl and TensorBoard (pip install -e ".[wandb]"); the run
+  # name defaults to the workdir's name, the mode to W&B's own (WANDB_MODE).
+  config.logging = ml_collections.ConfigDict(
+    dict(wandb=False, wandb_project="rlhfjax", wandb_entity="", wandb_run_name="", wandb_mode="")
+  )
   return config

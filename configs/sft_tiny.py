@@ -57,4 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
     {"every_steps": 20, "keep": 2, "async_save": True, "resume": True}
   )
   config.init = ml_collections.ConfigDict({"hf_checkpoint": "", "checkpoint": ""})
+  # Weights & Biases beside metrics.jsonl and TensorBoard (pip install -e ".[wandb]"); the run
+  # name defaults to the workdir's name, the mode to W&B's own (WANDB_MODE).
+  config.logging = ml_collections.ConfigDict(
+    dict(wandb=False, wandb_project="rlhfjax", wandb_entity="", wandb_run_name="", wandb_mode="")
+  )
   return config
