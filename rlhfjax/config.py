@@ -627,6 +627,40 @@ class OffloadSection:
           raise ConfigError(f"'offload.{name}' may name {' and '.join(allowed)}, got {role!r}")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_MISSING = 'logging.wandb=True needs the wandb package: pip install -e ".[wandb]"'
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingSection:
+  """Where process 0's metrics go besides WORKDIR/metrics.jsonl and TensorBoard."""
+
+  wandb: bool = False
+  """Also log every metrics row, and this config, to a Weights & Biases run (one per workdir:
+  a resumed run continues it; its id is kept in WORKDIR/wandb_run.json)."""
+  wandb_project: str = "rlhfjax"
+  wandb_entity: str = ""
+  """The W&B user or team; empty: the logged-in user's default entity."""
+  wandb_run_name: str = ""
+  """The run's display name; empty: the workdir's name."""
+  wandb_mode: str = ""
+  """'online', 'offline' or 'disabled'; empty: W&B's own default (the WANDB_MODE variable)."""
+
+  def __post_init__(self):
+    if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
+      raise ConfigError(
+        f"'logging.wandb_mode' must be empty or one of {', '.join(WANDB_MODES)}, "
+        f"got {self.wandb_mode!r}"
+      )
+    if self.wandb:
+      # Here, not when the first row is logged: a missing package must stop the job before
+      # any model is built.
+      try:
+        import wandb  # noqa: F401
+      except ImportError:
+        raise ConfigError(WANDB_MISSING) from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
   """The whole experiment; each field is one section of the config file."""
@@ -657,6 +691,7 @@ class ExperimentConfig:
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
   distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
   offload: OffloadSection = dataclasses.field(default_factory=OffloadSection)
+  logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
 
   def __post_init__(self):
     ranges.check("", self, seed=ranges.SEED, total_steps=ranges.COUNT, log_every=ranges.COUNT)
@@ -757,6 +792,7 @@ class SupervisedConfig:
   after the last); 0: only before the first and after the last."""
   log_every: int = 10
   """Write training metrics every this many steps."""
+  logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
 
   def __post_init__(self):
     ranges.check(

@@ -7,6 +7,10 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from rlhfjax.observe.wandb_log import WandbLog
 
 
 class MetricsError(ValueError):
@@ -46,15 +50,22 @@ class MetricsWriter:
   same (`purge_step`). Each row is appended with a single `write` of the whole line to a file
   opened with O_APPEND, then fsynced, so a crash leaves at most a cut-short last line, which
   `read` ignores and the next run's start drops. Only one process of a multi-host job should
-  write: pass `enabled=False` elsewhere.
+  write: pass `enabled=False` elsewhere. `wandb`, when given, gets every row too.
   """
 
   def __init__(
-    self, workdir: str, *, enabled: bool = True, tensorboard: bool = True, start_step: int = 0
+    self,
+    workdir: str,
+    *,
+    enabled: bool = True,
+    tensorboard: bool = True,
+    start_step: int = 0,
+    wandb: WandbLog | None = None,
   ):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
     self._tb = None
+    self._wandb = wandb if enabled else None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
       self._drop_rows_from(start_step)
@@ -92,10 +103,14 @@ class MetricsWriter:
       for key, value in metrics.items():
         self._tb.add_scalar(key, float(value), int(step))
       self._tb.flush()
+    if self._wandb is not None:
+      self._wandb.log(int(step), metrics)
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.close()
 
   @staticmethod
   def read(path: str) -> list[dict]:

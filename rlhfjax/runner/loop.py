@@ -31,6 +31,7 @@ from rlhfjax.data.chat_template import load_chat_template
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import registry
 from rlhfjax.flows.stages import FlowContext
+from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import Timeline, plot_gantt
 from rlhfjax.placement import plan_placement
@@ -249,7 +250,12 @@ class Runner:
     primary = distributed.is_primary()
     if primary:
       rerun.clear(self.workdir)
-    writer = MetricsWriter(self.workdir, enabled=primary, start_step=self.start_step)
+    writer = MetricsWriter(
+      self.workdir,
+      enabled=primary,
+      start_step=self.start_step,
+      wandb=wandb_log.for_run(cfg, self.workdir, enabled=primary),
+    )
     evaluation = evaluation_lib.read_evaluation(self.workdir, self.start_step)
     if self.start_step == 0 and self.eval_prompts:
       evaluation = {"before": self.evaluate()}

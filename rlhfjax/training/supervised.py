@@ -31,6 +31,7 @@ from rlhfjax.data import jsonl
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.data.chat_template import load_chat_template
 from rlhfjax.models.config import HeadKind, ModelConfig
+from rlhfjax.observe import wandb_log
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.placement import memory
@@ -363,7 +364,12 @@ class SupervisedTrainer(abc.ABC):
     # The row of step s is written before the checkpoint of step s: a run resumed from it
     # keeps rows 1..s and redoes only later ones; a fresh run redoes the evaluation of step 0.
     first_new = self.start_step + 1 if self.start_step else 0
-    writer = MetricsWriter(self.workdir, enabled=primary, start_step=first_new)
+    writer = MetricsWriter(
+      self.workdir,
+      enabled=primary,
+      start_step=first_new,
+      wandb=wandb_log.for_run(cfg, self.workdir, enabled=primary),
+    )
     rows: list[dict[str, float]] = []
     step = self.start_step
     stop = signals.StopRequest(what=f"{self.name} run").__enter__()
