@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,23 +18,60 @@ class MetricsError(ValueError):
   """A metrics file cannot be read: a line that is not JSON (not a crash's cut-short last one)."""
 
 
-def _summary_writer() -> type:
-  """tensorboardX's `SummaryWriter`, imported without PyTorch unless it is loaded already.
+def _tensorboardx():
+  """tensorboardX's modules, imported without PyTorch unless it is loaded already.
 
   tensorboardX imports torch whenever it is installed, only to accept torch tensors, which
   rlhfjax never passes; that import costs seconds of start-up in every run. A `None` entry in
   `sys.modules` makes `import torch` raise ImportError, which tensorboardX handles; the entry is
   removed at once, so a later `import torch` works as usual.
   """
-  if "torch" in sys.modules:
-    from tensorboardX import SummaryWriter
-  else:
+  loaded = "torch" in sys.modules
+  if not loaded:
     sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-      from tensorboardX import SummaryWriter
-    finally:
+  try:
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2, summary_pb2
+  finally:
+    if not loaded:
       del sys.modules["torch"]
-  return SummaryWriter
+  return EventsWriter, event_pb2, summary_pb2
+
+
+class _TensorBoard:
+  """Scalars as TensorBoard events under `logdir`, written in the calling thread.
+
+  tensorboardX's `SummaryWriter` writes from a thread of its own: on a full disk that thread
+  died with a traceback and the next flush waited for it forever. Here a failed write is an
+  `OSError` in the caller, which reports it in one line. `purge_step` (a resumed run's first
+  step) tells TensorBoard to hide the steps from there that an interrupted run wrote, as
+  `SummaryWriter(purge_step=...)` does.
+  """
+
+  def __init__(self, logdir: str, purge_step: int = 0):
+    events_writer, self._event_pb2, self._summary_pb2 = _tensorboardx()
+    os.makedirs(logdir, exist_ok=True)
+    # The file's name has the second it was made: a run resumed within that second would
+    # overwrite the first file without the nanoseconds after it.
+    suffix = f".{time.time_ns() % 10**9:09d}"
+    self._writer = events_writer(os.path.join(logdir, "events"), filename_suffix=suffix)
+    if purge_step:
+      log = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+      self._write(self._event_pb2.Event(step=purge_step, session_log=log))
+
+  def _write(self, event) -> None:
+    event.wall_time = time.time()
+    self._writer.write_event(event)
+
+  def add_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
+    values = [
+      self._summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
+    ]
+    self._write(self._event_pb2.Event(step=step, summary=self._summary_pb2.Summary(value=values)))
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
 
 
 def _plain(value):
@@ -70,7 +108,7 @@ class MetricsWriter:
       os.makedirs(workdir, exist_ok=True)
       self._drop_rows_from(start_step)
       if tensorboard:
-        self._tb = _summary_writer()(os.path.join(workdir, "tb"), purge_step=start_step)
+        self._tb = _TensorBoard(os.path.join(workdir, "tb"), purge_step=start_step)
 
   def _drop_rows_from(self, step: int) -> None:
     if not os.path.exists(self.path):
@@ -100,9 +138,7 @@ class MetricsWriter:
     finally:
       os.close(fd)
     if self._tb is not None:
-      for key, value in metrics.items():
-        self._tb.add_scalar(key, float(value), int(step))
-      self._tb.flush()
+      self._tb.add_scalars(int(step), metrics)
     if self._wandb is not None:
       self._wandb.log(int(step), metrics)
 
