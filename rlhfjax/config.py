@@ -109,7 +109,8 @@ class ModelSection:
   def __post_init__(self):
     # A role's section with nothing set is the same as none (`complete` writes one per role).
     unset = RoleModelSection()
-    object.__setattr__(self, "roles", {r: s for r, s in self.roles.items() if s != unset})
+    kept = {r: s for r, s in self.roles.items() if r not in _ROLES or s != unset}
+    object.__setattr__(self, "roles", kept)
     if self.size == "":  # `--config.model.size=` unsets a shipped config's size
       object.__setattr__(self, "size", None)
     if self.size is None and not self.hf:
