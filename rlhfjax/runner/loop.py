@@ -101,6 +101,10 @@ class Runner:
         []
       )  # the held-out evaluation samples responses: a flow without a
       # rollout (offline DPO) reports its own held-out metrics
+    roles = [role.value for role in Role if self.cluster.uses(role)]
+    self.identity = identity_lib.identity(cfg, roles, self.tokenizer, self.template)
+    """What this run's checkpoints mean (`rlhfjax.runner.identity`): fixed once the flow has
+    declared its roles."""
     self.checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
     resume_step = self.checkpointer.latest_step() if cfg.checkpoint.resume else None
     self.start_step = 0 if resume_step is None else resume_step
@@ -148,9 +152,8 @@ class Runner:
     """Reads checkpoint `step` straight into this placement's shards (which may differ from
     the placement that saved it) and the loop's and the flow's state from its meta."""
     abstract = {**self.cluster.abstract_states(), **self.flow.abstract_items()}
-    current = self._identity()
     items, meta = self.checkpointer.restore(
-      step, abstract, lambda meta, where: identity_lib.check(meta, current, where)
+      step, abstract, lambda meta, where: identity_lib.check(meta, self.identity, where)
     )
     if meta.get("seed") != self.cfg.seed:
       raise ckpt.CheckpointError(
@@ -169,14 +172,9 @@ class Runner:
       kept = [r for r in Timeline.read_json(path) if r.iteration < step]
       self.timeline.continue_from(kept)
 
-  def _identity(self) -> dict[str, Any]:
-    """What this run's checkpoints mean (`rlhfjax.runner.identity`)."""
-    roles = [role.value for role in Role if self.cluster.uses(role)]
-    return identity_lib.identity(self.cfg, roles, self.tokenizer, self.template)
-
   def _checkpoint_meta(self, step: int) -> dict[str, Any]:
     return {
-      identity_lib.KEY: self._identity(),
+      identity_lib.KEY: self.identity,
       "step": step,
       # Every random choice derives from (seed, iteration): this is the whole RNG state.
       "seed": self.cfg.seed,
