@@ -48,7 +48,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from rlhfjax import errors, ranges
-from rlhfjax.training.state import TrainState
 
 COMMIT_MARKER = "commit_success.txt"
 _META, _FINGERPRINTS = "meta", "fingerprints"
@@ -100,6 +99,16 @@ def _absolute(path: epath.PathLike) -> epath.Path:
 # Layout of items: TrainStates split into params and optimizer state.
 
 
+@runtime_checkable
+class TrainState(Protocol):
+  """What this module needs of `rlhfjax.training.state.TrainState` (a dataclass with these
+  fields): the checkpoint layer sits below training and does not import it."""
+
+  step: Any
+  params: Any
+  opt_state: Any
+
+
 def _orbax_items(items: Mapping[str, Any]) -> dict[str, Any]:
   """The orbax items (directories) holding `items`; TrainStates become two of them."""
   out: dict[str, Any] = {}
@@ -126,8 +135,8 @@ def _join_items(abstract_items: Mapping[str, Any], restored: Mapping[str, Any]) 
   for name, tree in abstract_items.items():
     if isinstance(tree, TrainState):
       opt = restored[name + _OPT_STATE]
-      out[name] = TrainState(
-        step=opt["step"], params=restored[name + _PARAMS], opt_state=opt["opt_state"]
+      out[name] = dataclasses.replace(
+        tree, step=opt["step"], params=restored[name + _PARAMS], opt_state=opt["opt_state"]
       )
     else:
       out[name] = restored[name]

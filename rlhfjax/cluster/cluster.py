@@ -294,6 +294,23 @@ class Cluster:
   # -------------------------------------------------------------------------------------------
   # Stages.
 
+  def update_stage(
+    self, role: Role, step: Callable, batch: Any, name: str = "update"
+  ) -> dispatch.Stage:
+    """A stage of one optimizer update of trained `role`: `step(state, batch) -> (state,
+    metrics)` (a `train_step`); its result is the metrics.
+
+    The new state is committed here, by the cluster that owns `states`, inside the stage:
+    the residency's `after` of the same stage parks it (offloaded optimizer state), and the
+    next stage of the role, which runs after it on the same devices and so in the same
+    thread, reads it. Stages of different roles touch different entries."""
+
+    def update() -> Any:
+      self.states[role], metrics = step(self.states[role], batch)
+      return metrics
+
+    return self.stage(role, name, update)
+
   def stage(self, role: Role | str, name: str, fn: Callable[[], Any]) -> dispatch.Stage:
     """A stage of `role`'s work on its devices (a plain name runs on the host)."""
     if isinstance(role, Role):

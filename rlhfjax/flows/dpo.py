@@ -148,11 +148,7 @@ class DPOFlow(Flow):
     )
     micro = jax.tree.map(lambda x: x[None], batch)
 
-    def update():
-      cluster.states[Role.ACTOR], metrics = self._step(cluster.states[Role.ACTOR], micro)
-      return metrics
-
-    (metrics,) = cluster.run([cluster.stage(Role.ACTOR, "update", update)], iteration)
+    (metrics,) = cluster.run([cluster.update_stage(Role.ACTOR, self._step, micro)], iteration)
     with cluster.timeline.stage(iteration, "actor", "evaluate", actor_devices):
       held_out = self._eval(cluster.states[Role.ACTOR].params, self._held_out_dev)
     metrics, held_out = cluster.fetch((metrics, held_out))

@@ -46,13 +46,6 @@ class Sequences:
     """Real prompt and response tokens: what tokens/s counts."""
     return int(self.attention_mask_bs.sum())
 
-  def device_batch(self) -> dict[str, np.ndarray]:
-    return {
-      "tokens": self.tokens_bs,
-      "attention_mask": self.attention_mask_bs,
-      "response_mask": self.response_mask_bt,
-    }
-
 
 def assemble(
   prompts: Sequence[Sequence[int]],

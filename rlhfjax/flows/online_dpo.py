@@ -144,16 +144,11 @@ class OnlineDPOFlow(Flow):
     (ref,) = cluster.run([cluster.stage(Role.REFERENCE, "score", reference)], iteration)
     batch = {**pairs, **cluster.move(Role.ACTOR, ref)}
 
-    def update(mini):
-      cluster.states[Role.ACTOR], metrics = self._step(cluster.states[Role.ACTOR], mini)
-      return metrics
-
     updates = []
     for _ in range(ppo.ppo_epochs):
       minis = self._split(batch, cluster.states[Role.ACTOR].step)
       for mini in minis:
-        stage = cluster.stage(Role.ACTOR, "update", functools.partial(update, mini))
-        updates += cluster.run([stage], iteration)
+        updates += cluster.run([cluster.update_stage(Role.ACTOR, self._step, mini)], iteration)
     moved = cluster.sync(iteration)
     updates, reward, valid = cluster.fetch((updates, jnp.mean(scores), jnp.mean(pairs["valid"])))
     for m in updates:

@@ -444,21 +444,16 @@ class PPOFlow:
         else None
       )
       for k in range(ppo.mini_batches):
-        todo = [
-          cluster.stage(
-            Role.ACTOR, "update", functools.partial(self._train, Role.ACTOR, actor_minis[k])
-          )
-        ]
+        todo = {Role.ACTOR: cluster.update_stage(Role.ACTOR, self._actor_step, actor_minis[k])}
         if self.use_critic:
-          todo.append(
-            cluster.stage(
-              Role.CRITIC, "update", functools.partial(self._train, Role.CRITIC, critic_minis[k])
-            )
-          )
-        merged = {}
+          todo[Role.CRITIC] = cluster.update_stage(Role.CRITIC, self._critic_step, critic_minis[k])
         then = self._update_keys if (epoch, k) != last else ()
-        for result in cluster.run(todo, iteration, then=then):
-          merged.update(cluster.fetch(result))
+        results = cluster.fetch(cluster.run(list(todo.values()), iteration, then=then))
+        merged = {
+          name if "/" in name else f"{role.value}/{name}": value
+          for role, result in zip(todo, results, strict=True)
+          for name, value in result.items()
+        }
         skipped = max(float(merged["actor/skipped"]), float(merged.get("critic/skipped", 0.0)))
         self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
         metrics.append(merged)
@@ -468,12 +463,6 @@ class PPOFlow:
     )
     out["update/skipped_in_row"] = float(self.skipped_in_row)
     return out
-
-  def _train(self, role: Role, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    cluster = self.ctx.cluster
-    step = self._actor_step if role is Role.ACTOR else self._critic_step
-    cluster.states[role], metrics = step(cluster.states[role], batch)
-    return {f"{role.value}/{k}" if "/" not in k else k: v for k, v in metrics.items()}
 
   def _row(self, iteration, seqs, stats, update_metrics, elapsed, bytes_synced):
     mask = seqs.response_mask_bt > 0
