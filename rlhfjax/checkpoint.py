@@ -56,29 +56,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from rlhfjax import errors, ranges
+from rlhfjax import errors
+from rlhfjax.config import CheckpointSection
 
 COMMIT_MARKER = "commit_success.txt"
 _META, _FINGERPRINTS = "meta", "fingerprints"
 _PARAMS, _OPT_STATE = "_params", "_opt_state"
 _JSON_FILE = "metadata"  # the file orbax's JsonSave writes inside its item directory
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointSection:
-  """When checkpoints are written and whether a run resumes from them."""
-
-  every_steps: int = 10
-  """Save every this many iterations; 0: only at the end of the run and on SIGTERM."""
-  keep: int = 3
-  """Number of most recent complete checkpoints kept on disk."""
-  async_save: bool = True
-  """Write in the background: `save` returns once the arrays are copied to host memory."""
-  resume: bool = True
-  """Resume from the latest complete checkpoint in WORKDIR/checkpoints if there is one."""
-
-  def __post_init__(self):
-    ranges.check("checkpoint", self, every_steps=ranges.NON_NEGATIVE, keep=ranges.COUNT)
 
 
 class CheckpointError(ValueError):

@@ -16,87 +16,22 @@ a NumPy array to a global sharding checks that they are.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jax
 from jax.experimental import multihost_utils
 
 from rlhfjax import liveness
-
-if TYPE_CHECKING:  # the placement package imports the config, which imports this module
-  from rlhfjax.placement.spec import PlacementSpec
-
-_ADDRESS = re.compile(r"^\S+:\d+$")
+from rlhfjax.config import DistributedSection
+from rlhfjax.placement.spec import PlacementSpec
 
 T = TypeVar("T")
 
 
 class DistributedError(ValueError):
   """A multi-process run cannot start: something it needs is missing or does not fit."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DistributedSection:
-  """Multi-process runs. Empty or zero fields fall back to environment variables, and then to
-  JAX's cluster auto-detection (Slurm, Open MPI, Cloud TPU, Kubernetes)."""
-
-  enabled: bool = False
-  """Call `jax.distributed.initialize` at start-up; every process runs the same command."""
-  coordinator_address: str = ""
-  """host:port of the coordination service, which process 0 runs; '': $JAX_COORDINATOR_ADDRESS."""
-  num_processes: int = 0
-  """Processes in the job; 0: $JAX_NUM_PROCESSES."""
-  process_id: int = -1
-  """This process's index in [0, num_processes); -1: $JAX_PROCESS_ID."""
-  local_device_count: int = 0
-  """Host (CPU) devices this process emulates; 0: placement.num_devices / num_processes.
-  CPU only: GPU and TPU processes use the devices they have."""
-  start_timeout_s: int = 300
-  """Seconds a process waits for the whole job to join (process 0's coordination service and
-  every other process) before it stops with an error naming what it waited for."""
-  peer_timeout_s: int = 60
-  """Seconds without a sign of life from another process after which the others stop with an
-  error naming it (instead of waiting forever in a collective)."""
-
-  def __post_init__(self):
-    if self.coordinator_address and not _ADDRESS.match(self.coordinator_address):
-      raise DistributedError(
-        f"coordinator_address must be host:port, got {self.coordinator_address!r}"
-      )
-    if self.num_processes < 0:
-      raise DistributedError(f"num_processes must be >= 0, got {self.num_processes}")
-    if self.process_id < -1:
-      raise DistributedError(f"process_id must be >= -1, got {self.process_id}")
-    if self.num_processes and self.process_id >= self.num_processes:
-      raise DistributedError(
-        f"process_id={self.process_id} must be below num_processes={self.num_processes}"
-      )
-    if self.local_device_count < 0:
-      raise DistributedError(f"local_device_count must be >= 0, got {self.local_device_count}")
-    for name in ("start_timeout_s", "peer_timeout_s"):
-      if getattr(self, name) < 1:
-        raise DistributedError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _DistributedOnly:
-  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
-
-
-def section_from_config_dict(config_dict: Any) -> DistributedSection:
-  """The `distributed` section of a config file's `ConfigDict`, typed and validated (defaults
-  when the file has none), for entry points that need it before the whole config is built."""
-  from rlhfjax import config  # imports this module: not at the top
-
-  if hasattr(config_dict, "to_dict"):
-    config_dict = config_dict.to_dict()
-  section = config_dict.get("distributed")
-  wrapped = {} if section is None else {"distributed": section}
-  return config.from_config_dict(wrapped, _DistributedOnly).distributed
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:

@@ -32,10 +32,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import checkpoint as ckpt
+from rlhfjax.config.hf import config_to_hf
+from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.models import hf
-from rlhfjax.models.config import HeadKind, ModelConfig, RopeScaling
 
 STAGES = ("ppo", "rm", "sft")
 """A pipeline workdir's stage directories, in the order `--stage` defaults through them."""
@@ -351,7 +352,7 @@ def export(
   dtype = dtype or saved.param_dtype
   tokenizer = tokenizer_lib.load_tokenizer(policy["tokenizer"])
   model = _with_token_ids(dataclasses.replace(saved, param_dtype=dtype, dtype=dtype), tokenizer)
-  hf_config = hf.config_to_hf(model, head)  # fails here, before any file, if it cannot
+  hf_config = config_to_hf(model, head)  # fails here, before any file, if it cannot
 
   itemsize = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
   shards = hf.plan_shards(model, head, itemsize, max_shard_bytes)

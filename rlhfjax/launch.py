@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from absl import app, flags, logging
 
-from rlhfjax import errors, liveness, signals, workdir
+from rlhfjax import config, errors, liveness, signals, workdir
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -172,7 +172,7 @@ def start(argv: list[str], config_dict, max_cpu_devices: int) -> None:
     from rlhfjax import distributed
 
     try:
-      distributed.initialize(distributed.section_from_config_dict(config_dict), num_devices)
+      distributed.initialize(config.distributed_from_config_dict(config_dict), num_devices)
     except ValueError as error:
       fail(error)
   elif num_devices:

@@ -14,6 +14,7 @@ import json
 from absl import app, flags
 
 from rlhfjax import launch
+from rlhfjax.config.model import SHAPE_FIELDS
 
 _SIZE = flags.DEFINE_string("size", "small", "Model size (registered sizes and 'small').")
 _BATCH = flags.DEFINE_integer("batch", 40, "Prompts per rollout batch (= decode slots).")
@@ -35,10 +36,8 @@ _PREDICT = flags.DEFINE_string(
   "'local'); 'only' after it (--predict_with=FILE,only) skips the measurement.",
 )
 _OVERRIDES = {
-  name: flags.DEFINE_integer(name, None, f"Override the size's {name}.")
-  for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-               "num_kv_heads", "head_dim")
-}  # fmt: skip
+  name: flags.DEFINE_integer(name, None, f"Override the size's {name}.") for name in SHAPE_FIELDS
+}
 
 
 def main(argv):

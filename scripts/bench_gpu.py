@@ -12,7 +12,7 @@ import json
 
 from absl import app, flags
 
-from rlhfjax import models
+from rlhfjax.config.model import get_model_config
 from rlhfjax.observe import step_bench
 
 _SIZE = flags.DEFINE_string("size", "1b", "Model size.")
@@ -31,12 +31,10 @@ def main(argv):
     for row in step_bench.attention_check():
       print(json.dumps(row), flush=True)
   for remat in _REMAT.value:
-    config = models.get_model_config(
-      _SIZE.value, remat=remat, logprob_chunk_size=_CHUNK.value or None
-    )
+    config = get_model_config(_SIZE.value, remat=remat, logprob_chunk_size=_CHUNK.value or None)
     row = step_bench.train_step(config, _BATCH.value, _SEQ_LEN.value, _SEQ_LEN.value // 4)
     print(json.dumps({"size": _SIZE.value, **row}), flush=True)
-  rollout = models.get_model_config(_SIZE.value, param_dtype="bfloat16")
+  rollout = get_model_config(_SIZE.value, param_dtype="bfloat16")
   for batch in map(int, _DECODE_BATCH.value):
     row = step_bench.decode_step(rollout, batch, _CACHE_LEN.value)
     print(json.dumps({"size": _SIZE.value, **row}), flush=True)

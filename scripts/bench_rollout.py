@@ -11,6 +11,7 @@ import json
 
 from absl import app, flags
 
+from rlhfjax.config.model import SHAPE_FIELDS
 from rlhfjax.rollout import benchmark
 
 _SIZE = flags.DEFINE_string("size", "small", "Model size.")
@@ -22,16 +23,7 @@ _NO_CACHE = flags.DEFINE_bool("no_cache", True, "Also time the no-cache baseline
 _COPY_MIB = flags.DEFINE_integer("copy_mib", 256, "Size of the bandwidth probe in MiB.")
 _MATMUL_N = flags.DEFINE_integer("matmul_n", 1024, "Side of the matmul-rate probe.")
 _OVERRIDES = {
-  name: flags.DEFINE_integer(name, None, f"Override the size's {name}.")
-  for name in (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-  )
+  name: flags.DEFINE_integer(name, None, f"Override the size's {name}.") for name in SHAPE_FIELDS
 }
 _DTYPE = flags.DEFINE_enum(
   "dtype", None, ["float32", "bfloat16"], "Override compute and parameter dtype."

@@ -19,7 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from rlhfjax import launch
-from rlhfjax.distributed import DistributedSection
+from rlhfjax.config import DistributedSection
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's (or the pipeline's) workdir.")
 _OUT = flags.DEFINE_string("out", None, "The Hugging Face checkpoint directory to write.")

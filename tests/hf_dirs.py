@@ -12,7 +12,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from rlhfjax import models as rlhf_models
-from rlhfjax.models.config import ModelConfig, get_model_config
+from rlhfjax.config.model import ModelConfig, get_model_config
 
 _TINY = get_model_config("tiny")
 _LLAMA32 = get_model_config("1b")

@@ -94,9 +94,10 @@ def load(path: str, out: str, mode: str, port: str | None, process_id: str | Non
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   from rlhfjax import models
+  from rlhfjax.config.hf import read_hf_config
   from rlhfjax.models import hf, hf_read
 
-  config, head = hf.read_hf_config(path)
+  config, head = read_hf_config(path)
   mesh = Mesh(np.array(jax.devices()), ("x",))
 
   def spec(leaf):  # the first axis that splits evenly over every device

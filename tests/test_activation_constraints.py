@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from rlhfjax.cluster.cluster import Cluster, WeightSource
-from rlhfjax.config import from_config_dict
+from rlhfjax.config import OptimizerConfig, from_config_dict
 from rlhfjax.observe import memory_bench
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
-from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+from rlhfjax.training.optimizer import make_optimizer
 
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 SEQ, PROMPT, ROWS = 127, 31, 8

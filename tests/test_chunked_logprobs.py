@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from rlhfjax import models
+from rlhfjax.config.model import get_model_config
 from rlhfjax.training import sft, steps
 
-CONFIG = models.get_model_config("tiny", attention="xla")
+CONFIG = get_model_config("tiny", attention="xla")
 
 
 _U = np.finfo(np.float32).eps / 2  # fp32's unit roundoff

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from rlhfjax import models
+from rlhfjax.config.model import get_model_config
 from rlhfjax.rollout import decode
 
 L, B, S = 5, 4, 512
@@ -17,7 +18,7 @@ _DEFAULT_CPU_CODEGEN = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion
 
 
 def test_decode_step_writes_the_cache_in_place():
-  cfg = models.get_model_config("tiny", num_layers=L, attention="xla")
+  cfg = get_model_config("tiny", num_layers=L, attention="xla")
   params = models.abstract_params(cfg, "lm")
   state = jax.eval_shape(functools.partial(decode.empty_state, cfg, B, S, 16, 4))
   step = jax.jit(functools.partial(decode.generate_steps, cfg), donate_argnums=1)

@@ -22,6 +22,8 @@ from test_multihost import _env
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import config as config_lib
 from rlhfjax import export, models
+from rlhfjax.config.hf import CheckpointError, config_to_hf
+from rlhfjax.config.model import get_model_config
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.models import hf
 from rlhfjax.runner import Runner
@@ -72,7 +74,7 @@ def runs(tmp_path_factory):
 def _restored(workdir: pathlib.Path, item: str, head: str):
   """The run's parameters on one device, read independently of the export's shardings, and
   the model the run's config builds."""
-  model = models.get_model_config("tiny", num_layers=_LAYERS)
+  model = get_model_config("tiny", num_layers=_LAYERS)
   device = SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
@@ -227,7 +229,7 @@ def test_a_hugging_face_tokenizer_is_copied(tmp_path):
 
 
 def test_shard_files_split_over_processes_by_whole_layer_blocks():
-  model = models.get_model_config("tiny", num_layers=_LAYERS)
+  model = get_model_config("tiny", num_layers=_LAYERS)
   shards = hf.plan_shards(model, "lm", 4, export.parse_size(_SHARD))
   assert [list(s.layers) for s in shards] == [[], [0], [1], [2], [3]]
   two = export.assign_files(shards, _LAYERS, 2)
@@ -252,8 +254,8 @@ def test_errors_name_the_flag_and_the_values(runs, tmp_path):
       export.export(str(workdir), str(out), step=step)
   with pytest.raises(export.ExportError, match="'lots' is not a size such as 2GB"):
     export.parse_size("lots")
-  with pytest.raises(hf.CheckpointError, match="cannot carry q/k norms"):
-    hf.config_to_hf(models.get_model_config("tiny", qk_norm=True))
+  with pytest.raises(CheckpointError, match="cannot carry q/k norms"):
+    config_to_hf(get_model_config("tiny", qk_norm=True))
   # The script: one line, exit status 2.
   result = _export(runs / "sft", tmp_path / "full")
   assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

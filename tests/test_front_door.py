@@ -458,10 +458,11 @@ def test_a_reward_function_of_the_wrong_signature_is_refused_at_load():
 _PROCESS = """
 import time
 from rlhfjax import distributed, launch
+from rlhfjax.config import DistributedSection
 
 def main(argv):
   launch.quiet_logging()
-  section = distributed.DistributedSection(
+  section = DistributedSection(
       enabled=True, coordinator_address="localhost:{port}", num_processes=2,
       process_id={process_id}, start_timeout_s={start}, peer_timeout_s={peer})
   distributed.initialize(section, 2)

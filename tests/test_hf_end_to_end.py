@@ -25,7 +25,8 @@ from hf_dirs import (
 )
 
 from rlhfjax.config import from_config_dict
-from rlhfjax.models import config as model_config
+from rlhfjax.config import model as model_config
+from rlhfjax.config.hf import read_hf_config
 from rlhfjax.models import hf
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner.loop import Runner
@@ -102,7 +103,7 @@ def test_grpo_on_a_llama3_checkpoint_runs_its_architecture_and_weights(tmp_path)
     section, _, field = dotted.rpartition(".")
     (cd[section] if section else cd)[field] = value
   runner = Runner(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
-  expected, _ = hf.read_hf_config(path)
+  expected, _ = read_hf_config(path)
   for role in (Role.ACTOR, Role.REFERENCE):
     assert runner.cluster.roles[role].model == expected
   assert expected.rope_scaling.type == "llama3" and expected.eos_token_ids == (1, 4)

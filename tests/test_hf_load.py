@@ -19,6 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from safetensors.numpy import load_file, save_file
 
 from rlhfjax import models
+from rlhfjax.config.families import FAMILIES
+from rlhfjax.config.hf import CheckpointError, read_hf_config
 from rlhfjax.mesh import rules
 from rlhfjax.models import hf, hf_read
 
@@ -50,7 +52,7 @@ _VARIANTS = {
 def _write(path: pathlib.Path, variant: str) -> None:
   hf_config = {"architectures": ["X"], **_DIMS, **_VARIANTS[variant]}
   if hf_config["architectures"] == ["X"]:
-    hf_config["architectures"] = [hf._CLASS_PREFIX[hf_config["model_type"]] + "ForCausalLM"]
+    hf_config["architectures"] = [FAMILIES[hf_config["model_type"]].class_prefix + "ForCausalLM"]
   rng = np.random.default_rng(sum(map(ord, variant)))
   dtype = ml_dtypes.bfloat16 if variant.startswith("bf16") else np.float32
   tensors = {
@@ -80,7 +82,7 @@ def checkpoints(tmp_path_factory):
 
 def _whole_load(path, dtype=jnp.float32):
   """The reference: every tensor of every file in memory, then stacked and reordered."""
-  config, head = hf.read_hf_config(path, dtype)
+  config, head = read_hf_config(path, jnp.dtype(dtype).name)
   tensors = {}
   for file in hf_read.shard_files(os.fspath(path)):
     tensors.update(load_file(file))
@@ -184,7 +186,7 @@ def test_sliced_load_equals_whole_load(checkpoints, variant, scheme, capfd):
 
 def test_public_load_takes_shardings_and_dtype(checkpoints):
   path = checkpoints / "bf16_two_files"
-  shardings = _by_rules((1, 2, 4))(*hf.read_hf_config(path))
+  shardings = _by_rules((1, 2, 4))(*read_hf_config(path))
   for dtype in (jnp.bfloat16, jnp.float32):
     config, params = models.load_hf_checkpoint(path, dtype, shardings=shardings)
     assert config.param_dtype == jnp.dtype(dtype).name
@@ -198,11 +200,11 @@ def test_a_tensor_of_another_shape_or_missing_is_one_line(tmp_path):
   name = "model.layers.1.self_attn.k_proj.weight"
   tensors[name] = tensors[name][:-12]
   save_file(tensors, path / "model.safetensors")
-  with pytest.raises(hf.CheckpointError, match=rf"tensor '{name}' has shape \(36, 40\), "):
+  with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \(36, 40\), "):
     models.load_hf_checkpoint(path)
   del tensors[name]
   save_file(tensors, path / "model.safetensors")
-  with pytest.raises(hf.CheckpointError, match=rf"tensor '{name}' is missing$"):
+  with pytest.raises(CheckpointError, match=rf"tensor '{name}' is missing$"):
     models.load_hf_checkpoint(path)
 
 

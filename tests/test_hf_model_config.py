@@ -12,8 +12,8 @@ from hf_dirs import TINY_LLAMA3, TINY_QWEN2
 
 from rlhfjax import config as config_lib
 from rlhfjax.config import ConfigError
-from rlhfjax.models import config as model_config
-from rlhfjax.models import hf
+from rlhfjax.config import model as model_config
+from rlhfjax.config.hf import config_to_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_config.get_model_config("tiny")
@@ -24,7 +24,7 @@ LLAMA3 = TINY_LLAMA3.replace(bos_token_id=1, eos_token_ids=(2, 3))
 def _write_config(path, model: model_config.ModelConfig, head="lm", **changes) -> str:
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump({**hf.config_to_hf(model, head), **changes}, f)
+    json.dump({**config_to_hf(model, head), **changes}, f)
   return str(path)
 
 

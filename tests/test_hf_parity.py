@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from rlhfjax import models
+from rlhfjax.config.hf import CheckpointError
 
 TOL = 1e-4
 
@@ -211,19 +212,19 @@ def test_bfloat16_load(tmp_path):
 
 
 def test_bad_checkpoints_name_the_file(tmp_path):
-  with pytest.raises(models.CheckpointError, match="config.json: not found"):
+  with pytest.raises(CheckpointError, match="config.json: not found"):
     models.load_hf_checkpoint(tmp_path)
   _hf_model("llama").save_pretrained(tmp_path)
   weights = tmp_path / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:100])
-  with pytest.raises(models.CheckpointError, match=r"model\.safetensors: cannot read"):
+  with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read"):
     models.load_hf_checkpoint(tmp_path)
   hf = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps({**hf, "model_type": "gpt2"}))
-  with pytest.raises(models.CheckpointError, match="model_type 'gpt2' is not supported"):
+  with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
     models.load_hf_checkpoint(tmp_path)
   (tmp_path / "config.json").write_text(
     json.dumps({**hf, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
   )
-  with pytest.raises(models.CheckpointError, match="rope type 'yarn'"):
+  with pytest.raises(CheckpointError, match="rope type 'yarn'"):
     models.load_hf_checkpoint(tmp_path)

@@ -7,10 +7,11 @@ import pytest
 
 from rlhfjax import models
 from rlhfjax.config import ConfigError, ModelSection, RoleModelSection
+from rlhfjax.config.model import REMAT_POLICIES, get_model_config
 from rlhfjax.models import transformer
 from rlhfjax.rollout import decode
 
-CONFIG = models.get_model_config("tiny", attention="einsum")
+CONFIG = get_model_config("tiny", attention="einsum")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_decode_path_with_dot_product_attention_equals_einsum(params, window):
   np.testing.assert_allclose(outs[1].out_logprobs_br, outs[0].out_logprobs_br, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("policy", [p for p in models.config.REMAT_POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_remat_policies_give_the_same_loss_and_gradients(params, policy):
   tokens, mask = _batch(seed=1)
   base = CONFIG.replace(attention="xla")

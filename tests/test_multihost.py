@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from rlhfjax import distributed
-from rlhfjax.config import ConfigError, from_config_dict
-from rlhfjax.distributed import DistributedError, DistributedSection
+from rlhfjax.config import ConfigError, DistributedSection, from_config_dict
+from rlhfjax.distributed import DistributedError
 from rlhfjax.placement import strategies
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent

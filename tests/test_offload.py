@@ -9,17 +9,17 @@ import numpy as np
 import optax
 import pytest
 
-from rlhfjax import models
 from rlhfjax.cluster.cluster import Cluster, WeightSource, initial_rngs
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.config.model import get_model_config
 from rlhfjax.mesh import offload
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Layout, Role, RoleSpec
 from rlhfjax.runner import Runner
 from rlhfjax.training import steps
 
-CONFIG = models.get_model_config("tiny", attention="xla")
+CONFIG = get_model_config("tiny", attention="xla")
 SPEC = RoleSpec(
   devices=tuple(range(8)), axes=(("data", 1), ("fsdp", 4), ("tensor", 2)), layout=Layout.TRAINING
 )

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from rlhfjax.config import ConfigError, ExperimentConfig, from_config_dict
-from rlhfjax.models import config as model_config
-from rlhfjax.models import hf
+from rlhfjax.config import model as model_config
+from rlhfjax.config.hf import read_hf_config
 from rlhfjax.placement import (
   Layout,
   PlacementError,
@@ -816,7 +816,7 @@ def test_show_placement_plans_a_hugging_face_checkpoint_from_its_config_json(scr
   assert returncode == 0, stderr
   lines = stdout.splitlines()
   assert lines[0].startswith("colocated placement on 1 devices")
-  model, _ = hf.read_hf_config(REPO / _QWEN_DIR)
+  model, _ = read_hf_config(REPO / _QWEN_DIR)
   assert (model.num_layers, model.hidden_size, model.param_dtype) == (28, 1536, "bfloat16")
   params_gib = model_config.param_count(model) * 2 / 2**30  # bf16, as its torch_dtype
   actor = next(line.split() for line in lines if line.startswith("actor "))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from rlhfjax.cluster.role import RoleRuntime
-from rlhfjax.config import OffloadSection, from_config_dict
-from rlhfjax.models.config import get_model_config
+from rlhfjax.config import OffloadSection, OptimizerConfig, from_config_dict
+from rlhfjax.config.model import get_model_config
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement import plan_placement, strategies
 from rlhfjax.placement.memory import model_options
@@ -24,7 +24,7 @@ from rlhfjax.planner import costs, efficiency, evaluate, hardware, memory, searc
 from rlhfjax.planner.replay import StageCost, replay
 from rlhfjax.planner.workload import OFFLOAD_ALL, Workload, resolve_model
 from rlhfjax.training import steps
-from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+from rlhfjax.training.optimizer import make_optimizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

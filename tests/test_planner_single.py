@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rlhfjax import config as config_lib
-from rlhfjax.models.config import get_model_config
+from rlhfjax.config.model import get_model_config
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner import efficiency, hardware, single
 from rlhfjax.training import supervised

@@ -9,11 +9,13 @@ import optax
 import pytest
 
 from rlhfjax import models
+from rlhfjax.config import OptimizerConfig
+from rlhfjax.config.model import get_model_config
 from rlhfjax.training import steps
-from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+from rlhfjax.training.optimizer import make_optimizer
 from rlhfjax.training.state import init_train_state
 
-CONFIG = models.get_model_config("tiny")
+CONFIG = get_model_config("tiny")
 P, T = 5, 4
 
 

@@ -19,12 +19,13 @@ from rlhfjax import algorithms as alg
 from rlhfjax import config as config_lib
 from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
+from rlhfjax.config.model import get_model_config
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.training import reward_model, sft, supervised
 from rlhfjax.training.state import init_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = models.get_model_config("tiny")
+CONFIG = get_model_config("tiny")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from rlhfjax import config, models, rollout
+from rlhfjax.config.model import get_model_config
 from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import compaction, fused
 from rlhfjax.rollout import fusion_benchmark as fb
 
-CONFIG = models.get_model_config("tiny")
+CONFIG = get_model_config("tiny")
 MAX_NEW = 13
 ENGINE = rollout.EngineConfig(
   num_slots=8, prompt_buckets=(7,), max_new_tokens=MAX_NEW, prefill_batch_sizes=(1, 8)

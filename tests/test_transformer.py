@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from rlhfjax import models
+from rlhfjax.config.model import get_model_config, model_sizes, param_count
 from rlhfjax.models import transformer
 
-CONFIG = models.get_model_config("tiny")
+CONFIG = get_model_config("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +73,16 @@ def test_prefill_then_decode_with_cache_equals_full_forward(params):
     np.testing.assert_allclose(np.asarray(logits)[:, 0], np.asarray(full)[:, i], atol=1e-5)
 
 
-@pytest.mark.parametrize("size", models.model_sizes())
+@pytest.mark.parametrize("size", model_sizes())
 @pytest.mark.parametrize("head", ["lm", "value"])
 def test_param_count_matches_the_tree(size, head):
-  config = models.get_model_config(size)
+  config = get_model_config(size)
   shapes = models.abstract_params(config, head)
-  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == models.param_count(
-    config, head
-  )
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == param_count(config, head)
 
 
 def test_named_sizes_have_the_published_parameter_counts():
-  billions = {
-    s: models.param_count(models.get_model_config(s)) / 1e9 for s in ("1b", "7b", "13b", "70b")
-  }
+  billions = {s: param_count(get_model_config(s)) / 1e9 for s in ("1b", "7b", "13b", "70b")}
   assert abs(billions["1b"] - 1.24) < 0.01  # Llama-3.2-1B
   assert abs(billions["7b"] - 6.74) < 0.01  # Llama-2-7B
   assert abs(billions["13b"] - 13.02) < 0.01
@@ -109,7 +106,7 @@ def test_logical_axes_cover_every_parameter_with_matching_rank():
 
 def test_bad_model_configs_raise_clear_errors():
   with pytest.raises(ValueError, match="unknown model size 'huge'"):
-    models.get_model_config("huge")
+    get_model_config("huge")
   with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
     CONFIG.replace(num_kv_heads=3)
   with pytest.raises(ValueError, match="dtype must be one of"):

@@ -12,7 +12,8 @@ import pytest
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
-from rlhfjax.models import config as model_config
+from rlhfjax.config import CheckpointSection
+from rlhfjax.config import model as model_config
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.training import weights
 
@@ -81,7 +82,7 @@ def test_a_value_role_takes_the_policys_trunk_and_a_zero_head(policy, hf_policy)
 def test_an_rlhfjax_checkpoint_item_is_found_by_name(policy, tmp_path):
   source = _runtime("lm", devices=(0, 1, 2, 3))
   placed = jax.device_put(policy, source.param_shardings)
-  with ckpt.Checkpointer(tmp_path, ckpt.CheckpointSection(every_steps=0)) as saver:
+  with ckpt.Checkpointer(tmp_path, CheckpointSection(every_steps=0)) as saver:
     saver.save(3, {"policy": placed}, {"step": 3}, force=True)
     saver.wait()
   rt = _runtime("value")

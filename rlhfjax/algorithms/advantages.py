@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from rlhfjax.algorithms.masked import masked_whiten
+from rlhfjax.config import choices
 
 
 def last_token_onehot(mask_bt: jax.Array) -> jax.Array:
@@ -174,12 +175,15 @@ def _reinforce_pp_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: Est
 
 Estimator = Callable[..., tuple[jax.Array, jax.Array]]
 
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
-  "gae": _gae_of_scores,
-  "group_relative": _grpo_of_scores,
-  "rloo": _rloo_of_scores,
-  "reinforce_pp": _reinforce_pp_of_scores,
-}
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = choices.implement(
+  choices.ADVANTAGE_ESTIMATORS,
+  {
+    "gae": _gae_of_scores,
+    "group_relative": _grpo_of_scores,
+    "rloo": _rloo_of_scores,
+    "reinforce_pp": _reinforce_pp_of_scores,
+  },
+)
 """`fn(scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings) -> (advantages_bt, returns_bt)`
 by name. The KL to the reference enters as a reward (`kl_coef`, 0 when it is a loss term):
 per token for the token-level estimators (GAE, REINFORCE++), summed per sample for the

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from rlhfjax.config import choices
+
 
 def kl_k1(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
   """`k1 = logp - logp_ref`."""
@@ -32,11 +34,9 @@ def kl_k3(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
   return jnp.expm1(logr) - logr
 
 
-KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-  "k1": kl_k1,
-  "k2": kl_k2,
-  "k3": kl_k3,
-}
+KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = choices.implement(
+  choices.KL_ESTIMATORS, {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+)
 
 
 def get_kl_estimator(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -73,4 +73,6 @@ def adaptive_kl_update(
   return KLControllerState(coef=state.coef * (1.0 + error * num_samples / horizon))
 
 
-KL_CONTROLLERS = {"fixed": fixed_kl_update, "adaptive": adaptive_kl_update}
+KL_CONTROLLERS = choices.implement(
+  choices.KL_CONTROLLERS, {"fixed": fixed_kl_update, "adaptive": adaptive_kl_update}
+)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from rlhfjax.algorithms.masked import masked_mean
+from rlhfjax.config import choices
 
 
 def token_mean(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
@@ -29,11 +30,14 @@ def seq_mean_token_sum_norm(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
   return jnp.mean(jnp.sum(x_bt * mask_bt, -1)) / x_bt.shape[-1]
 
 
-LOSS_AGGREGATIONS = {
-  "token_mean": token_mean,
-  "seq_mean_token_mean": seq_mean_token_mean,
-  "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
-}
+LOSS_AGGREGATIONS = choices.implement(
+  choices.LOSS_AGGREGATIONS,
+  {
+    "token_mean": token_mean,
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+  },
+)
 """How per-token losses reduce to one number, by name: `fn(x_bt, mask_bt) -> scalar`."""
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from rlhfjax.algorithms.losses import token_logprobs
 from rlhfjax.algorithms.objectives import _shifted
+from rlhfjax.config import choices
 
 
 def sequence_logprobs(logits_bsv: jax.Array, tokens_bs: jax.Array, loss_mask_bs: jax.Array):
@@ -41,7 +42,9 @@ def dpo_ipo(h_b: jax.Array, *, beta: float, label_smoothing: float = 0.0) -> jax
   return jnp.square(h_b - 1.0 / (2.0 * beta))
 
 
-DPO_LOSSES: dict[str, Callable[..., jax.Array]] = {"sigmoid": dpo_sigmoid, "ipo": dpo_ipo}
+DPO_LOSSES: dict[str, Callable[..., jax.Array]] = choices.implement(
+  choices.DPO_LOSSES, {"sigmoid": dpo_sigmoid, "ipo": dpo_ipo}
+)
 """Per-pair preference losses by name: `fn(h_b, *, beta, label_smoothing) -> loss_b`."""
 
 

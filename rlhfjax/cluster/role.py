@@ -11,8 +11,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import models
+from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.mesh import meshes, rules, transfer
-from rlhfjax.models.config import HeadKind, ModelConfig
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.training import weights
 from rlhfjax.training.state import TrainState, init_train_state, train_state_shardings

@@ -1,11 +1,18 @@
-"""Every config section, typed and validated without JAX (see `experiment`)."""
+"""Every config section, typed and validated without JAX.
+
+`experiment` holds the sections of a config file and their conversion from a `ConfigDict`;
+`model` the model's hyper-parameters and named sizes, `families` the Hugging Face families,
+`hf` a checkpoint's config.json, `choices` the names a config selects code by.
+"""
 
 from rlhfjax.config.experiment import (
   WANDB_MISSING,
   WANDB_MODES,
   AlgorithmSection,
+  CheckpointSection,
   ConfigError,
   DataSection,
+  DistributedSection,
   DPOSection,
   EvalSection,
   ExperimentConfig,
@@ -15,6 +22,7 @@ from rlhfjax.config.experiment import (
   LoggingSection,
   ModelSection,
   OffloadSection,
+  OptimizerConfig,
   PlacementSection,
   PPOSection,
   RewardModelConfig,
@@ -26,6 +34,7 @@ from rlhfjax.config.experiment import (
   SupervisedConfig,
   TrainPlacementSection,
   complete,
+  distributed_from_config_dict,
   from_config_dict,
 )
 
@@ -33,8 +42,10 @@ __all__ = [
   "WANDB_MISSING",
   "WANDB_MODES",
   "AlgorithmSection",
+  "CheckpointSection",
   "ConfigError",
   "DataSection",
+  "DistributedSection",
   "DPOSection",
   "EvalSection",
   "ExperimentConfig",
@@ -44,6 +55,7 @@ __all__ = [
   "LoggingSection",
   "ModelSection",
   "OffloadSection",
+  "OptimizerConfig",
   "PlacementSection",
   "PPOSection",
   "RewardModelConfig",
@@ -55,5 +67,6 @@ __all__ = [
   "SupervisedConfig",
   "TrainPlacementSection",
   "complete",
+  "distributed_from_config_dict",
   "from_config_dict",
 ]

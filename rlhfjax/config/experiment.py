@@ -14,16 +14,15 @@ import difflib
 import functools
 import math
 import os
+import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from rlhfjax import ranges
-from rlhfjax.checkpoint import CheckpointSection
-from rlhfjax.distributed import DistributedSection
-from rlhfjax.models import config as model_config
-from rlhfjax.training.optimizer import OptimizerConfig
+from rlhfjax.config import choices, hf
+from rlhfjax.config import model as model_config
 
 _DTYPES = ("float32", "bfloat16")
 _BITS = {"float32": 32, "bfloat16": 16}
@@ -32,6 +31,11 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
   """A config field is unknown, missing, of the wrong type or has an invalid value."""
+
+
+def _check_choice(field: str, value: Any, names: Sequence[str]) -> None:
+  if value not in names:
+    raise ConfigError(f"'{field}' must be one of {', '.join(names)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,9 +47,9 @@ class RoleModelSection:
   param_dtype: str | None = None
   """Parameter dtype: the trained roles keep fp32 masters, frozen roles may store bf16."""
   remat: str | None = None
-  """Rematerialisation policy (`models.config.REMAT_POLICIES`)."""
+  """Rematerialisation policy (`model.REMAT_POLICIES`)."""
   attention: str | None = None
-  """Attention kernel (`models.config.ATTENTION_IMPLS`)."""
+  """Attention kernel (`model.ATTENTION_IMPLS`)."""
   logprob_chunk_size: int | None = None
   """Tokens per chunk of the log-prob / entropy / LM-loss computation."""
   hf: str = ""
@@ -54,16 +58,15 @@ class RoleModelSection:
   its weights start the role unless `init.critic` / `init.reward` say otherwise."""
 
   def __post_init__(self):
-    choices = {
+    known_names = {
       "dtype": _DTYPES,
       "param_dtype": _DTYPES,
       "remat": model_config.REMAT_POLICIES,
       "attention": model_config.ATTENTION_IMPLS,
     }
-    for name, known in choices.items():
-      value = getattr(self, name)
-      if value is not None and value not in known:
-        raise ConfigError(f"'{name}' must be one of {', '.join(known)}, got {value!r}")
+    for name, known in known_names.items():
+      if getattr(self, name) is not None:
+        _check_choice(name, getattr(self, name), known)
     if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
       raise ConfigError(f"'logprob_chunk_size' must be >= 1, got {self.logprob_chunk_size}")
 
@@ -134,9 +137,8 @@ class ModelSection:
         raise ConfigError(f"unknown model field {name!r} in 'model.overrides'")
     object.__setattr__(self, "overrides", _whole_numbers(self.overrides, fields))
     for name in ("dtype", "param_dtype"):
-      value = getattr(self, name)
-      if value is not None and value not in _DTYPES:
-        raise ConfigError(f"'model.{name}' must be one of {', '.join(_DTYPES)}, got {value!r}")
+      if getattr(self, name) is not None:
+        _check_choice(f"model.{name}", getattr(self, name), _DTYPES)
 
     for role in self.roles:
       if role not in _ROLES:
@@ -195,8 +197,6 @@ class ModelSection:
   def _from_hf(self, role: str, changes: dict[str, Any]) -> model_config.ModelConfig:
     """The checkpoint's architecture with the numerics changes; any architecture field the
     config gives too (a size, an override) must equal the checkpoint's."""
-    from rlhfjax.models import hf
-
     directory = self.hf_for(role)
     found, _ = hf.read_hf_config(directory)
     numerics = {k: v for k, v in changes.items() if k in model_config.NUMERICS_FIELDS}
@@ -410,32 +410,14 @@ class PPOSection:
   non-finite loss or gradients (each skip is counted in the metrics as `update/skipped`)."""
 
   def __post_init__(self):
-    from rlhfjax import algorithms
-
-    if self.advantage not in algorithms.ADVANTAGE_ESTIMATORS:
-      raise ConfigError(
-        f"'ppo.advantage' must be one of "
-        f"{', '.join(algorithms.ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}"
-      )
-    if self.kl_estimator not in algorithms.KL_ESTIMATORS:
-      raise ConfigError(
-        f"'ppo.kl_estimator' must be one of "
-        f"{', '.join(algorithms.KL_ESTIMATORS)}, got {self.kl_estimator!r}"
-      )
-    if self.loss_agg not in algorithms.LOSS_AGGREGATIONS:
-      raise ConfigError(
-        f"'ppo.loss_agg' must be one of "
-        f"{', '.join(algorithms.LOSS_AGGREGATIONS)}, got {self.loss_agg!r}"
-      )
+    _check_choice("ppo.advantage", self.advantage, choices.ADVANTAGE_ESTIMATORS)
+    _check_choice("ppo.kl_estimator", self.kl_estimator, choices.KL_ESTIMATORS)
+    _check_choice("ppo.loss_agg", self.loss_agg, choices.LOSS_AGGREGATIONS)
     if min(self.kl_loss_coef, self.clip_eps_high) < 0:
       raise ConfigError("'ppo.kl_loss_coef' and 'ppo.clip_eps_high' must be >= 0")
     if self.overlong_buffer < 0 or self.dynamic_sampling_rounds < 0:
       raise ConfigError("'ppo.overlong_buffer' and 'ppo.dynamic_sampling_rounds' must be >= 0")
-    if self.kl_controller not in algorithms.KL_CONTROLLERS:
-      raise ConfigError(
-        f"'ppo.kl_controller' must be one of "
-        f"{', '.join(algorithms.KL_CONTROLLERS)}, got {self.kl_controller!r}"
-      )
+    _check_choice("ppo.kl_controller", self.kl_controller, choices.KL_CONTROLLERS)
     ranges.check(
       "ppo",
       self,
@@ -470,9 +452,6 @@ class AlgorithmSection:
       raise ConfigError(f"'algorithm.flow' must be 'module:function', got {self.flow!r}")
 
 
-_DPO_LOSSES = ("sigmoid", "ipo")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOSection:
   """Direct preference optimisation (algorithm 'dpo' on `data.preferences`; 'online_dpo' on
@@ -486,8 +465,7 @@ class DPOSection:
   """Probability that a preference label is flipped (conservative DPO); 'sigmoid' only."""
 
   def __post_init__(self):
-    if self.loss not in _DPO_LOSSES:
-      raise ConfigError(f"'dpo.loss' must be one of {', '.join(_DPO_LOSSES)}, got {self.loss!r}")
+    _check_choice("dpo.loss", self.loss, choices.DPO_LOSSES)
     if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5:
       raise ConfigError("'dpo' needs beta > 0 and 0 <= label_smoothing < 0.5")
     if self.loss == "ipo" and self.label_smoothing:
@@ -555,16 +533,8 @@ class DataSection:
   'error'; truncations and skips are counted in the metrics."""
 
   def __post_init__(self):
-    if self.on_bad_record not in _ON_BAD_RECORD:
-      raise ConfigError(
-        f"'data.on_bad_record' must be one of {', '.join(_ON_BAD_RECORD)}, "
-        f"got {self.on_bad_record!r}"
-      )
-    if self.on_long_prompt not in _ON_LONG_PROMPT:
-      raise ConfigError(
-        f"'data.on_long_prompt' must be one of {', '.join(_ON_LONG_PROMPT)}, "
-        f"got {self.on_long_prompt!r}"
-      )
+    _check_choice("data.on_bad_record", self.on_bad_record, _ON_BAD_RECORD)
+    _check_choice("data.on_long_prompt", self.on_long_prompt, _ON_LONG_PROMPT)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -660,6 +630,101 @@ class LoggingSection:
         import wandb  # noqa: F401
       except ImportError:
         raise ConfigError(WANDB_MISSING) from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  """One optimizer per trained role (actor, critic)."""
+
+  learning_rate: float = 1e-5
+  """Peak learning rate, reached after `warmup_steps`."""
+  warmup_steps: int = 0
+  decay: str = "cosine"
+  """'cosine' (to `final_lr_fraction` of the peak), 'linear', or 'constant' after warm-up."""
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0
+  """Clip gradients to this global norm (0 disables clipping)."""
+
+  def __post_init__(self):
+    if self.decay not in ("cosine", "linear", "constant"):
+      raise ValueError(f"optimizer.decay must be cosine, linear or constant, got {self.decay!r}")
+    ranges.check(
+      "optimizer",
+      self,
+      learning_rate=ranges.POSITIVE,
+      warmup_steps=ranges.NON_NEGATIVE,
+      final_lr_fraction=ranges.FRACTION,
+      weight_decay=ranges.NON_NEGATIVE,
+      b1=ranges.between(0, 1, high_open=True),
+      b2=ranges.between(0, 1, high_open=True),
+      eps=ranges.POSITIVE,
+      max_grad_norm=ranges.NON_NEGATIVE,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+  """When checkpoints are written and whether a run resumes from them."""
+
+  every_steps: int = 10
+  """Save every this many iterations; 0: only at the end of the run and on SIGTERM."""
+  keep: int = 3
+  """Number of most recent complete checkpoints kept on disk."""
+  async_save: bool = True
+  """Write in the background: `save` returns once the arrays are copied to host memory."""
+  resume: bool = True
+  """Resume from the latest complete checkpoint in WORKDIR/checkpoints if there is one."""
+
+  def __post_init__(self):
+    ranges.check("checkpoint", self, every_steps=ranges.NON_NEGATIVE, keep=ranges.COUNT)
+
+
+_HOST_PORT = re.compile(r"^\S+:\d+$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedSection:
+  """Multi-process runs. Empty or zero fields fall back to environment variables, and then to
+  JAX's cluster auto-detection (Slurm, Open MPI, Cloud TPU, Kubernetes)."""
+
+  enabled: bool = False
+  """Call `jax.distributed.initialize` at start-up; every process runs the same command."""
+  coordinator_address: str = ""
+  """host:port of the coordination service, which process 0 runs; '': $JAX_COORDINATOR_ADDRESS."""
+  num_processes: int = 0
+  """Processes in the job; 0: $JAX_NUM_PROCESSES."""
+  process_id: int = -1
+  """This process's index in [0, num_processes); -1: $JAX_PROCESS_ID."""
+  local_device_count: int = 0
+  """Host (CPU) devices this process emulates; 0: placement.num_devices / num_processes.
+  CPU only: GPU and TPU processes use the devices they have."""
+  start_timeout_s: int = 300
+  """Seconds a process waits for the whole job to join (process 0's coordination service and
+  every other process) before it stops with an error naming what it waited for."""
+  peer_timeout_s: int = 60
+  """Seconds without a sign of life from another process after which the others stop with an
+  error naming it (instead of waiting forever in a collective)."""
+
+  def __post_init__(self):
+    if self.coordinator_address and not _HOST_PORT.match(self.coordinator_address):
+      raise ValueError(f"coordinator_address must be host:port, got {self.coordinator_address!r}")
+    if self.num_processes < 0:
+      raise ValueError(f"num_processes must be >= 0, got {self.num_processes}")
+    if self.process_id < -1:
+      raise ValueError(f"process_id must be >= -1, got {self.process_id}")
+    if self.num_processes and self.process_id >= self.num_processes:
+      raise ValueError(
+        f"process_id={self.process_id} must be below num_processes={self.num_processes}"
+      )
+    if self.local_device_count < 0:
+      raise ValueError(f"local_device_count must be >= 0, got {self.local_device_count}")
+    for name in ("start_timeout_s", "peer_timeout_s"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -830,6 +895,21 @@ class SFTConfig(SupervisedConfig):
 class RewardModelConfig(SupervisedConfig):
   """Reward-model training on preference pairs (`data.preferences`): Bradley-Terry loss on the
   value head's score of the last real token of the chosen and the rejected sequence."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _DistributedOnly:
+  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+
+
+def distributed_from_config_dict(config_dict: Any) -> DistributedSection:
+  """The `distributed` section of a config file's `ConfigDict`, typed and validated (defaults
+  when the file has none), for entry points that need it before the whole config is built."""
+  if hasattr(config_dict, "to_dict"):
+    config_dict = config_dict.to_dict()
+  section = config_dict.get("distributed")
+  wrapped = {} if section is None else {"distributed": section}
+  return from_config_dict(wrapped, _DistributedOnly).distributed
 
 
 def from_config_dict(config_dict: Any, cls: type[T] = ExperimentConfig) -> T:

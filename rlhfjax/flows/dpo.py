@@ -18,6 +18,7 @@ import jax
 from rlhfjax import algorithms as alg
 from rlhfjax import data, distributed, models
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.registry import policy_roles, register
@@ -28,7 +29,7 @@ from rlhfjax.training.optimizer import make_optimizer
 _SIDES = ("chosen", "rejected")
 
 
-def pair_logprobs(config: models.ModelConfig, params: Any, batch: dict[str, jax.Array]):
+def pair_logprobs(config: ModelConfig, params: Any, batch: dict[str, jax.Array]):
   """Sequence log-probs `[b]` of the chosen and the rejected responses of a batch."""
 
   def side(name):

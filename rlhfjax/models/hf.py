@@ -1,14 +1,15 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2) from and to a local directory.
+"""Hugging Face checkpoints' tensors (Llama, Mistral, Qwen2, Qwen3) from and to a local directory.
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or several
 `*.safetensors` shards listed in `model.safetensors.index.json`. Causal-LM checkpoints
 (`*ForCausalLM`) load with the LM head; `*ForSequenceClassification` with one label loads as a
 value-head model (its `score` row becomes the value head), which is how reward models are shared.
 
-Weights are read with NumPy (no torch needed), each process only the slices its devices hold
-(`rlhfjax.models.hf_read`), into the scanned layout of `rlhfjax.models.transformer`. Written
-checkpoints are split by `plan_shards` into files of whole layers, so that the processes of a
-job can each write the files of the layers they hold (`rlhfjax.export`).
+Their config.json is read and written by `rlhfjax.config.hf`. Weights are read with NumPy (no
+torch needed), each process only the slices its devices hold (`rlhfjax.models.hf_read`), into
+the scanned layout of `rlhfjax.models.transformer`. Written checkpoints are split by
+`plan_shards` into files of whole layers, so that the processes of a job can each write the
+files of the layers they hold (`rlhfjax.export`).
 """
 
 from __future__ import annotations
@@ -25,195 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from rlhfjax.config.hf import CheckpointError, config_to_hf, read_hf_config
+from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.models import hf_read, transformer
-from rlhfjax.models.config import ROPE_TYPES, HeadKind, ModelConfig, RopeScaling
 from rlhfjax.models.hf_read import INDEX as _INDEX
-from rlhfjax.models.hf_read import CheckpointError
 from rlhfjax.models.hf_read import get_at as _get
 from rlhfjax.models.hf_read import set_at as _set
-
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json <-> ModelConfig
-
-
-def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """`rope_parameters` (transformers >= 5) merged over the older `rope_scaling`."""
-  return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-
-
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-  return float(_rope_parameters(hf).get("rope_theta", hf.get("rope_theta", 10_000.0)))
-
-
-def _rope_scaling(hf: Mapping[str, Any], path: str) -> RopeScaling | None:
-  rope = _rope_parameters(hf)
-  rope_type = rope.get("rope_type") or rope.get("type")
-  if rope_type in (None, "default"):
-    return None
-  if rope_type not in ROPE_TYPES:
-    raise CheckpointError(
-      f"{path}: rope type {rope_type!r} is not supported (default, {', '.join(ROPE_TYPES)})"
-    )
-  if rope.get("partial_rotary_factor", 1.0) != 1.0:
-    raise CheckpointError(f"{path}: partial_rotary_factor != 1 is not supported")
-  extra = {}
-  if rope_type == "llama3":
-    names = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [name for name in names if name not in rope]
-    if missing:
-      raise CheckpointError(f"{path}: llama3 rope scaling lacks {', '.join(missing)}")
-    extra = {name: rope[name] for name in names}
-  try:
-    return RopeScaling(type=rope_type, factor=float(rope["factor"]), **extra)
-  except (KeyError, ValueError) as e:
-    raise CheckpointError(f"{path}: invalid rope scaling {rope!r} ({e})") from None
-
-
-def _rope_to_hf(config: ModelConfig) -> dict[str, Any]:
-  rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-  scaling = config.rope_scaling
-  if scaling is not None:
-    rope.update(rope_type=scaling.type, factor=scaling.factor)
-    if scaling.type == "llama3":
-      rope.update(
-        low_freq_factor=scaling.low_freq_factor,
-        high_freq_factor=scaling.high_freq_factor,
-        original_max_position_embeddings=scaling.original_max_position_embeddings,
-      )
-  return rope
-
-
-def _sliding_window(hf: Mapping[str, Any], family: str, path: str) -> int | None:
-  if family == "mistral":
-    return hf.get("sliding_window")
-  if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-    kinds = set(hf.get("layer_types") or [])
-    if kinds != {"sliding_attention"}:
-      raise CheckpointError(
-        f"{path}: Qwen2 with sliding windows on only some layers is not supported"
-      )
-    return hf.get("sliding_window")
-  return None
-
-
-def config_from_hf(
-  hf: Mapping[str, Any], *, dtype=jnp.float32, path: str = "config.json"
-) -> tuple[ModelConfig, HeadKind]:
-  """Our `ModelConfig` and head kind for a Hugging Face `config.json` dictionary."""
-  family = hf.get("model_type")
-  if family not in _FAMILIES:
-    raise CheckpointError(
-      f"{path}: model_type {family!r} is not supported; expected one of {', '.join(_FAMILIES)}"
-    )
-  if hf.get("hidden_act", "silu") != "silu":
-    raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
-  if hf.get("mlp_bias"):
-    raise CheckpointError(f"{path}: mlp_bias=true is not supported")
-  architectures = hf.get("architectures") or [f"{_CLASS_PREFIX[family]}ForCausalLM"]
-  head: HeadKind = "lm"
-  if any(a.endswith("ForSequenceClassification") for a in architectures):
-    if hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
-      raise CheckpointError(
-        f"{path}: a sequence-classification checkpoint must have one label "
-        "to be used as a reward or value model"
-      )
-    head = "value"
-  heads = hf["num_attention_heads"]
-  dtype_name = jnp.dtype(dtype).name
-  config = ModelConfig(
-    vocab_size=hf["vocab_size"],
-    hidden_size=hf["hidden_size"],
-    intermediate_size=hf["intermediate_size"],
-    num_layers=hf["num_hidden_layers"],
-    num_heads=heads,
-    num_kv_heads=hf.get("num_key_value_heads") or heads,
-    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-    rope_theta=_rope_theta(hf),
-    rope_scaling=_rope_scaling(hf, path),
-    qk_norm=family == "qwen3",
-    rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-    qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-    o_bias=family in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
-    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    sliding_window=_sliding_window(hf, family, path),
-    max_position_embeddings=hf.get("max_position_embeddings", 4096),
-    param_dtype=dtype_name,
-    dtype=dtype_name,
-    architecture=family,
-    bos_token_id=hf.get("bos_token_id"),
-    eos_token_ids=_as_tuple(hf.get("eos_token_id")),
-    pad_token_id=hf.get("pad_token_id"),
-  )
-  return config, head
-
-
-def _as_tuple(ids) -> tuple[int, ...]:
-  if ids is None:
-    return ()
-  return tuple(ids) if isinstance(ids, list | tuple) else (int(ids),)
-
-
-def config_to_hf(config: ModelConfig, head: HeadKind = "lm") -> dict[str, Any]:
-  """A `config.json` dictionary that `transformers` loads back into the same model."""
-  family = config.architecture
-  if family == "qwen2" and not config.qkv_bias:
-    raise CheckpointError("a Qwen2 export needs qkv_bias=True (Qwen2 always has q/k/v bias)")
-  suffix = "ForCausalLM" if head == "lm" else "ForSequenceClassification"
-  hf: dict[str, Any] = {
-    "architectures": [_CLASS_PREFIX[family] + suffix],
-    "model_type": family,
-    "vocab_size": config.vocab_size,
-    "hidden_size": config.hidden_size,
-    "intermediate_size": config.intermediate_size,
-    "num_hidden_layers": config.num_layers,
-    "num_attention_heads": config.num_heads,
-    "num_key_value_heads": config.num_kv_heads,
-    "head_dim": config.head_dim,
-    "hidden_act": "silu",
-    "max_position_embeddings": config.max_position_embeddings,
-    "rms_norm_eps": config.rms_norm_eps,
-    "rope_parameters": _rope_to_hf(config),
-    "rope_theta": config.rope_theta,
-    "tie_word_embeddings": config.tie_embeddings,
-    "torch_dtype": config.param_dtype,
-    "bos_token_id": config.bos_token_id,
-    "eos_token_id": (
-      list(config.eos_token_ids)
-      if len(config.eos_token_ids) > 1
-      else next(iter(config.eos_token_ids), None)
-    ),
-    "pad_token_id": config.pad_token_id,
-  }
-  if family == "llama":
-    if config.qkv_bias != config.o_bias:
-      raise CheckpointError("a Llama export needs qkv_bias == o_bias (one attention_bias flag)")
-    hf["attention_bias"] = config.qkv_bias
-    hf["mlp_bias"] = False
-  elif family != "qwen3" and (config.qkv_bias and family == "mistral" or config.o_bias):
-    raise CheckpointError(f"a {family} export cannot carry these attention biases")
-  if family == "mistral":
-    hf["sliding_window"] = config.sliding_window
-  if family == "qwen3":
-    if not config.qk_norm or config.qkv_bias != config.o_bias:
-      raise CheckpointError("a Qwen3 export needs qk_norm=True and qkv_bias == o_bias")
-    hf["attention_bias"] = config.qkv_bias
-  elif config.qk_norm:
-    raise CheckpointError(f"a {family} export cannot carry q/k norms (only qwen3)")
-  if family in ("qwen2", "qwen3"):
-    hf["use_sliding_window"] = config.sliding_window is not None
-    hf["sliding_window"] = config.sliding_window
-    kind = "sliding_attention" if config.sliding_window else "full_attention"
-    hf["layer_types"] = [kind] * config.num_layers
-  if head == "value":
-    hf["num_labels"] = 1
-    hf["id2label"] = {"0": "LABEL_0"}
-    hf["label2id"] = {"LABEL_0": 0}
-  return hf
-
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names.
@@ -311,53 +129,6 @@ def params_from_hf_tensors(
   return params
 
 
-def read_hf_json(path: str | os.PathLike, name: str = "config.json") -> dict[str, Any]:
-  """A JSON object of a checkpoint directory (`config.json`, `generation_config.json`, ...)."""
-  file = os.path.join(os.fspath(path), name)
-  try:
-    with open(file, encoding="utf-8") as f:
-      value = json.load(f)
-  except FileNotFoundError:
-    raise CheckpointError(f"{file}: not found") from None
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{file}: invalid JSON ({e})") from None
-  if not isinstance(value, dict):
-    raise CheckpointError(f"{file}: not a JSON object")
-  return value
-
-
-def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
-  """The dtype a checkpoint was saved in (`dtype`, or the older `torch_dtype`), as a
-  `ModelConfig` dtype: float16 becomes bfloat16 (same width; float16 is not supported here)."""
-  name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  return "float32" if name == "float32" else "bfloat16"
-
-
-def read_hf_config(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, HeadKind]:
-  """The model and head a Hugging Face checkpoint directory holds, from its `config.json`.
-
-  Args:
-    path: the checkpoint directory.
-    dtype: parameter and compute dtype; None: the checkpoint's own (`checkpoint_dtype`).
-  """
-  hf = read_hf_json(path)
-  config, head = config_from_hf(
-    hf,
-    dtype=checkpoint_dtype(hf) if dtype is None else dtype,
-    path=os.path.join(os.fspath(path), "config.json"),
-  )
-  return config.replace(eos_token_ids=stop_token_ids(path, config.eos_token_ids)), head
-
-
-def stop_token_ids(path: str | os.PathLike, default: tuple[int, ...]) -> tuple[int, ...]:
-  """The eos ids generation stops at: generation_config.json's when it has them, else
-  `default` (config.json's)."""
-  if not os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):
-    return default
-  ids = _as_tuple(read_hf_json(path, "generation_config.json").get("eos_token_id"))
-  return ids or default
-
-
 def load_hf_checkpoint(
   path: str | os.PathLike, dtype=jnp.float32, *, shardings: Any | None = None
 ) -> tuple[ModelConfig, dict]:
@@ -375,7 +146,7 @@ def load_hf_checkpoint(
     (`params['value_head']`); `head_kind(params)` tells which.
   """
   path = os.fspath(path)
-  config, head = read_hf_config(path, dtype)
+  config, head = read_hf_config(path, jnp.dtype(dtype).name)
   with hf_read.SafetensorsReader(path) as reader:
     params = hf_read.read_params(reader, config, head, dtype, shardings=shardings)
   return config, params

@@ -32,7 +32,8 @@ import ml_dtypes
 import numpy as np
 import tqdm
 
-from rlhfjax.models.config import HeadKind, ModelConfig
+from rlhfjax.config.hf import CheckpointError
+from rlhfjax.config.model import HeadKind, ModelConfig
 
 INDEX = "model.safetensors.index.json"
 
@@ -45,10 +46,6 @@ _DTYPES = {
 }
 _BLOCK_BYTES = 8 * 2**20  # of a tensor's rows mapped at once while a slice is copied out
 _PROGRESS_DELAY_S = 2.0  # loads shorter than this show no progress bar
-
-
-class CheckpointError(ValueError):
-  """A checkpoint directory that cannot be read as a supported Hugging Face model."""
 
 
 def shard_files(path: str) -> list[str]:

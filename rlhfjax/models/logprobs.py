@@ -17,8 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.models import transformer
-from rlhfjax.models.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass
@@ -108,5 +108,5 @@ def token_stats(
     targets_bt,
     chunk_size=config.logprob_chunk_size,
     temperature=temperature,
-    dtype=config.jnp_dtype,
+    dtype=jnp.dtype(config.dtype),
   )

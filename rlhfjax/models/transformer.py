@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from rlhfjax.models.config import HeadKind, ModelConfig, RopeScaling
+from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
 
 Params = Any
 Cache = dict[str, jax.Array]  # {'k': [l, b, s, k, n], 'v': [l, b, s, k, n]}
@@ -216,7 +216,7 @@ def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask_bts) -> jax
   implementation), so left-padding rows stay finite.
   """
   impl = attention_implementation(config, q_bthn)
-  dtype = config.jnp_dtype
+  dtype = jnp.dtype(config.dtype)
   if impl == "einsum":
     return einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype)
   q_bthn, keys_bskn, values_bskn = (x.astype(dtype) for x in (q_bthn, keys_bskn, values_bskn))
@@ -234,7 +234,7 @@ class Attention(nn.Module):
   def __call__(self, x_btd, positions_bt, mask_bts, cache, layer, cache_index_b):
     cfg = self.config
     d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
+    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
     bias = lambda axes: axes if cfg.qkv_bias else None
     q_bthn = Linear(
       "btd,dhn->bthn",
@@ -261,7 +261,9 @@ class Attention(nn.Module):
       **kw,
     )(x_btd)
     if cfg.qk_norm:
-      norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
+      norm = functools.partial(
+        RMSNorm, cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+      )
       q_bthn = norm(name="q_norm")(q_bthn)
       k_btkn = norm(name="k_norm")(k_btkn)
     inv_freq_m = rope_inverse_frequencies(
@@ -305,7 +307,7 @@ class MLP(nn.Module):
   def __call__(self, x_btd):
     cfg = self.config
     d, f = cfg.hidden_size, cfg.intermediate_size
-    kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
+    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
     gate_btf = Linear("btd,df->btf", (d, f), ("embed", "mlp"), name="gate_proj", **kw)(x_btd)
     up_btf = Linear("btd,df->btf", (d, f), ("embed", "mlp"), name="up_proj", **kw)(x_btd)
     return Linear("btf,fd->btd", (f, d), ("mlp", "embed"), name="down_proj", **kw)(
@@ -335,7 +337,9 @@ class Block(nn.Module):
     `layer` updates in place."""
     x_btd, cache = carry
     cfg = self.config
-    norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype)
+    norm = functools.partial(
+      RMSNorm, cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    )
     attn_btd, new_cache = Attention(cfg, name="attn")(
       norm(name="attn_norm")(x_btd), positions_bt, mask_bts, cache, layer, cache_index_b
     )
@@ -384,9 +388,11 @@ class Transformer(nn.Module):
       (cfg.vocab_size, cfg.hidden_size),
       ("vocab", "embed"),
       nn.initializers.normal(_INIT_STD),
-      cfg.jnp_param_dtype,
+      jnp.dtype(cfg.param_dtype),
     )
-    x_btd = constrain_activations(jnp.take(embedding_vd, tokens_bt, axis=0).astype(cfg.jnp_dtype))
+    x_btd = constrain_activations(
+      jnp.take(embedding_vd, tokens_bt, axis=0).astype(jnp.dtype(cfg.dtype))
+    )
 
     stack = nn.scan(
       remat_block(cfg.remat),
@@ -399,7 +405,9 @@ class Transformer(nn.Module):
     (x_btd, new_cache), _ = stack(cfg, name="layers")(
       (x_btd, cache), positions_bt, mask_bts, jnp.arange(cfg.num_layers), cache_index_b
     )
-    x_btd = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="final_norm")(x_btd)
+    x_btd = RMSNorm(
+      cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype), name="final_norm"
+    )(x_btd)
     if self.hidden_only:
       return x_btd, new_cache
 
@@ -410,18 +418,18 @@ class Transformer(nn.Module):
         (cfg.hidden_size,),
         ("embed",),
         nn.initializers.normal(_INIT_STD),
-        cfg.jnp_param_dtype,
+        jnp.dtype(cfg.param_dtype),
       )
-      out = jnp.einsum("btd,d->bt", x_btd, w_d.astype(cfg.jnp_dtype))
+      out = jnp.einsum("btd,d->bt", x_btd, w_d.astype(jnp.dtype(cfg.dtype)))
     elif cfg.tie_embeddings:
-      out = jnp.einsum("btd,vd->btv", x_btd, embedding_vd.astype(cfg.jnp_dtype))
+      out = jnp.einsum("btd,vd->btv", x_btd, embedding_vd.astype(jnp.dtype(cfg.dtype)))
     else:
       out = Linear(
         "btd,dv->btv",
         (cfg.hidden_size, cfg.vocab_size),
         ("embed", "vocab"),
-        dtype=cfg.jnp_dtype,
-        param_dtype=cfg.jnp_param_dtype,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
         name="lm_head",
       )(x_btd)
     return out.astype(jnp.float32), new_cache
@@ -539,7 +547,10 @@ def lm_head_vd(config: ModelConfig, params: Params) -> jax.Array:
 def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:
   """Zeroed KV cache `[l, b, s, k, n]` in the compute dtype."""
   shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-  return {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
+  return {
+    "k": jnp.zeros(shape, jnp.dtype(config.dtype)),
+    "v": jnp.zeros(shape, jnp.dtype(config.dtype)),
+  }
 
 
 def _full_forward(config, params, tokens_bt, attention_mask_bt, head):

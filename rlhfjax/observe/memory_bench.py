@@ -27,12 +27,13 @@ import jax.numpy as jnp
 
 from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
+from rlhfjax.config import OptimizerConfig
+from rlhfjax.config.model import ModelConfig, get_model_config
 from rlhfjax.mesh import rules
-from rlhfjax.models import ModelConfig
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
-from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+from rlhfjax.training.optimizer import make_optimizer
 
 GB = 1e9
 
@@ -155,9 +156,7 @@ def measure(
 ) -> list[MemoryPoint]:
   """The actor step of `size` at `seq_len` tokens (a quarter of them prompt), one sequence
   per device, with and without offload of the co-located roles."""
-  model = models.get_model_config(
-    size, remat=remat, logprob_chunk_size=chunk_size if chunked else None
-  )
+  model = get_model_config(size, remat=remat, logprob_chunk_size=chunk_size if chunked else None)
   stats, compile_s = actor_step_memory(
     model,
     num_devices,

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhfjax import models
-from rlhfjax.models import ModelConfig
+from rlhfjax.config import OptimizerConfig
+from rlhfjax.config.model import ModelConfig, get_model_config, param_count
 from rlhfjax.rollout import decode
 from rlhfjax.training import steps
-from rlhfjax.training.optimizer import OptimizerConfig, make_optimizer
+from rlhfjax.training.optimizer import make_optimizer
 from rlhfjax.training.state import init_train_state
 
 H100_BF16_FLOPS = 989e12
@@ -48,7 +49,7 @@ def _timed(fn, *args, repeats: int) -> float:
 def train_flops(config: ModelConfig, batch: int, seq_len: int) -> float:
   """Model FLOPs of one training step (forward + backward) over `batch` x `seq_len` tokens."""
   n_embed = config.vocab_size * config.hidden_size
-  n_dense = models.param_count(config) - n_embed - (0 if config.tie_embeddings else n_embed)
+  n_dense = param_count(config) - n_embed - (0 if config.tie_embeddings else n_embed)
   head = config.vocab_size * config.hidden_size
   tokens = batch * seq_len
   attention = 6 * batch * config.num_layers * config.num_heads * config.head_dim * seq_len**2
@@ -87,7 +88,7 @@ def train_step(
   return {
     "bench": "train_step",
     "attention": models.transformer.attention_implementation(
-      config, jnp.zeros((1, seq_len, config.num_heads, config.head_dim), config.jnp_dtype)
+      config, jnp.zeros((1, seq_len, config.num_heads, config.head_dim), jnp.dtype(config.dtype))
     ),
     "remat": config.remat,
     "logprob_chunk_size": config.logprob_chunk_size,
@@ -144,7 +145,7 @@ def decode_state(config: ModelConfig, batch: int, cache_len: int, new_tokens: in
 def attention_check(dtype: str = "bfloat16") -> list[dict[str, Any]]:
   """Each available kernel against the einsum path on a padded, windowed batch: the largest
   logits and gradient differences relative to the largest magnitude."""
-  base = models.get_model_config(
+  base = get_model_config(
     "tiny",
     num_heads=8,
     num_kv_heads=2,

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 
 from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
-from rlhfjax.models.config import ModelConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner.memory import (
   MemoryEstimate,

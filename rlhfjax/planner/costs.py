@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rlhfjax.models.config import ModelConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.hardware import Hardware
 

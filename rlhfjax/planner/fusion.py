@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rlhfjax.models.config import ModelConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner import costs
 from rlhfjax.planner.efficiency import Efficiency

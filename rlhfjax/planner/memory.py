@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhfjax.models.config import ModelConfig, param_count
+from rlhfjax.config.model import ModelConfig, param_count
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rlhfjax.models.config import ModelConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.planner import costs, memory
 from rlhfjax.planner.efficiency import Efficiency

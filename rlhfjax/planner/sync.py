@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import types
 
-from rlhfjax.models.config import ModelConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.placement.spec import RoleSpec
 
 

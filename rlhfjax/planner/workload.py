@@ -1,6 +1,6 @@
 """The workload of one RLHF iteration: per-role model shapes, batch shape, algorithm, dtypes.
 
-A role's model is a registered size name (`rlhfjax.models.config`) or the path of a Hugging
+A role's model is a registered size name (`rlhfjax.config.model`) or the path of a Hugging
 Face `config.json` (or of the checkpoint directory holding it). Critic and reward may be absent
 (`none`): GRPO is critic-free, and a rule reward needs no reward model; absent roles get no
 devices and no memory in any plan.
@@ -13,7 +13,7 @@ import json
 import os
 
 from rlhfjax.config import OffloadSection
-from rlhfjax.models.config import ModelConfig, get_model_config, model_sizes
+from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
 
 ALGORITHMS = ("ppo", "grpo", "dpo")
 """PPO (a critic), critic-free policy gradient (GRPO, RLOO, ...: no critic), DPO (no rollout:

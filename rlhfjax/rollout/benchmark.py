@@ -25,11 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhfjax import models
+from rlhfjax.config.model import (
+  ModelConfig,
+  get_model_config,
+  kv_cache_bytes_per_token,
+  param_count,
+)
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import GREEDY
 
 BENCH_SIZES = {
-  "small": models.ModelConfig(
+  "small": ModelConfig(
     vocab_size=8192,
     hidden_size=384,
     intermediate_size=1024,
@@ -40,16 +46,17 @@ BENCH_SIZES = {
     max_position_embeddings=4096,
   ),
 }
-"""Sizes for benchmarks only, on top of `models.model_sizes()`: `small` has 16M parameters,
-big enough that matmuls, not dispatch, dominate on a CPU, small enough for a 2-core machine."""
+"""Sizes for benchmarks only, on top of the registered ones (`rlhfjax.config.model`): `small` has
+16M parameters, big enough that matmuls, not dispatch, dominate on a CPU, small enough for a
+2-core machine."""
 
 
-def model_config(size: str, **overrides) -> models.ModelConfig:
+def model_config(size: str, **overrides) -> ModelConfig:
   """A registered model size or a `BENCH_SIZES` one, with optional field overrides."""
   if size in BENCH_SIZES:
     config = BENCH_SIZES[size]
     return config.replace(**overrides) if overrides else config
-  return models.get_model_config(size, **overrides)
+  return get_model_config(size, **overrides)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,7 +109,7 @@ def matmul_rate(n: int, dtype, repeats: int = 5) -> float:
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def no_cache_generate(
-  config: models.ModelConfig, params, prompts_bp: jax.Array, new_tokens: int
+  config: ModelConfig, params, prompts_bp: jax.Array, new_tokens: int
 ) -> jax.Array:
   """Greedy decoding that recomputes the whole forward for every token (no KV cache).
 
@@ -122,12 +129,12 @@ def no_cache_generate(
   return jax.lax.fori_loop(0, new_tokens, step, tokens_bt)[:, p:]
 
 
-def decode_step_cost(config: models.ModelConfig, batch: int, context: float) -> tuple[float, float]:
+def decode_step_cost(config: ModelConfig, batch: int, context: float) -> tuple[float, float]:
   """(bytes, FLOPs) a decode step needs at least, with `context` cached tokens per row."""
-  param_bytes = models.param_count(config) * config.param_bytes_per_element
-  kv_bytes = models.kv_cache_bytes_per_token(config) * batch * context
+  param_bytes = param_count(config) * config.param_bytes_per_element
+  kv_bytes = kv_cache_bytes_per_token(config) * batch * context
   embedding = config.vocab_size * config.hidden_size
-  matmul_params = models.param_count(config) - (0 if config.tie_embeddings else embedding)
+  matmul_params = param_count(config) - (0 if config.tie_embeddings else embedding)
   attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
   return param_bytes + kv_bytes, batch * (2 * matmul_params + attention)
 
@@ -169,7 +176,7 @@ def run(
 
   record = {
     "size": bench.size,
-    "params": models.param_count(config),
+    "params": param_count(config),
     "dtype": config.dtype,
     "batch": b,
     "prompt_len": p,
@@ -186,7 +193,7 @@ def run(
     record["greedy_tokens_equal"] = float(np.mean(naive == out.tokens))
 
   bandwidth = copy_bandwidth(copy_bytes)
-  flop_rate = matmul_rate(matmul_n, config.jnp_dtype)
+  flop_rate = matmul_rate(matmul_n, jnp.dtype(config.dtype))
   context = p + (steps + 1) / 2  # cached tokens per row, averaged over the decode steps
   step_bytes, step_flops = decode_step_cost(config, b, context)
   memory_s, compute_s = step_bytes / bandwidth, step_flops / flop_rate

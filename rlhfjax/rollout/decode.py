@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from rlhfjax import models
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.models.transformer import Cache
 from rlhfjax.rollout import sampling
 
@@ -92,7 +93,7 @@ def logical_axes(cache_axes: tuple[str, ...]) -> DecodeState:
 
 
 def empty_state(
-  config: models.ModelConfig,
+  config: ModelConfig,
   num_slots: int,
   cache_length: int,
   max_new_tokens: int,
@@ -150,9 +151,7 @@ def _finished(token_b, num_generated_b, max_new_b, stop_bm):
   return stopped_b | (num_generated_b >= max_new_b), stopped_b
 
 
-def prefill(
-  config: models.ModelConfig, max_new_tokens: int, params, requests: Requests
-) -> DecodeState:
+def prefill(config: ModelConfig, max_new_tokens: int, params, requests: Requests) -> DecodeState:
   """Runs the prompts through the model, fills their cache and samples each first token."""
   b, p = requests.tokens_bp.shape
   slot_p = jnp.arange(p)
@@ -236,7 +235,7 @@ def insert(prefix: DecodeState, state: DecodeState, slots_c: jax.Array) -> Decod
   return DecodeState(cache=cache, **rows)
 
 
-def decode_step(config: models.ModelConfig, params, state: DecodeState) -> DecodeState:
+def decode_step(config: ModelConfig, params, state: DecodeState) -> DecodeState:
   """Feeds every row's last token, samples the next; finished and free rows stay as they are."""
   s = state.cache["k"].shape[2]
   r = state.out_tokens_br.shape[1]
@@ -282,7 +281,7 @@ def decode_step(config: models.ModelConfig, params, state: DecodeState) -> Decod
 
 
 def generate_steps(
-  config: models.ModelConfig,
+  config: ModelConfig,
   params,
   state: DecodeState,
   max_steps: jax.Array,

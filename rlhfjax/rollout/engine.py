@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import distributed, models
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
@@ -145,7 +146,7 @@ class Engine:
 
   def __init__(
     self,
-    model_config: models.ModelConfig,
+    model_config: ModelConfig,
     config: EngineConfig,
     mesh: Mesh,
     params: Any | None = None,
@@ -244,7 +245,7 @@ class Engine:
   @classmethod
   def for_role(
     cls,
-    model_config: models.ModelConfig,
+    model_config: ModelConfig,
     config: EngineConfig,
     role_spec: RoleSpec,
     params: Any | None = None,

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import algorithms, models
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.rollout.streaming import Finished
 
 
@@ -118,7 +119,7 @@ def score_stream(
 
 
 def logprob_scorer(
-  model_config: models.ModelConfig,
+  model_config: ModelConfig,
   params: Any,
   mesh: Mesh,
   prompts: list[np.ndarray],

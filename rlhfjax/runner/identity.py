@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from rlhfjax.config.model import NUMERICS_FIELDS
 from rlhfjax.data.tokenizer import ChatTemplate, Tokenizer, encode_prompt_parts
 
 KEY = "identity"
@@ -23,9 +24,6 @@ ALLOWED = (
   "total_steps, the placement and its devices, optimizer settings, numerics (dtype, remat, "
   "attention kernel), evaluation, logging and checkpoint frequency"
 )
-
-_NUMERICS = ("dtype", "param_dtype", "remat", "attention", "logprob_chunk_size")
-"""`ModelConfig` fields a resume may change: how a model computes, not what it is."""
 
 _PROBE = "A probe of the tokenizer: The quick brown fox, 0123456789, é, ü, 日本語, 🙂."
 
@@ -47,7 +45,8 @@ def identity(
   }
   for role in roles:
     model = dataclasses.asdict(cfg.model.for_role(role))
-    out[f"model.{role}"] = {k: v for k, v in model.items() if k not in _NUMERICS}
+    # A resume may change how a model computes, not what it is.
+    out[f"model.{role}"] = {k: v for k, v in model.items() if k not in NUMERICS_FIELDS}
   return _as_json(out)
 
 

@@ -2,45 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import optax
 
-from rlhfjax import ranges
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-  """One optimizer per trained role (actor, critic)."""
-
-  learning_rate: float = 1e-5
-  """Peak learning rate, reached after `warmup_steps`."""
-  warmup_steps: int = 0
-  decay: str = "cosine"
-  """'cosine' (to `final_lr_fraction` of the peak), 'linear', or 'constant' after warm-up."""
-  final_lr_fraction: float = 0.1
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  max_grad_norm: float = 1.0
-  """Clip gradients to this global norm (0 disables clipping)."""
-
-  def __post_init__(self):
-    if self.decay not in ("cosine", "linear", "constant"):
-      raise ValueError(f"optimizer.decay must be cosine, linear or constant, got {self.decay!r}")
-    ranges.check(
-      "optimizer",
-      self,
-      learning_rate=ranges.POSITIVE,
-      warmup_steps=ranges.NON_NEGATIVE,
-      final_lr_fraction=ranges.FRACTION,
-      weight_decay=ranges.NON_NEGATIVE,
-      b1=ranges.between(0, 1, high_open=True),
-      b2=ranges.between(0, 1, high_open=True),
-      eps=ranges.POSITIVE,
-      max_grad_norm=ranges.NON_NEGATIVE,
-    )
+from rlhfjax.config import OptimizerConfig
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_updates: int) -> optax.Schedule:

@@ -21,8 +21,8 @@ import numpy as np
 from rlhfjax import algorithms as alg
 from rlhfjax import models
 from rlhfjax.config import SFTConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.data import pipeline
-from rlhfjax.models import ModelConfig
 from rlhfjax.placement.spec import Role
 from rlhfjax.training.supervised import Batch, SupervisedTrainer, TrainResult
 

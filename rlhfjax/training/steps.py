@@ -20,7 +20,7 @@ import optax
 
 from rlhfjax import algorithms as alg
 from rlhfjax import models
-from rlhfjax.models import ModelConfig
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.training.state import TrainState
 
 Batch = dict[str, jax.Array]

@@ -27,10 +27,10 @@ from rlhfjax import checkpoint as ckpt
 from rlhfjax import export, launch, rerun, signals
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, RolloutSection, SupervisedConfig, from_config_dict
+from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.data import jsonl
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.data.chat_template import load_chat_template
-from rlhfjax.models.config import HeadKind, ModelConfig
 from rlhfjax.observe import wandb_log
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric

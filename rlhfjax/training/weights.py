@@ -22,9 +22,10 @@ import jax.numpy as jnp
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import models
+from rlhfjax.config import model as model_config
+from rlhfjax.config.hf import read_hf_config
+from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.mesh import rules
-from rlhfjax.models import config as model_config
-from rlhfjax.models.config import HeadKind, ModelConfig
 
 # Which head a saved item carries, by the item names the trainers use.
 ITEM_HEADS: dict[str, HeadKind] = {
@@ -87,9 +88,7 @@ def load_params(
 
 
 def _from_hf(source, model, head, mesh, layout, shardings, what) -> Any:
-  from rlhfjax.models import hf
-
-  found, found_head = hf.read_hf_config(source, dtype=model.jnp_param_dtype)
+  found, found_head = read_hf_config(source, dtype=model.param_dtype)
   # The config is what later stages build (and export): weights of another architecture
   # would run silently wrong, so every architecture field must agree, not only the shapes.
   try:
@@ -101,7 +100,7 @@ def _from_hf(source, model, head, mesh, layout, shardings, what) -> Any:
   _check_heads(found_head, head, f"{what} {source!r}")
   _, params = models.load_hf_checkpoint(
     source,
-    model.jnp_param_dtype,
+    model.param_dtype,
     shardings=param_shardings(model, found_head, mesh, layout),
   )
   return _with_head(params, found_head, head, shardings)

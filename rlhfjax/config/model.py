@@ -1,20 +1,23 @@
-"""Model hyper-parameters and the registry of named sizes.
+"""Model hyper-parameters and the registry of named sizes, without JAX.
 
-One decoder-only transformer covers the Llama family (Llama, Mistral, Qwen2): the differences
-are all fields here (q/k/v bias, tied embeddings, rotary theta, sliding window).
+One decoder-only transformer covers the Llama family (Llama, Mistral, Qwen2, Qwen3): the
+differences are all fields here (q/k/v bias, q/k norms, tied embeddings, rotary theta, sliding
+window), and each Hugging Face family says how its config.json sets them
+(`rlhfjax.config.families`). Dtypes are names; the models layer makes them JAX dtypes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
-import jax.numpy as jnp
+from rlhfjax.config import families
 
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3"]
 HeadKind = Literal["lm", "value"]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per element of each dtype a model may store or compute in."""
 
 REMAT_POLICIES = (
   "none",
@@ -69,33 +72,39 @@ class RopeScaling:
       )
 
 
+def _hf(key: str, *, missing: Callable[[Mapping[str, Any]], Any] | None = None, **field) -> Any:
+  """A field a Hugging Face config.json holds as is under `key` (`rlhfjax.config.hf` reads and
+  writes every such field); `missing(config_json)` is its value when config.json has none."""
+  return dataclasses.field(metadata={"hf": key, "missing": missing}, **field)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Shape and numerics of one decoder-only transformer."""
 
-  vocab_size: int
+  vocab_size: int = _hf("vocab_size")
   """Rows of the token embedding (and columns of the LM head)."""
-  hidden_size: int
+  hidden_size: int = _hf("hidden_size")
   """Width of the residual stream, `d` in einsum strings."""
-  intermediate_size: int
+  intermediate_size: int = _hf("intermediate_size")
   """Width of the SwiGLU MLP, `f` in einsum strings."""
-  num_layers: int
-  num_heads: int
+  num_layers: int = _hf("num_hidden_layers")
+  num_heads: int = _hf("num_attention_heads")
   """Query heads."""
-  num_kv_heads: int
+  num_kv_heads: int = _hf("num_key_value_heads", missing=lambda hf: hf["num_attention_heads"])
   """Key/value heads (grouped-query attention); must divide `num_heads`."""
-  head_dim: int
+  head_dim: int = _hf("head_dim", missing=lambda hf: hf["hidden_size"] // hf["num_attention_heads"])
   rope_theta: float = 10_000.0
-  rms_norm_eps: float = 1e-5
+  rms_norm_eps: float = _hf("rms_norm_eps", default=1e-5, missing=lambda hf: 1e-6)  # HF's default
   qkv_bias: bool = False
   """Bias on the q/k/v projections (Qwen2; Llama with `attention_bias`)."""
   o_bias: bool = False
   """Bias on the attention output projection (Llama with `attention_bias`, not Qwen2)."""
-  tie_embeddings: bool = False
+  tie_embeddings: bool = _hf("tie_word_embeddings", default=False)
   """LM head reuses the input embedding matrix."""
   sliding_window: int | None = None
   """Mistral-style local attention: a query sees at most this many most recent keys."""
-  max_position_embeddings: int = 4096
+  max_position_embeddings: int = _hf("max_position_embeddings", default=4096)
   param_dtype: str = "float32"
   """Storage dtype of parameters: 'float32' or 'bfloat16'."""
   dtype: str = "float32"
@@ -111,24 +120,15 @@ class ModelConfig:
   None: the whole `[b, t, v]` logits at once."""
   qk_norm: bool = False
   """RMSNorm over the head dimension of queries and keys before the rotary (Qwen3)."""
-  architecture: Architecture = "llama"
-  """Hugging Face family used when exporting."""
-  bos_token_id: int | None = None
+  architecture: str = "llama"
+  """The Hugging Face family (`rlhfjax.config.families`) used when exporting."""
+  bos_token_id: int | None = _hf("bos_token_id", default=None)
   eos_token_ids: tuple[int, ...] = ()
   """Stop tokens the checkpoint declares (HF `eos_token_id`, one or several)."""
-  pad_token_id: int | None = None
+  pad_token_id: int | None = _hf("pad_token_id", default=None)
 
   def __post_init__(self):
-    positive = (
-      "vocab_size",
-      "hidden_size",
-      "intermediate_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-    )
-    for name in positive:
+    for name in SHAPE_FIELDS:
       if getattr(self, name) < 1:
         raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
@@ -136,14 +136,14 @@ class ModelConfig:
         f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
       )
     for name in ("param_dtype", "dtype"):
-      if getattr(self, name) not in _DTYPES:
+      if getattr(self, name) not in DTYPE_BYTES:
         raise ValueError(
-          f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
+          f"ModelConfig.{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}"
         )
-    if self.architecture not in ("llama", "mistral", "qwen2", "qwen3"):
+    if self.architecture not in families.FAMILIES:
       raise ValueError(
-        "ModelConfig.architecture must be llama, mistral, qwen2 or qwen3, got "
-        f"{self.architecture!r}"
+        f"ModelConfig.architecture must be one of {', '.join(families.FAMILIES)}, "
+        f"got {self.architecture!r}"
       )
     if self.remat not in REMAT_POLICIES:
       raise ValueError(
@@ -163,27 +163,37 @@ class ModelConfig:
       )
 
   @property
-  def jnp_param_dtype(self):
-    return _DTYPES[self.param_dtype]
-
-  @property
-  def jnp_dtype(self):
-    return _DTYPES[self.dtype]
-
-  @property
   def param_bytes_per_element(self) -> int:
-    return jnp.dtype(self.jnp_param_dtype).itemsize
+    return DTYPE_BYTES[self.param_dtype]
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
 
+SHAPE_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+)
+"""The fields that fix the parameters' shapes (each >= 1)."""
 NUMERICS_FIELDS = ("dtype", "param_dtype", "remat", "attention", "logprob_chunk_size")
-"""How a model is computed, which a user may choose for any checkpoint."""
-# The family name only picks the export format, and the token ids belong to the tokenizer:
-# neither changes what the network computes from given weights.
-_NOT_ARCHITECTURE = (*NUMERICS_FIELDS, "architecture", "bos_token_id", "eos_token_ids")
-_NOT_ARCHITECTURE += ("pad_token_id",)
+"""How a model is computed: a user may choose them for any checkpoint, and a resume may change
+them."""
+TOKEN_FIELDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
+"""The special token ids a checkpoint declares: the tokenizer's, not the network's."""
+# The family name only picks the export format: with the fields above excepted, what is left
+# is what the network computes from given weights.
+ARCHITECTURE_FIELDS = tuple(
+  f.name
+  for f in dataclasses.fields(ModelConfig)
+  if f.name not in (*NUMERICS_FIELDS, *TOKEN_FIELDS, "architecture")
+)
+"""The fields a checkpoint's weights are trained for: two models run the same weights the same
+way only when these agree (`check_same_architecture`)."""
 
 
 class ArchitectureMismatch(ValueError):
@@ -195,9 +205,9 @@ def architecture_diff(
 ) -> list[tuple[str, object, object]]:
   """(field, found, expected) for every architecture field where the two configs differ."""
   return [
-    (f.name, getattr(found, f.name), getattr(expected, f.name))
-    for f in dataclasses.fields(ModelConfig)
-    if f.name not in _NOT_ARCHITECTURE and getattr(found, f.name) != getattr(expected, f.name)
+    (name, getattr(found, name), getattr(expected, name))
+    for name in ARCHITECTURE_FIELDS
+    if getattr(found, name) != getattr(expected, name)
   ]
 
 
@@ -241,7 +251,7 @@ def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
 
 def kv_cache_bytes_per_token(config: ModelConfig) -> int:
   """Bytes of K and V cached per token, over all layers, in the compute dtype."""
-  itemsize = jnp.dtype(config.jnp_dtype).itemsize
+  itemsize = DTYPE_BYTES[config.dtype]
   return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 
 
