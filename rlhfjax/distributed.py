@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 from jax.experimental import multihost_utils
 
 from rlhfjax import liveness
 from rlhfjax.config import DistributedSection
-from rlhfjax.placement.spec import PlacementSpec
+
+if TYPE_CHECKING:  # annotations only: the placement package pulls in much more than specs
+  from rlhfjax.placement.spec import PlacementSpec
 
 T = TypeVar("T")
 
