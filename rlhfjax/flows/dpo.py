@@ -18,6 +18,7 @@ import jax
 from rlhfjax import algorithms as alg
 from rlhfjax import data, distributed, models
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
+from rlhfjax.costmodel import pricing
 from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.registry import policy_roles, register
@@ -169,6 +170,10 @@ class DPOFlow(Flow):
     self.train.set_state(meta["preference_data"])
 
 
-@register("dpo", roles=lambda cfg: policy_roles(cfg, critic=False, rollout=False))
+@register(
+  "dpo",
+  roles=lambda cfg: policy_roles(cfg, critic=False, rollout=False),
+  pricing=pricing.DPO,
+)
 def make_flow(ctx: FlowContext) -> DPOFlow:
   return DPOFlow(ctx)

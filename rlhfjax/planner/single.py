@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rlhfjax.costmodel import costs, memory
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import GIB, Hardware
 from rlhfjax.models.config import ModelConfig
 from rlhfjax.placement.spec import RoleSpec
-from rlhfjax.planner import costs, memory
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import GIB, Hardware
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

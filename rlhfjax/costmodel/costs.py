@@ -34,9 +34,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import Hardware
 from rlhfjax.models.config import ModelConfig
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import Hardware
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
