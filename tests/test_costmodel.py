@@ -1,5 +1,6 @@
 """The cost model imports no JAX: a laptop prices a placement without starting a backend."""
 
+import json
 import pkgutil
 import subprocess
 import sys
@@ -15,12 +16,12 @@ _MODULES = sorted(m.name for m in pkgutil.iter_modules(rlhfjax.costmodel.__path_
 def _jax_modules_after(*modules: str) -> list[str]:
   """The JAX packages loaded by a fresh interpreter that imports `modules`."""
   code = (
-    "import sys\n"
+    "import json, sys\n"
     + "".join(f"import {m}\n" for m in modules)
-    + f"print(sorted({{k.split('.')[0] for k in sys.modules}} & set({_JAX!r})))"
+    + f"print(json.dumps(sorted({{k.split('.')[0] for k in sys.modules}} & set({_JAX!r}))))"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  return eval(out.stdout)
+  return json.loads(out.stdout)
 
 
 def test_the_cost_model_has_its_modules():

@@ -2,6 +2,7 @@
 search, `strategy=auto` and `plan_placement.py`; a flow is priced as it registered (online DPO
 as online DPO, a user's flow by its own `Pricing`), not by a list kept in the planner."""
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -10,7 +11,7 @@ import textwrap
 
 import pytest
 
-from rlhfjax.config import from_config_dict
+from rlhfjax.config import PlacementSection, from_config_dict
 from rlhfjax.costmodel import efficiency, hardware, pricing
 from rlhfjax.costmodel.pricing import Pricing
 from rlhfjax.costmodel.workload import resolve_model
@@ -76,6 +77,29 @@ def test_a_registered_strategy_is_searched(toy_strategy):
   everything = search.search(work, hw, eff, 8)
   assert toy_strategy in {p.spec.strategy for p in everything}
   assert {"colocated", "interleaved", "disaggregated"} <= {p.spec.strategy for p in everything}
+
+
+def test_a_strategy_registered_with_variants_is_searched_over_them(monkeypatch):
+  monkeypatch.setattr(strategies, "_STRATEGIES", dict(strategies._STRATEGIES))
+
+  def build(cfg, n):
+    spec = strategies.disaggregated(
+      n, rollout_fraction=cfg.rollout_fraction, tensor=cfg.tensor, rollout_tensor=cfg.rollout_tensor
+    )
+    return dataclasses.replace(spec, strategy="spread")
+
+  def variants(n, tensor, rollout_tensor, rollout_devices):
+    for k in (2, 4):
+      section = PlacementSection(
+        strategy="spread", rollout_fraction=k / n, tensor=tensor, rollout_tensor=rollout_tensor
+      )
+      yield f"spread rollout={k}", section
+
+  strategies.register_strategy("spread", build, variants)
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  plans = search.search(auto.workload_of(_config("ppo")), hw, eff, 8, strategy="spread")
+  assert {len(p.spec[Role.ROLLOUT].devices) for p in plans} == {2, 4}
+  assert all(p.label.startswith("spread rollout=") for p in plans)
 
 
 def test_a_registered_strategy_reaches_strategy_auto(toy_strategy, capsys):
