@@ -5,7 +5,7 @@ then one summary line per placement with the speed-up of fused + compacted itera
   python scripts/bench_fusion.py --size=tiny --hidden_size=96 --placements=co-located
 
 Response lengths: log-normal with about --tail_fraction of the samples at least --tail_ratio
-times the median, mean --mean_len, clipped at --max_len (see rlhfjax.rollout.fusion_benchmark).
+times the median, mean --mean_len, clipped at --max_len (see rlhfjax.bench.fusion_bench).
 On CPU, --devices host devices are emulated (disaggregated: half for rollout, half for scoring).
 """
 
@@ -44,9 +44,9 @@ def main(argv):
   del argv
   launch.quiet_logging()
   launch.emulate_host_devices(_DEVICES.value)
-  from rlhfjax.rollout import fusion_benchmark  # JAX starts after the device count is set
+  from rlhfjax.bench import fusion_bench  # JAX starts after the device count is set
 
-  bench = fusion_benchmark.FusionBench(
+  bench = fusion_bench.FusionBench(
     size=_SIZE.value,
     model_overrides={k: f.value for k, f in _OVERRIDES.items() if f.value is not None},
     batch=_BATCH.value,
@@ -63,18 +63,19 @@ def main(argv):
     num_devices=_DEVICES.value,
   )
   if _PREDICT.value:
-    from rlhfjax.planner import efficiency, fusion, hardware
-    from rlhfjax.rollout.benchmark import model_config
+    from rlhfjax.bench import fusion
+    from rlhfjax.bench.rollout_bench import model_config
+    from rlhfjax.costmodel import efficiency, hardware
 
     path, _, only = _PREDICT.value.partition(",")
     model = model_config(bench.size, **bench.model_overrides)
     hw, eff = hardware.load_hardware("local", path), efficiency.load_efficiency(path)
-    lengths = fusion_benchmark.tail_lengths(bench)
+    lengths = fusion_bench.tail_lengths(bench)
     for record in fusion.predict_benchmark(bench, lengths, hw, eff, model):
       print(json.dumps(record), flush=True)
     if only == "only":
       return
-  for record in fusion_benchmark.run(bench):
+  for record in fusion_bench.run(bench):
     print(json.dumps(record), flush=True)
 
 

@@ -5,15 +5,15 @@ r"""Single-GPU efficiency of a 1B PPO actor: train-step MFU and decode bandwidth
 The train step keeps fp32 master weights and trains in bf16 with the size's remat, chunked
 log-probs and cuDNN flash attention ('auto' picks it on a GPU); decode runs bf16 weights.
 First prints the attention kernels' agreement with the einsum path (`--check`).
-See `rlhfjax.observe.step_bench` for what is counted.
+See `rlhfjax.bench.step_bench` for what is counted.
 """
 
 import json
 
 from absl import app, flags
 
+from rlhfjax.bench import step_bench
 from rlhfjax.config.model import get_model_config
-from rlhfjax.observe import step_bench
 
 _SIZE = flags.DEFINE_string("size", "1b", "Model size.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per train step.")

@@ -5,7 +5,7 @@ r"""Peak memory per device of the PPO actor train step, from XLA's analysis: one
 
 For each size x sequence length x remat policy x chunked/whole log-probs the step is compiled
 ahead of time on abstract inputs for 8 (virtual) devices, nothing allocated; each compile gives
-two lines, without and with offload of the co-located roles (`rlhfjax.observe.memory_bench`).
+two lines, without and with offload of the co-located roles (`rlhfjax.bench.memory_bench`).
 A final line per size checks the targets: 4k tokens fit `--budget_gb` with remat, and the
 8k peak is at most twice the 4k peak.
 """
@@ -19,7 +19,7 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 from absl import app, flags  # noqa: E402
 
-from rlhfjax.observe import memory_bench  # noqa: E402
+from rlhfjax.bench import memory_bench  # noqa: E402
 
 _SIZES = flags.DEFINE_list("sizes", ["1b", "7b"], "Model sizes.")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096", "8192"], "Tokens per sequence.")

@@ -39,7 +39,7 @@ _CHECK = flags.DEFINE_integer(
   "alternating order, with the calibration programs timed before each iteration; fit the "
   "efficiency factors to the first placement and print predicted against measured per stage "
   "with the spread, and whether each stage of the other placements is within 30% "
-  "(rlhfjax.planner.localcheck.check).",
+  "(rlhfjax.bench.localcheck.check).",
 )
 
 _SYNC_REPEATS = flags.DEFINE_integer(
@@ -50,7 +50,7 @@ _SYNC_REPEATS = flags.DEFINE_integer(
 
 
 def _config(variant: str):
-  from rlhfjax.planner.localcheck import bench_config
+  from rlhfjax.bench.localcheck import bench_config
 
   return bench_config(
     variant,
@@ -74,7 +74,7 @@ def main(argv):
   from rlhfjax.runner import Runner
 
   if _CHECK.value:
-    from rlhfjax.planner import localcheck
+    from rlhfjax.bench import localcheck
 
     # The one-step-off-policy variant overlaps generation with the other stages by design;
     # its stage spans are not comparable one by one.
@@ -115,7 +115,8 @@ def main(argv):
     iteration = float(np.median([r["time/iteration"] for r in steady]))
     predicted = {}
     if _PREDICT.value:
-      from rlhfjax.planner import efficiency, hardware, localcheck
+      from rlhfjax.bench import localcheck
+      from rlhfjax.costmodel import efficiency, hardware
 
       measured = {k[len("time/") :]: v for k, v in stages.items()}
       predicted["predicted"] = localcheck.compare(

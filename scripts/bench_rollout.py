@@ -11,8 +11,8 @@ import json
 
 from absl import app, flags
 
+from rlhfjax.bench import rollout_bench
 from rlhfjax.config.model import SHAPE_FIELDS
-from rlhfjax.rollout import benchmark
 
 _SIZE = flags.DEFINE_string("size", "small", "Model size.")
 _BATCH = flags.DEFINE_list("batch", ["8"], "Decode batch sizes (comma separated).")
@@ -38,7 +38,7 @@ def main(argv):
   for batch in _BATCH.value:
     for prompt_len in _PROMPT_LEN.value:
       for new_tokens in _NEW_TOKENS.value:
-        bench = benchmark.BenchConfig(
+        bench = rollout_bench.BenchConfig(
           size=_SIZE.value,
           batch=int(batch),
           prompt_len=int(prompt_len),
@@ -46,7 +46,7 @@ def main(argv):
           repeats=_REPEATS.value,
           no_cache=_NO_CACHE.value,
         )
-        record = benchmark.run(
+        record = rollout_bench.run(
           bench,
           copy_bytes=_COPY_MIB.value << 20,
           matmul_n=_MATMUL_N.value,

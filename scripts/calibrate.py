@@ -6,7 +6,7 @@ Times a sharded matmul (float32 and bfloat16), a sharded copy, a transfer betwee
 of devices and (virtual CPU devices) the same small train step on 1, 2, 4, 8 devices, then runs
 `scripts/bench_ppo.py`'s config in ONE placement (`--variant`, co-located by default) for a few
 iterations, with the matmul and the train steps timed again before each, and fits the
-efficiency factors to its median stage times (`rlhfjax.planner.localcheck.fit`). Every other
+efficiency factors to its median stage times (`rlhfjax.bench.localcheck.fit`). Every other
 placement's prediction is then a test of the model. Prints the JSON it writes.
 """
 
@@ -44,7 +44,7 @@ def main(argv):
   import jax
   import numpy as np
 
-  from rlhfjax.planner import calibrate, localcheck
+  from rlhfjax.bench import calibrate, localcheck
   from rlhfjax.runner import Runner
 
   devices = jax.devices()[: _DEVICES.value]

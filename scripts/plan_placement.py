@@ -23,8 +23,11 @@ _REFERENCE = flags.DEFINE_string("reference", None, "Reference size/path (defaul
 _HARDWARE = flags.DEFINE_string("hardware", "h100", "Preset name or 'local' (needs --efficiency).")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices of the job.")
 _PER_NODE = flags.DEFINE_integer("devices_per_node", None, "Override the preset's node size.")
-_ALGORITHM = flags.DEFINE_enum(
-  "algorithm", "ppo", ["ppo", "grpo", "dpo"], "PPO (critic), GRPO (no critic), DPO (no rollout)."
+_ALGORITHM = flags.DEFINE_string(
+  "algorithm",
+  "ppo",
+  "A registered flow, priced as it registered: ppo (critic), grpo, rloo, ... (no critic), dpo "
+  "(no rollout), online_dpo (pairs).",
 )
 _PROMPTS = flags.DEFINE_integer("prompts", 1024, "Prompts per iteration.")
 _SAMPLES = flags.DEFINE_integer("samples_per_prompt", 1, "Responses per prompt.")
@@ -34,8 +37,8 @@ _MAX = flags.DEFINE_integer("response_len_max", 1024, "Longest response tokens."
 _EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "PPO epochs per iteration.")
 _STEPS = flags.DEFINE_integer("optimizer_steps", 1, "Optimizer updates per epoch.")
 _MICRO = flags.DEFINE_integer("micro_batch", 0, "Sequences per device per micro-step (0: search).")
-_STRATEGY = flags.DEFINE_enum(
-  "strategy", "auto", ["auto", "colocated", "interleaved", "disaggregated"], "Strategy to plan."
+_STRATEGY = flags.DEFINE_string(
+  "strategy", "auto", "auto (every registered strategy) or one registered strategy to plan."
 )
 _ROLLOUT_DEVICES = flags.DEFINE_integer("rollout_devices", None, "Fix the disaggregated split.")
 _ASYNC = flags.DEFINE_bool("async_rollout", False, "One-step off-policy generation overlap.")
@@ -77,7 +80,7 @@ def main(argv):
   else:
     print(text)
   if _FUSION.value:
-    from rlhfjax.planner import fusion
+    from rlhfjax.bench import fusion
 
     predictions, table = fusion.report_from_flags(flags.FLAGS, plans)
     if _JSON.value:

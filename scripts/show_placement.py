@@ -29,10 +29,11 @@ def main(argv: list[str]) -> None:
 
   from rlhfjax import config as config_lib
   from rlhfjax import placement
+  from rlhfjax.planner import place
 
   try:
     config = config_lib.from_config_dict(_CONFIG.value)
-    spec = placement.plan_placement(config, available_devices=jax.device_count())
+    spec = place.plan_placement(config, available_devices=jax.device_count())
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
   estimates = placement.estimate_placement_memory(

@@ -4,7 +4,7 @@
 
 Targets: every absolute time within a factor of 2 of the published one, every ratio between two
 placements of one job within 25%. The cases, their sources and assumptions are in
-rlhfjax/planner/published.json; the engines' efficiency profiles in rlhfjax/planner/profiles/.
+rlhfjax/bench/published.json; the engines' efficiency profiles in rlhfjax/costmodel/profiles/.
 """
 
 import json
@@ -20,7 +20,7 @@ _JSON = flags.DEFINE_bool("json", False, "One JSON object instead of the tables.
 def main(argv):
   if len(argv) > 1:
     launch.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  from rlhfjax.planner.validation import validate
+  from rlhfjax.bench.validation import validate
 
   result = validate()
   if _JSON.value:

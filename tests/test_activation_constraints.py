@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlhfjax.bench import memory_bench
 from rlhfjax.cluster.cluster import Cluster, WeightSource
 from rlhfjax.config import OptimizerConfig, from_config_dict
-from rlhfjax.observe import memory_bench
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps

@@ -18,8 +18,8 @@ import typing
 import pytest
 
 from rlhfjax import config as config_lib
-from rlhfjax.placement import plan_placement
 from rlhfjax.placement.validate import PlacementError
+from rlhfjax.planner.place import plan_placement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = {

@@ -28,11 +28,11 @@ from rlhfjax.placement import (
   estimate_placement_memory,
   format_placement_table,
   interleaved,
-  plan_placement,
   strategies,
 )
 from rlhfjax.placement.memory import device_totals, option_effects, option_peaks
 from rlhfjax.placement.validate import check_spec
+from rlhfjax.planner.place import plan_placement
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "show_placement.py"

@@ -16,13 +16,16 @@ import pytest
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import OffloadSection, OptimizerConfig, from_config_dict
 from rlhfjax.config.model import get_model_config
+from rlhfjax.costmodel import costs, efficiency, hardware, memory
+from rlhfjax.costmodel.pricing import CRITIC_FREE
+from rlhfjax.costmodel.replay import StageCost, replay
+from rlhfjax.costmodel.workload import OFFLOAD_ALL, Workload, resolve_model
 from rlhfjax.observe.timeline import Timeline
-from rlhfjax.placement import plan_placement, strategies
+from rlhfjax.placement import strategies
 from rlhfjax.placement.memory import model_options
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.planner import costs, efficiency, evaluate, hardware, memory, search
-from rlhfjax.planner.replay import StageCost, replay
-from rlhfjax.planner.workload import OFFLOAD_ALL, Workload, resolve_model
+from rlhfjax.planner import evaluate, search
+from rlhfjax.planner.place import plan_placement
 from rlhfjax.training import steps
 from rlhfjax.training.optimizer import make_optimizer
 
@@ -212,7 +215,7 @@ def test_grpo_drops_the_critic():
   hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
   ppo = search.search(_workload(), hw, eff, 8, strategy="colocated")[0]
   grpo = search.search(
-    _workload(algorithm="grpo", critic=None, reward=None, samples_per_prompt=1),
+    _workload(pricing=CRITIC_FREE, critic=None, reward=None, samples_per_prompt=1),
     hw,
     eff,
     8,
@@ -344,7 +347,7 @@ def test_auto_strategy_runs_on_the_local_calibration(tmp_path, capsys):
   import dataclasses
   import runpy
 
-  from rlhfjax.planner import calibrate
+  from rlhfjax.bench import calibrate
   from rlhfjax.runner import Runner
 
   hw = calibrate.measure_hardware(matmul_size=128, copy_bytes=8 << 20, pair_bytes=1 << 20)
@@ -402,7 +405,7 @@ def test_predicted_and_measured_timelines_drawn_in_two_panels(tmp_path):
 
 
 def test_published_cases_meet_every_target_with_one_profile_per_engine():
-  from rlhfjax.planner import validation
+  from rlhfjax.bench import validation
 
   table = validation.load_table()
   result = validation.validate(table)
@@ -427,7 +430,7 @@ def test_published_cases_meet_every_target_with_one_profile_per_engine():
 
 
 def test_validation_flags_a_ratio_or_time_off_target():
-  from rlhfjax.planner import validation
+  from rlhfjax.bench import validation
 
   table = json.loads(json.dumps(validation.load_table()))
   case = next(c for c in table["cases"] if c["name"] == "dschat_7b_colocated")
@@ -504,7 +507,7 @@ def test_prompt_mean_sets_the_real_tokens_and_padding_keeps_the_maximum():
 
 
 def test_offloaded_updates_share_a_host_only_when_they_run_at_once_on_its_node():
-  from rlhfjax.planner import validation
+  from rlhfjax.bench import validation
 
   work = Workload(actor=resolve_model("tiny"), critic=resolve_model("tiny"), optimizer_on_host=True)
 

@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
-from rlhfjax.planner import costs, efficiency, fusion, hardware, search
-from rlhfjax.planner.workload import Workload, resolve_model
+from rlhfjax.bench import fusion
+from rlhfjax.costmodel import costs, efficiency, hardware
+from rlhfjax.costmodel.workload import Workload, resolve_model
+from rlhfjax.planner import search
 
 
 def _rollout(slots=2, step=1.0, devices=(0,), prefill=0.0):

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlhfjax.bench import calibrate, localcheck
 from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.costmodel.hardware import PRESETS, Hardware
 from rlhfjax.mesh import transfer
 from rlhfjax.placement.spec import Role
 from rlhfjax.placement.strategies import build_placement
-from rlhfjax.planner import auto, calibrate, localcheck, sync
-from rlhfjax.planner.hardware import PRESETS, Hardware
+from rlhfjax.planner import auto, sync
 
 # Small enough to compile quickly: bench_ppo's default model at half the width and half the layers.
 SMALL = dict(hidden=64, layers=2, mlp=176, batch=16, new_tokens=16)

@@ -9,11 +9,14 @@ import sys
 import pytest
 
 from rlhfjax.config import from_config_dict
+from rlhfjax.costmodel import efficiency, hardware
+from rlhfjax.costmodel.pricing import CRITIC_FREE, PPO
+from rlhfjax.costmodel.workload import Workload, resolve_model
 from rlhfjax.flows import registry
-from rlhfjax.placement import estimate_placement_memory, plan_placement
+from rlhfjax.placement import estimate_placement_memory
 from rlhfjax.placement.spec import Role
-from rlhfjax.planner import auto, efficiency, hardware, search
-from rlhfjax.planner.workload import Workload, resolve_model
+from rlhfjax.planner import auto, search
+from rlhfjax.planner.place import plan_placement
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ALL = set(Role)
@@ -81,9 +84,9 @@ def test_auto_plans_no_critic_for_critic_free_flows(name, capsys):
 def test_search_gives_a_critic_free_workload_no_critic_and_no_idle_devices():
   hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
   tiny = resolve_model("tiny")
-  grpo = Workload(actor=tiny, algorithm="grpo", prompts=16, samples_per_prompt=4)
+  grpo = Workload(actor=tiny, pricing=CRITIC_FREE, prompts=16, samples_per_prompt=4)
   plans = search.search(grpo, hw, eff, 8)
-  ppo = search.search(grpo.replace(algorithm="ppo", critic=tiny, reward=tiny), hw, eff, 8)
+  ppo = search.search(grpo.replace(pricing=PPO, critic=tiny, reward=tiny), hw, eff, 8)
   assert plans and all(set(p.spec.roles) == POLICY for p in plans)
   assert all(len(p.spec.devices) == 8 for p in plans)
   keys = [tuple((r, s.devices, s.axes) for r, s in p.spec.roles.items()) for p in plans]

@@ -13,8 +13,9 @@ import pytest
 
 from rlhfjax import config as config_lib
 from rlhfjax.config.model import get_model_config
+from rlhfjax.costmodel import efficiency, hardware
 from rlhfjax.placement.spec import Role
-from rlhfjax.planner import efficiency, hardware, single
+from rlhfjax.planner import single
 from rlhfjax.training import supervised
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

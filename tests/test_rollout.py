@@ -350,10 +350,10 @@ def test_bad_inputs_raise_clear_errors(engine, params):
 
 
 def test_benchmark_reports_every_field_and_agrees_with_the_no_cache_generator():
-  from rlhfjax.rollout import benchmark
+  from rlhfjax.bench import rollout_bench
 
-  bench = benchmark.BenchConfig(size="tiny", batch=2, prompt_len=8, new_tokens=4, repeats=1)
-  record = benchmark.run(bench, copy_bytes=1 << 20, matmul_n=64)
+  bench = rollout_bench.BenchConfig(size="tiny", batch=2, prompt_len=8, new_tokens=4, repeats=1)
+  record = rollout_bench.run(bench, copy_bytes=1 << 20, matmul_n=64)
   for key in (
     "engine_tokens_per_s",
     "no_cache_tokens_per_s",

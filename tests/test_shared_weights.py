@@ -159,7 +159,7 @@ def test_other_layouts_and_dtypes_still_copy(tmp_path):
 
 
 def test_the_tunix_benchmarks_rlhfjax_side_has_the_issues_sizes_and_shares_weights():
-  from rlhfjax.placement import plan_placement
+  from rlhfjax.planner.place import plan_placement
 
   bench = runpy.run_path(str(_ROOT / "scripts" / "bench_tunix.py"), run_name="bench_tunix")
   cfg = bench["rlhfjax_config"]("colocated", 3)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from rlhfjax import config, models, rollout
+from rlhfjax.bench import fusion_bench as fb
 from rlhfjax.config.model import get_model_config
 from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import compaction, fused
-from rlhfjax.rollout import fusion_benchmark as fb
 
 CONFIG = get_model_config("tiny")
 MAX_NEW = 13

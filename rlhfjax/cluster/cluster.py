@@ -406,7 +406,7 @@ class Cluster:
     """Runs `sync` again outside the timeline and returns its wall seconds (0 where nothing
     runs). The sync is idempotent (the rollout takes its source's current weights again), so
     repeating it samples the stage's time more finely than one sync per iteration can: what
-    `rlhfjax.planner.localcheck.check` measures the sync with."""
+    `rlhfjax.bench.localcheck.check` measures the sync with."""
     if self.rollout_reads_source:
       return 0.0
     start = time.perf_counter()

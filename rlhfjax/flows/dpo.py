@@ -19,6 +19,7 @@ from rlhfjax import algorithms as alg
 from rlhfjax import data, distributed, models
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config.model import ModelConfig
+from rlhfjax.costmodel import pricing
 from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.registry import policy_roles, register
@@ -170,6 +171,10 @@ class DPOFlow(Flow):
     self.train.set_state(meta["preference_data"])
 
 
-@register("dpo", roles=lambda cfg: policy_roles(cfg, critic=False, rollout=False))
+@register(
+  "dpo",
+  roles=lambda cfg: policy_roles(cfg, critic=False, rollout=False),
+  pricing=pricing.DPO,
+)
 def make_flow(ctx: FlowContext) -> DPOFlow:
   return DPOFlow(ctx)

@@ -19,6 +19,7 @@ import numpy as np
 
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
+from rlhfjax.costmodel import pricing
 from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.dpo import dpo_step_loss, pair_logprobs
@@ -168,6 +169,10 @@ class OnlineDPOFlow(Flow):
     return row
 
 
-@register("online_dpo", roles=lambda cfg: policy_roles(cfg, critic=False))
+@register(
+  "online_dpo",
+  roles=lambda cfg: policy_roles(cfg, critic=False),
+  pricing=pricing.ONLINE_DPO,
+)
 def make_flow(ctx: FlowContext) -> OnlineDPOFlow:
   return OnlineDPOFlow(ctx)

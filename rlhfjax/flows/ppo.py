@@ -36,6 +36,7 @@ from rlhfjax import distributed, signals
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
+from rlhfjax.costmodel import pricing
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import experience, scoring, stages
 from rlhfjax.flows.experience import Experience, Sequences
@@ -495,20 +496,20 @@ def _roles(estimator: str | None = None):
   )
 
 
-@register("ppo", roles=_roles())
+@register("ppo", roles=_roles(), pricing=pricing.PPO)
 def make_flow(ctx: FlowContext) -> PPOFlow:
   """PPO with `ppo.advantage`'s estimator (GAE and a critic by default)."""
   return PPOFlow(ctx)
 
 
-@register("grpo", roles=_roles("group_relative"))
+@register("grpo", roles=_roles("group_relative"), pricing=pricing.CRITIC_FREE)
 def make_grpo(ctx: FlowContext) -> PPOFlow:
   """GRPO: group-normalised advantages, no critic; KL in the loss (`ppo.kl_loss_coef`) or in
   the reward (`ppo.kl_coef`); `ppo.loss_agg` and `ppo.normalize_group_std` select Dr. GRPO."""
   return PPOFlow(ctx, estimator="group_relative")
 
 
-@register("dapo", roles=_roles("group_relative"))
+@register("dapo", roles=_roles("group_relative"), pricing=pricing.CRITIC_FREE)
 def make_dapo(ctx: FlowContext) -> PPOFlow:
   """DAPO: GRPO's group-relative advantages with decoupled clipping (`ppo.clip_eps_high`),
   dynamic sampling (`ppo.dynamic_sampling_rounds`) and soft overlong punishment
@@ -516,13 +517,13 @@ def make_dapo(ctx: FlowContext) -> PPOFlow:
   return PPOFlow(ctx, estimator="group_relative")
 
 
-@register("rloo", roles=_roles("rloo"))
+@register("rloo", roles=_roles("rloo"), pricing=pricing.CRITIC_FREE)
 def make_rloo(ctx: FlowContext) -> PPOFlow:
   """RLOO: leave-one-out baselines within each prompt's group, no critic."""
   return PPOFlow(ctx, estimator="rloo")
 
 
-@register("reinforce_pp", roles=_roles("reinforce_pp"))
+@register("reinforce_pp", roles=_roles("reinforce_pp"), pricing=pricing.CRITIC_FREE)
 def make_reinforce_pp(ctx: FlowContext) -> PPOFlow:
   """REINFORCE++: batch-whitened returns of KL-shaped token rewards, no critic."""
   return PPOFlow(ctx, estimator="reinforce_pp")

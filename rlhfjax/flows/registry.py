@@ -11,7 +11,9 @@ A flow is an object with:
 
 A flow registered with `roles` (a function of the config) declares the roles it places: the
 placement, its memory check and the planner give the others no mesh and no memory (GRPO has
-no critic; a rule reward needs no reward model; DPO generates nothing).
+no critic; a rule reward needs no reward model; DPO generates nothing). Its `pricing`
+(`rlhfjax.costmodel.pricing.Pricing`) says how the planner prices an iteration: which stages
+run, by which roles, on how many of the batch's sequences.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from rlhfjax.costmodel.pricing import PPO, Pricing
 from rlhfjax.flows import user
 from rlhfjax.placement.spec import Role
 
@@ -27,21 +30,28 @@ FLOWS: dict[str, Callable[..., Any]] = {}
 """Registered flow factories by name."""
 ROLES: dict[str, Callable[[Any], frozenset[Role]]] = {}
 """The roles each registered flow uses, as a function of the experiment config."""
+PRICING: dict[str, Pricing] = {}
+"""How the planner prices an iteration of each registered flow."""
 
 _BUILTIN = ("ppo", "dpo", "online_dpo")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 
 def register(
-  name: str, roles: Callable[[Any], frozenset[Role]] | None = None
+  name: str,
+  roles: Callable[[Any], frozenset[Role]] | None = None,
+  pricing: Pricing | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorator: registers a flow factory (or class) under `name`; `roles(config)` says which
-  roles it uses (default: all of them)."""
+  roles it uses (default: all of them), `pricing` how the planner prices it (default: PPO's
+  stages on the roles it uses)."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
     FLOWS[name] = factory
     if roles is not None:
       ROLES[name] = roles
+    if pricing is not None:
+      PRICING[name] = pricing
     return factory
 
   return wrap
@@ -73,6 +83,23 @@ def roles_of(config: Any) -> tuple[Role, ...]:
   declared = ROLES.get(config.algorithm.name)
   used = declared(config) if declared else frozenset(Role)
   return tuple(role for role in Role if role in used)
+
+
+def pricing_of(config: Any) -> Pricing:
+  """How the planner prices the configured flow; PPO's stages for a user's own flow
+  (`algorithm.flow`) or a flow registered without a pricing."""
+  if config.algorithm.flow:
+    return PPO
+  builtin()
+  return PRICING.get(config.algorithm.name, PPO)
+
+
+def pricing_by_name(name: str) -> Pricing:
+  """The pricing of the registered flow `name` (the planning CLI's `--algorithm`)."""
+  flows = builtin()
+  if name not in flows:
+    raise ValueError(f"unknown flow {name!r}; registered: {', '.join(sorted(flows))}")
+  return PRICING.get(name, PPO)
 
 
 def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[Role]:

@@ -1,6 +1,6 @@
 """Per-device memory of each role of a placement, from the planner's memory model.
 
-The model itself (`rlhfjax.planner.memory`) counts parameters, gradients, optimizer moments in
+The model itself (`rlhfjax.costmodel.memory`) counts parameters, gradients, optimizer moments in
 their dtypes, activations with and without remat, logits (whole or chunked), the KV cache and
 the weight sync's temporary buffer from the shapes alone. This module feeds it a placement:
 
@@ -25,8 +25,7 @@ from collections.abc import Mapping
 
 from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
 from rlhfjax.config.model import ModelConfig
-from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
-from rlhfjax.planner.memory import (
+from rlhfjax.costmodel.memory import (
   MemoryEstimate,
   Options,
   Sharding,
@@ -34,7 +33,8 @@ from rlhfjax.planner.memory import (
   rollout_memory,
   train_memory,
 )
-from rlhfjax.planner.replay import cells
+from rlhfjax.costmodel.replay import cells
+from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 
 GIB = 2**30
 

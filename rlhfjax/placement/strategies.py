@@ -13,20 +13,21 @@ generation layout with axes (data=n/rollout_tensor, tensor=rollout_tensor).
 - `explicit`: a hand-written spec from the config.
 
 `build_placement` picks a strategy by name from the config and checks the result;
-`plan_placement` also checks the models (tensor sizes, rollout batch, memory) of an experiment.
+`rlhfjax.planner.place.plan_placement` resolves an experiment's placement (`auto` included)
+and also checks its models (tensor sizes, rollout batch, memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from rlhfjax.config import ExperimentConfig, ExplicitPlacementSection, PlacementSection
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.placement.validate import (
   PlacementError,
-  check_models,
   check_spec,
   resolve_num_devices,
 )
@@ -204,24 +205,122 @@ def _build_explicit(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
   return from_explicit(cfg.explicit)
 
 
-_STRATEGIES: dict[str, Builder] = {
-  "colocated": _build_colocated,
-  "interleaved": _build_interleaved,
-  "disaggregated": _build_disaggregated,
-  "explicit": _build_explicit,
+Variants = Callable[[int, int, int, int | None], Iterable[tuple[str, PlacementSection]]]
+"""What the planner's search tries of a strategy: for a job of N devices, a training and a
+rollout tensor size (and, when not None, a fixed number of rollout devices), the (label,
+config section) of each variant; `rlhfjax.planner.search` ranks what they build."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """A registered strategy: how it builds a spec, and which variants the planner searches."""
+
+  build: Builder
+  variants: Variants
+
+
+def _tensor_sizes_only(name: str) -> Variants:
+  """The variants of a strategy without knobs of its own: one per pair of tensor sizes."""
+
+  def variants(num_devices, tensor, rollout_tensor, rollout_devices):
+    del num_devices, rollout_devices
+    return [(name, PlacementSection(strategy=name, tensor=tensor, rollout_tensor=rollout_tensor))]
+
+  return variants
+
+
+def _interleaved_variants(num_devices, tensor, rollout_tensor, rollout_devices):
+  del num_devices, rollout_devices
+  for split in (False, True):
+    label = "interleaved" + (" split_actor_critic" if split else "")
+    yield (
+      label,
+      PlacementSection(
+        strategy="interleaved",
+        tensor=tensor,
+        rollout_tensor=rollout_tensor,
+        split_actor_critic=split,
+      ),
+    )
+
+
+def rollout_counts(num_devices: int, rollout_tensor: int) -> tuple[int, ...]:
+  """Rollout device counts the search tries for `disaggregated`: every count for small jobs,
+  sixteenths of the job for large ones; multiples of `rollout_tensor`, leaving one for
+  training."""
+  if num_devices <= 16:
+    counts = range(1, num_devices)
+  else:
+    counts = {round(num_devices * i / 16) for i in range(1, 16)}
+  return tuple(sorted(k for k in counts if k % rollout_tensor == 0 and 0 < k < num_devices))
+
+
+def _disaggregated_variants(num_devices, tensor, rollout_tensor, rollout_devices):
+  counts = (rollout_devices,) if rollout_devices else rollout_counts(num_devices, rollout_tensor)
+  for k in counts:
+    for split in (False, True):
+      yield (
+        f"disaggregated rollout={k}" + (" split" if split else ""),
+        PlacementSection(
+          strategy="disaggregated",
+          rollout_fraction=k / num_devices,
+          rollout_tensor=rollout_tensor,
+          tensor=tensor,
+          split_actor_critic=split,
+          split_reference_reward=split,
+        ),
+      )
+
+
+def _no_variants(num_devices, tensor, rollout_tensor, rollout_devices):
+  """`explicit` is the config's own spec: there is nothing to search."""
+  del num_devices, tensor, rollout_tensor, rollout_devices
+  return ()
+
+
+_STRATEGIES: dict[str, Strategy] = {
+  "colocated": Strategy(_build_colocated, _tensor_sizes_only("colocated")),
+  "interleaved": Strategy(_build_interleaved, _interleaved_variants),
+  "disaggregated": Strategy(_build_disaggregated, _disaggregated_variants),
+  "explicit": Strategy(_build_explicit, _no_variants),
 }
 
 
-def register_strategy(name: str, builder: Builder) -> None:
-  """Makes `builder` available as `placement.strategy=name`."""
+def register_strategy(name: str, builder: Builder, variants: Variants | None = None) -> None:
+  """Makes `builder` available as `placement.strategy=name`, and to `strategy=auto`'s search:
+  with `variants`, the config sections it tries; by default one per pair of tensor sizes."""
   if name in _STRATEGIES:
     raise ValueError(f"placement strategy {name!r} is already registered")
-  _STRATEGIES[name] = builder
+  _STRATEGIES[name] = Strategy(builder, variants or _tensor_sizes_only(name))
 
 
 def strategy_names() -> tuple[str, ...]:
-  """Names accepted by `placement.strategy` (`auto` is resolved by `plan_placement`)."""
+  """Names accepted by `placement.strategy` (`auto` is resolved by
+  `rlhfjax.planner.place.plan_placement`)."""
   return (*_STRATEGIES, "auto")
+
+
+def searched_strategies() -> tuple[str, ...]:
+  """The registered strategies, in registration order, that the planner's search enumerates."""
+  return tuple(name for name, s in _STRATEGIES.items() if s.variants is not _no_variants)
+
+
+def variants(
+  name: str,
+  num_devices: int,
+  *,
+  tensor: int,
+  rollout_tensor: int,
+  rollout_devices: int | None = None,
+) -> Iterator[tuple[str, PlacementSpec]]:
+  """(label, spec) of every variant of strategy `name` the search tries on `num_devices` (see
+  `Variants`); variants that cannot be built there are skipped."""
+  strategy = _STRATEGIES[name]
+  for label, section in strategy.variants(num_devices, tensor, rollout_tensor, rollout_devices):
+    try:
+      yield label, strategy.build(section, num_devices)
+    except PlacementError:
+      continue
 
 
 def build_placement(placement_cfg: PlacementSection, available_devices: int) -> PlacementSpec:
@@ -242,7 +341,7 @@ def build_placement(placement_cfg: PlacementSection, available_devices: int) -> 
       f"unknown placement strategy {name!r}; {hint}known strategies: {', '.join(_STRATEGIES)}"
     )
   num_devices = resolve_num_devices(placement_cfg.num_devices, available_devices)
-  spec = _STRATEGIES[name](placement_cfg, num_devices)
+  spec = _STRATEGIES[name].build(placement_cfg, num_devices)
   check_spec(spec, num_devices)
   return spec
 
@@ -251,39 +350,6 @@ def train_rows(config: ExperimentConfig) -> int:
   """Sequences per micro-step of the trained roles: the rollout batch split into mini-batches,
   each into micro-batches."""
   return max(1, config.rollout.batch_size // config.ppo.mini_batches // config.ppo.micro_batches)
-
-
-def plan_placement(config: ExperimentConfig, available_devices: int) -> PlacementSpec:
-  """`build_placement`, then checks the models of `config` against it (`check_models`).
-
-  `placement.strategy='auto'` asks the planner (`rlhfjax.planner.auto`) for the fastest
-  placement on the available devices and prints the chosen plan and the runner-up. Either way
-  the placement keeps only the roles the flow uses (`rlhfjax.flows.registry.roles_of`).
-  """
-  from rlhfjax.flows.registry import roles_of  # the flows import this package
-
-  roles = roles_of(config)
-  num_devices = resolve_num_devices(config.placement.num_devices, available_devices)
-  if config.placement.strategy == "auto":
-    # The planner builds on this package, so it is imported only when asked for.
-    from rlhfjax.planner import auto
-
-    spec, plans = auto.choose(config, num_devices)
-    print(auto.describe(plans, auto.workload_of(config)), flush=True)
-  else:
-    spec = build_placement(config.placement, available_devices)
-  # The roles the flow does not use get no mesh and count for no memory.
-  spec = spec.only(roles)
-  check_spec(spec, num_devices, roles)
-  check_models(
-    spec,
-    config.model,
-    config.rollout,
-    config.placement.memory_per_device_gb,
-    train_rows=train_rows(config),
-    offload=config.offload,
-  )
-  return spec
 
 
 def _device_range(start: int, stop: int) -> tuple[int, ...]:

@@ -1,5 +1,5 @@
-"""Placement planner: hardware, workload, stage costs, memory, iteration replay and search.
+"""Placement planner: the search over the registered strategies and flows, plan evaluation,
+`strategy=auto` and the planning CLI, on the cost model of `rlhfjax.costmodel`.
 
-Import the modules directly (`from rlhfjax.planner import search`); this package imports
-nothing at load time so that `rlhfjax.placement` can use `planner.memory` without a cycle.
+Import the modules directly (`from rlhfjax.planner import search`).
 """

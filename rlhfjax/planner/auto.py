@@ -11,43 +11,47 @@ from __future__ import annotations
 import dataclasses
 
 from rlhfjax.config import ExperimentConfig
+from rlhfjax.costmodel import efficiency, hardware
+from rlhfjax.costmodel.workload import Workload
+from rlhfjax.flows.registry import pricing_of, roles_of
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import PlacementError, check_models
-from rlhfjax.planner import efficiency, hardware, search
+from rlhfjax.planner import search
 from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
 from rlhfjax.planner.report import format_groups
-from rlhfjax.planner.workload import Workload
 
 
 def workload_of(config: ExperimentConfig) -> Workload:
   """The planner's view of one iteration of the experiment: the roles its flow uses
   (`rlhfjax.flows.registry.roles_of`), so a critic-free flow plans no critic, a rule reward no
-  reward model, and DPO no rollout."""
-  from rlhfjax.flows.registry import roles_of  # the flows import the placement package
-
+  reward model, and DPO no rollout; the stages priced as the flow registered them
+  (`rlhfjax.flows.registry.pricing_of`)."""
   ppo, rollout, model = config.ppo, config.rollout, config.model
-  roles = roles_of(config)
-  algorithm = "ppo" if Role.CRITIC in roles else "grpo"
-  if Role.ROLLOUT not in roles:
-    algorithm = "dpo"
-  return Workload(
+  roles, pricing = roles_of(config), pricing_of(config)
+  # A flow whose prompts make a fixed number of sequences (DPO's pairs) takes the batch as
+  # prompts; the others split it into groups of `ppo.group_size` samples.
+  samples = pricing.samples_per_prompt or ppo.group_size
+  prompts = rollout.batch_size if pricing.samples_per_prompt else rollout.batch_size // samples
+  work = Workload(
     actor=model.for_role(Role.ACTOR),
     critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
     reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
     reference=model.for_role(Role.REFERENCE),
-    algorithm=algorithm,
-    # DPO trains on `batch_size` preference pairs: two sequences each.
-    prompts=rollout.batch_size if algorithm == "dpo" else rollout.batch_size // ppo.group_size,
-    samples_per_prompt=2 if algorithm == "dpo" else ppo.group_size,
+    pricing=pricing,
     prompt_len=rollout.max_prompt_len,
+    prompts=prompts,
     response_len_mean=rollout.max_new_tokens,
+    samples_per_prompt=samples,
     response_len_max=rollout.max_new_tokens,
     ppo_epochs=ppo.ppo_epochs,
     optimizer_steps=ppo.mini_batches,
-    train_rows=rollout.batch_size // ppo.mini_batches // ppo.micro_batches,
     offload=config.offload,
   )
+  # The trained roles' micro-steps split the part of the batch they train on (online DPO: the
+  # pairs) into mini- and micro-batches.
+  trained = rollout.batch_size * work.trained(Role.ACTOR) // work.sequences
+  return work.replace(train_rows=trained // ppo.mini_batches // ppo.micro_batches)
 
 
 def load_planner_inputs(section) -> tuple[hardware.Hardware, efficiency.Efficiency]:

@@ -5,28 +5,33 @@ from __future__ import annotations
 import dataclasses
 
 from rlhfjax.config import OffloadSection
-from rlhfjax.planner import efficiency, hardware, report, search
+from rlhfjax.costmodel import efficiency, hardware
+from rlhfjax.costmodel.workload import OFFLOAD_ALL, Workload, resolve_model
+from rlhfjax.flows.registry import pricing_by_name
+from rlhfjax.planner import report, search
 from rlhfjax.planner.evaluate import Plan
-from rlhfjax.planner.workload import OFFLOAD_ALL, Workload, resolve_model
 
 
 def workload_from_flags(f) -> Workload:
+  """The workload the flags describe, priced as the registered flow `--algorithm` (a critic
+  only for a flow that trains one, as PPO does)."""
+  pricing = pricing_by_name(f.algorithm)
   actor = resolve_model(f.actor)
   if actor is None:
     raise ValueError("--actor cannot be 'none'")
-  critic_name = f.critic if f.critic is not None else ("none" if f.algorithm != "ppo" else f.actor)
+  has_critic = "critic" in pricing.trained
+  critic_name = f.critic if f.critic is not None else (f.actor if has_critic else "none")
   critic = resolve_model(critic_name)
-  if f.algorithm != "ppo" and critic is not None:
+  if not has_critic and critic is not None:
     raise ValueError(f"--algorithm={f.algorithm} has no critic; drop --critic or use ppo")
   reward_name = f.reward if f.reward is not None else (critic_name if critic else "none")
   # --critic=none plans a critic-free run (no critic mesh or memory), as --algorithm=grpo does.
-  algorithm = "grpo" if f.algorithm == "ppo" and critic is None else f.algorithm
   return Workload(
     actor=actor,
     critic=critic,
     reward=resolve_model(reward_name),
     reference=resolve_model(f.reference) if f.reference else None,
-    algorithm=algorithm,
+    pricing=pricing,
     prompts=f.prompts,
     samples_per_prompt=f.samples_per_prompt,
     prompt_len=f.prompt_len,

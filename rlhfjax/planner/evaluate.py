@@ -12,14 +12,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from rlhfjax.costmodel import costs, memory
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import GIB, Hardware
+from rlhfjax.costmodel.replay import Replay, StageCost, replay
+from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement.memory import device_totals, offload_options, sharding_of
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
-from rlhfjax.planner import costs, memory
 from rlhfjax.planner import sync as weight_sync
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import GIB, Hardware
-from rlhfjax.planner.replay import Replay, StageCost, replay
-from rlhfjax.planner.workload import Workload
 
 HEADS = {"actor": "lm", "critic": "value", "reference": "lm", "reward": "value", "rollout": "lm"}
 
@@ -69,15 +69,16 @@ class Plan:
 
 
 def present_roles(workload: Workload) -> tuple[Role, ...]:
-  """The roles the workload places, in `Role` order: a critic only for PPO, a reward model
-  only when one is given, the rollout unless the algorithm generates nothing (DPO)."""
+  """The roles the workload places, in `Role` order: actor and reference, the rollout if the
+  flow generates (not DPO), and a critic or a reward model when the flow's pricing runs one
+  and the workload gives its model."""
   roles = {Role.ACTOR, Role.REFERENCE}
-  if workload.algorithm != "dpo":
+  used = workload.pricing.roles
+  if Role.ROLLOUT in used:
     roles.add(Role.ROLLOUT)
-  if workload.critic is not None and workload.algorithm == "ppo":
-    roles.add(Role.CRITIC)
-  if workload.reward is not None:
-    roles.add(Role.REWARD)
+  for role in (Role.CRITIC, Role.REWARD):
+    if role in used and workload.model(role.value) is not None:
+      roles.add(role)
   return tuple(role for role in Role if role in roles)
 
 
@@ -245,17 +246,18 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
   roles = tuple(groups)
   scores = []
   for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD):
-    if role not in roles or (role == Role.ACTOR and w.algorithm == "dpo"):
-      continue  # DPO's actor scores its pairs inside its train step
+    sequences = w.scored(role.value)
+    if role not in roles or not sequences:
+      continue  # e.g. DPO's actor scores its pairs inside its train step
     seconds = costs.forward_time(
       hw,
       eff,
       model_for(w, role),
       HEADS[role],
       groups[role],
-      sequences=w.sequences,
+      sequences=sequences,
       seq_len=w.compute_len,
-      micro_steps=micro_steps(role, w.sequences, w.score_micro_batch),
+      micro_steps=micro_steps(role, sequences, w.score_micro_batch),
       offload=_offload(w, spec, role, trained=False),
     )
     scores.append(
@@ -272,16 +274,17 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
   )
   updates = []
   for role in (Role.ACTOR, Role.CRITIC):
-    if role not in roles:
+    sequences = w.trained(role.value)
+    if role not in roles or not sequences:
       continue
-    per_step = math.ceil(w.sequences / w.optimizer_steps)
+    per_step = math.ceil(sequences / w.optimizer_steps)
     seconds = costs.train_time(
       hw,
       eff,
       model_for(w, role),
       HEADS[role],
       groups[role],
-      sequences=w.sequences,
+      sequences=sequences,
       seq_len=w.compute_len,
       epochs=w.ppo_epochs,
       optimizer_steps=w.optimizer_steps,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rlhfjax.costmodel.replay import STAGES
+from rlhfjax.costmodel.workload import Workload
 from rlhfjax.observe.timeline import StageRecord
 from rlhfjax.placement.report import format_devices
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner.evaluate import Plan, present_roles
-from rlhfjax.planner.replay import STAGES
 from rlhfjax.planner.search import explain
-from rlhfjax.planner.workload import Workload
 
 _SHORT = {"actor": "A", "critic": "C", "reference": "Ref", "reward": "Rw", "rollout": "G"}
 

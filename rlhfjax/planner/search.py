@@ -1,8 +1,9 @@
 """Search: enumerate placements for N devices, drop those that do not fit, rank by time.
 
-Candidates: co-located; interleaved (reference and reward on disjoint halves) with and without
-actor and critic split; disaggregated over a range of rollout device counts, with and without
-the training roles split; each with the tensor sizes that divide every model's heads (within a
+Candidates: the variants of every registered strategy (`rlhfjax.placement.strategies`:
+co-located; interleaved with and without actor and critic split; disaggregated over a range of
+rollout device counts, with and without the training roles split; and any strategy added with
+`register_strategy`), each with the tensor sizes that divide every model's heads (within a
 node), and each with the micro-batch sizes of `MICRO_BATCHES`. Plans that do not fit memory stay
 in the result, last, with the reason.
 
@@ -15,15 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import Hardware
+from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import PlacementSpec
-from rlhfjax.placement.validate import PlacementError
-from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
-from rlhfjax.planner.hardware import Hardware
-from rlhfjax.planner.workload import Workload
 
-STRATEGIES = ("colocated", "interleaved", "disaggregated")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
@@ -39,16 +38,6 @@ def tensor_sizes(workload: Workload, limit: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
-def rollout_counts(num_devices: int, rollout_tensor: int) -> tuple[int, ...]:
-  """Rollout device counts tried by the disaggregated strategy: every count for small jobs,
-  sixteenths of the job for large ones; multiples of `rollout_tensor`, leaving one for training."""
-  if num_devices <= 16:
-    counts = range(1, num_devices)
-  else:
-    counts = {round(num_devices * i / 16) for i in range(1, 16)}
-  return tuple(sorted(k for k in counts if k % rollout_tensor == 0 and 0 < k < num_devices))
-
-
 def candidates(
   num_devices: int,
   workload: Workload,
@@ -58,57 +47,26 @@ def candidates(
   max_tensor: int = 8,
 ) -> Iterator[tuple[str, PlacementSpec]]:
   """(label, spec) of every placement considered; specs that cannot be built are skipped."""
-  names = STRATEGIES if strategy == "auto" else (strategy,)
-  if strategy not in (*STRATEGIES, "auto"):
-    raise ValueError(f"unknown strategy {strategy!r}; use auto, {', '.join(STRATEGIES)}")
+  searched = strategies.searched_strategies()
+  names = searched if strategy == "auto" else (strategy,)
+  if strategy not in (*searched, "auto"):
+    raise ValueError(f"unknown strategy {strategy!r}; use auto, {', '.join(searched)}")
   tensors = tensor_sizes(workload, min(max_tensor, num_devices))
   roles = present_roles(workload)
   seen = set()
   for name in names:
     for t in tensors:
       for rt in tensors:
-        for label, spec in _variants(name, num_devices, t, rt, rollout_devices):
-          spec = spec.only(roles)
+        variants = strategies.variants(
+          name, num_devices, tensor=t, rollout_tensor=rt, rollout_devices=rollout_devices
+        )
+        for label, spec in variants:
+          label, spec = f"{label} t={t} rt={rt}", spec.only(roles)
           key = tuple((r, s.devices, s.axes) for r, s in spec.roles.items())
           if len(spec.devices) < num_devices or key in seen:
             continue  # devices left idle by absent roles, or a placement already listed
           seen.add(key)
           yield label, spec
-
-
-def _variants(name, n, t, rt, rollout_devices):
-  tag = f" t={t} rt={rt}"
-  try:
-    if name == "colocated":
-      yield "colocated" + tag, strategies.colocated(n, tensor=t, rollout_tensor=rt)
-    elif name == "interleaved":
-      for split in (False, True):
-        label = "interleaved" + (" split_actor_critic" if split else "") + tag
-        yield (
-          label,
-          strategies.interleaved(n, split_actor_critic=split, tensor=t, rollout_tensor=rt),
-        )
-    else:
-      counts = (rollout_devices,) if rollout_devices else rollout_counts(n, rt)
-      for k in counts:
-        for split in (False, True):
-          label = f"disaggregated rollout={k}" + (" split" if split else "") + tag
-          try:
-            yield (
-              label,
-              strategies.disaggregated(
-                n,
-                rollout_fraction=k / n,
-                rollout_tensor=rt,
-                tensor=t,
-                split_actor_critic=split,
-                split_reference_reward=split,
-              ),
-            )
-          except PlacementError:
-            continue
-  except PlacementError:
-    return
 
 
 def search(
@@ -175,7 +133,7 @@ def explain(plans: Sequence[Plan]) -> str:
     f"{best.label} wins at {best.iteration_s:.1f} s/iteration "
     f"({dominant} dominates at {best.stages[dominant]:.1f} s)"
   ]
-  for name in STRATEGIES:
+  for name in strategies.searched_strategies():
     other = next((p for p in fitting if p.spec.strategy == name and p is not best), None)
     if other is not None and other.spec.strategy != best.spec.strategy:
       ratio = other.iteration_s / best.iteration_s

@@ -16,10 +16,10 @@ import dataclasses
 import math
 
 from rlhfjax.config.model import ModelConfig
+from rlhfjax.costmodel import costs, memory
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import GIB, Hardware
 from rlhfjax.placement.spec import RoleSpec
-from rlhfjax.planner import costs, memory
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import GIB, Hardware
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,8 +34,8 @@ from rlhfjax.flows.stages import FlowContext
 from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import Timeline, plot_gantt
-from rlhfjax.placement import plan_placement
 from rlhfjax.placement.spec import PlacementSpec, Role
+from rlhfjax.planner.place import plan_placement
 from rlhfjax.runner import evaluation as evaluation_lib
 from rlhfjax.runner import identity as identity_lib
 

@@ -17,11 +17,11 @@ import runpy
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
+from rlhfjax.bench.calibrate import IDEAL
 from rlhfjax.config import ExperimentConfig, from_config_dict
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import Hardware
 from rlhfjax.planner import auto
-from rlhfjax.planner.calibrate import IDEAL
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import Hardware
 
 _PPO_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "ppo_tiny.py")
 PLACEMENTS = ("colocated", "interleaved", "interleaved_split", "disaggregated")
@@ -255,7 +255,7 @@ def check(
   start = time.perf_counter()
   say = lambda what: progress and progress(f"{time.perf_counter() - start:7.1f}s {what}")
 
-  from rlhfjax.planner import calibrate
+  from rlhfjax.bench import calibrate
   from rlhfjax.runner import Runner
 
   used = jax.devices()[:devices]

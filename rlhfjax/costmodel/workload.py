@@ -1,9 +1,11 @@
-"""The workload of one RLHF iteration: per-role model shapes, batch shape, algorithm, dtypes.
+"""The workload of one RLHF iteration: per-role model shapes, batch shape, the flow's pricing,
+dtypes.
 
 A role's model is a registered size name (`rlhfjax.config.model`) or the path of a Hugging
 Face `config.json` (or of the checkpoint directory holding it). Critic and reward may be absent
 (`none`): GRPO is critic-free, and a rule reward needs no reward model; absent roles get no
-devices and no memory in any plan.
+devices and no memory in any plan. Which stages run on how many sequences is the flow's
+`Pricing` (`rlhfjax.costmodel.pricing`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,8 @@ import os
 
 from rlhfjax.config import OffloadSection
 from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
+from rlhfjax.costmodel.pricing import PPO, Pricing
 
-ALGORITHMS = ("ppo", "grpo", "dpo")
-"""PPO (a critic), critic-free policy gradient (GRPO, RLOO, ...: no critic), DPO (no rollout:
-preference pairs scored by the reference and trained on)."""
 REMAT_POLICIES = ("none", "dots_saveable", "full")
 OFFLOAD_ALL = OffloadSection(params=("reference", "reward"), optimizer=("actor", "critic"))
 """Every part offload can park: the frozen roles' parameters and the trained roles' moments."""
@@ -32,7 +32,8 @@ class Workload:
   reward: ModelConfig | None = None
   reference: ModelConfig | None = None
   """Defaults to the actor's shape."""
-  algorithm: str = "ppo"
+  pricing: Pricing = PPO
+  """The flow's stages: who generates, scores and trains, on how many sequences."""
   prompts: int = 1024
   samples_per_prompt: int = 1
   prompt_len: int = 1024
@@ -80,8 +81,6 @@ class Workload:
   """Dtype of the Adam moments; None: the parameters' dtype (optax's default)."""
 
   def __post_init__(self):
-    if self.algorithm not in ALGORITHMS:
-      raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     for name in ("prompts", "samples_per_prompt", "prompt_len", "response_len_max"):
@@ -104,6 +103,19 @@ class Workload:
   @property
   def sequences(self) -> int:
     return self.prompts * self.samples_per_prompt
+
+  def scored(self, role: str) -> int:
+    """Sequences `role`'s forward scores in one iteration (0: it scores nothing)."""
+    return self._stage(self.pricing.scored, role)
+
+  def trained(self, role: str) -> int:
+    """Sequences `role` trains on in one epoch (0: it is not trained)."""
+    return self._stage(self.pricing.trained, role)
+
+  def _stage(self, stage, role: str) -> int:
+    if role not in stage:
+      return 0
+    return self.prompts * min(stage[role] or self.samples_per_prompt, self.samples_per_prompt)
 
   @property
   def seq_len(self) -> int:

@@ -35,8 +35,8 @@ import dataclasses
 import math
 
 from rlhfjax.config.model import ModelConfig
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import Hardware
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import Hardware
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

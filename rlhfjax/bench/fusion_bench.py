@@ -40,11 +40,11 @@ import jax
 import numpy as np
 
 from rlhfjax import models
+from rlhfjax.bench.rollout_bench import model_config
 from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import fused
 from rlhfjax.rollout import lengths as length_dist
-from rlhfjax.rollout.benchmark import model_config
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
 from rlhfjax.rollout.streaming import Finished, RolloutStream

@@ -44,12 +44,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from rlhfjax.config.model import ModelConfig
+from rlhfjax.costmodel import costs
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import Hardware
+from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement.spec import Role
-from rlhfjax.planner import costs
-from rlhfjax.planner.efficiency import Efficiency
 from rlhfjax.planner.evaluate import HEADS, Plan, model_for, present_roles
-from rlhfjax.planner.hardware import Hardware
-from rlhfjax.planner.workload import Workload
 from rlhfjax.rollout.lengths import tail_lengths
 
 WAYS = ("static", "continuous", "fused")
@@ -412,7 +412,8 @@ def format_predictions(predictions: Sequence[Prediction]) -> str:
 
 def report_from_flags(f, plans: Sequence[Plan]) -> tuple[list[Prediction], str]:
   """`plan_placement.py --fusion`: the best fitting plan of each strategy, the three ways."""
-  from rlhfjax.planner import cli, efficiency, hardware
+  from rlhfjax.costmodel import efficiency, hardware
+  from rlhfjax.planner import cli
 
   work = cli.workload_from_flags(f)
   hw = hardware.load_hardware(f.hardware, f.efficiency)

@@ -19,11 +19,11 @@ import os
 from collections.abc import Mapping
 
 from rlhfjax.config import OffloadSection
+from rlhfjax.costmodel.efficiency import load_efficiency
+from rlhfjax.costmodel.hardware import load_hardware
+from rlhfjax.costmodel.workload import Workload, config_from_hf_dict, resolve_model
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
-from rlhfjax.planner.efficiency import load_efficiency
 from rlhfjax.planner.evaluate import Plan, evaluate
-from rlhfjax.planner.hardware import load_hardware
-from rlhfjax.planner.workload import Workload, config_from_hf_dict, resolve_model
 
 TABLE = os.path.join(os.path.dirname(__file__), "published.json")
 ABSOLUTE_FACTOR = 2.0

@@ -9,7 +9,7 @@ the host's shared cores, so the same step takes longer on more devices; the time
 one device are `Hardware.device_cost` and `Hardware.step_cost`, which scale the fixed
 per-device overheads of the cost model (passes over a batch, and decode steps).
 
-`rlhfjax.planner.localcheck.fit` then solves, stage by stage, for the factor each stage depends
+`rlhfjax.bench.localcheck.fit` then solves, stage by stage, for the factor each stage depends
 on, so that the planner's prediction of ONE measured placement equals its measurement; every
 other placement's prediction is then a test of the model.
 """
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlhfjax.planner.efficiency import Efficiency
-from rlhfjax.planner.hardware import Hardware
+from rlhfjax.costmodel.efficiency import Efficiency
+from rlhfjax.costmodel.hardware import Hardware
 
 _MIN_TIMED_S = 0.003
 """`DeviceCost` times enough calls together to last this long on one device."""
