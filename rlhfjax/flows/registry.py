@@ -11,7 +11,17 @@ A flow is an object with:
 
 A flow registered with `roles` (a function of the config) declares the roles it places: the
 placement, its memory check and the planner give the others no mesh and no memory (GRPO has
-no critic; a rule reward needs no reward model; DPO generates nothing).
+no critic; a rule reward needs no reward model; DPO generates nothing). One registered with
+`prompts=False` reads its own dataset, not the prompt stream, and scores no samples (SFT, the
+reward model): the runner builds it no prompt stream and no rewards.
+
+A flow may also have:
+  evaluate() -> dict[str, float]      its own held-out metrics ('eval/...'), which the runner
+                                      records at step 0, every `eval.every_steps` steps and
+                                      after the last instead of sampling held-out prompts;
+  steps_from_one: bool                its rows are numbered by the updates done (the row of
+                                      iteration i is step i + 1), as an optimizer counts;
+  plots: tuple                        (metric, file, title) of the curves drawn in the workdir.
 """
 
 from __future__ import annotations
@@ -27,21 +37,25 @@ FLOWS: dict[str, Callable[..., Any]] = {}
 """Registered flow factories by name."""
 ROLES: dict[str, Callable[[Any], frozenset[Role]]] = {}
 """The roles each registered flow uses, as a function of the experiment config."""
+_NO_PROMPTS: set[str] = set()
+"""Registered flows that read no prompt stream."""
 
-_BUILTIN = ("ppo", "dpo", "online_dpo")
+_BUILTIN = ("ppo", "dpo", "online_dpo", "sft", "rm")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 
 def register(
-  name: str, roles: Callable[[Any], frozenset[Role]] | None = None
+  name: str, roles: Callable[[Any], frozenset[Role]] | None = None, *, prompts: bool = True
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorator: registers a flow factory (or class) under `name`; `roles(config)` says which
-  roles it uses (default: all of them)."""
+  roles it uses (default: all of them); `prompts=False`: it reads no prompt stream."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
     FLOWS[name] = factory
     if roles is not None:
       ROLES[name] = roles
+    if not prompts:
+      _NO_PROMPTS.add(name)
     return factory
 
   return wrap
@@ -73,6 +87,14 @@ def roles_of(config: Any) -> tuple[Role, ...]:
   declared = ROLES.get(config.algorithm.name)
   used = declared(config) if declared else frozenset(Role)
   return tuple(role for role in Role if role in used)
+
+
+def reads_prompts(config: Any) -> bool:
+  """Whether the configured flow reads the prompt stream (a user's own flow may)."""
+  if config.algorithm.flow:
+    return True
+  builtin()
+  return config.algorithm.name not in _NO_PROMPTS
 
 
 def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[Role]:
