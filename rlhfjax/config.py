@@ -465,7 +465,7 @@ class AlgorithmSection:
 
   name: str = "ppo"
   """A registered flow (`rlhfjax.flows.registry`): 'ppo' (its critic-free variants through
-  `ppo.advantage`)."""
+  `ppo.advantage`), 'dpo', 'online_dpo', 'sft' or 'rm' (the reward model)."""
   flow: str = ""
   """A user's flow factory 'module:function' (`make_flow(ctx) -> flow`); overrides `name`."""
 

@@ -4,7 +4,10 @@ The runner knows nothing of any algorithm. It builds the cluster of the config's
 the rewards and the prompt stream, asks the flow named by `algorithm` (`rlhfjax.flows`) to
 declare its roles and compile its programs, materializes the weights (fresh, or restored from
 the latest complete checkpoint onto whatever placement the config now names), then calls
-`flow.iteration(i)` and writes each returned row with the stage times of the timeline.
+`flow.iteration(i)` and writes each returned row with the stage times of the timeline. A flow
+on its own dataset (SFT, the reward model: `rlhfjax.flows.registry`) gets no prompt stream and
+no rewards, and reports its own held-out metrics, recorded at step 0, every `eval.every_steps`
+steps and after the last.
 
 Checkpoints (`rlhfjax.checkpoint`) hold the trained roles' states, the flow's own items and
 JSON state, and the prompt iterator's state; every random choice is a function of (`seed`,
@@ -25,7 +28,7 @@ import tqdm
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import data, distributed, export, rerun, signals
-from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.cluster.cluster import HEADS, Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.data.chat_template import load_chat_template
@@ -189,7 +192,7 @@ class Runner:
 
   def _checkpoint_meta(self, step: int) -> dict[str, Any]:
     # What `export` rebuilds: the first trained role (the actor, or the one model trained).
-    exported = self.cluster.roles[self.cluster.trained[0]]
+    exported = (self.cluster.trained or (Role.ACTOR,))[0]
     meta = {
       identity_lib.KEY: self.identity,
       "step": step,
@@ -198,9 +201,9 @@ class Runner:
       "placement": self.placement.strategy,
       **self.flow.meta(),
       **export.policy_meta(
-        exported.role.value,
-        exported.head,
-        exported.model,
+        exported.value,
+        HEADS[exported],
+        self.cfg.model.for_role(exported.value),
         self.cfg.data.tokenizer,
         self.cfg.data.chat_template,
       ),
