@@ -36,16 +36,16 @@ def get_config() -> ml_collections.ConfigDict:
   sft.data.task = "arithmetic"
   sft.placement.num_devices = 2
   sft.placement.tensor = 1
-  sft.batch_size = 64
-  sft.micro_batches = 1
-  sft.max_len = 16
+  sft.supervised.batch_size = 64
+  sft.supervised.micro_batches = 1
+  sft.supervised.max_len = 16
   sft.model.overrides = dict(_MODEL)
   sft.total_steps = 400
-  sft.eval_every = 0
+  sft.eval.every_steps = 0
   sft.log_every = 25
-  sft.optimizer.learning_rate = 3e-3
-  sft.optimizer.warmup_steps = 20
-  sft.optimizer.weight_decay = 0.3
+  sft.actor_optimizer.learning_rate = 3e-3
+  sft.actor_optimizer.warmup_steps = 20
+  sft.actor_optimizer.weight_decay = 0.3
   sft.checkpoint.every_steps = 200
   config.sft = sft
 

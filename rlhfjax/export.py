@@ -1,10 +1,11 @@
 """A run's trained policy as a Hugging Face checkpoint directory (`scripts/export_hf.py`).
 
 What a checkpoint exports is described in its own meta (`policy_meta`, written at every save):
-the item holding the policy (SFT 'policy', reward model 'reward', every RL flow 'actor', never
-the critic), its head, its `ModelConfig` and its tokenizer. The output directory holds
-safetensors weights (one file, or shards and an index), `config.json`, `generation_config.json`
-and tokenizer files that `transformers` loads as they are.
+the item holding the policy (reward model 'reward', SFT and every RL flow 'actor', never the
+critic; 'policy' in SFT runs of older versions), its head, its `ModelConfig` and its tokenizer.
+The output directory holds safetensors weights (one file, or shards and an index),
+`config.json`, `generation_config.json` and tokenizer files that `transformers` loads as they
+are.
 
 In a job of several processes each process writes its own shard files: the layers are restored
 in equal blocks, one per process (each reads only its block), and each layer file is written by

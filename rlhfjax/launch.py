@@ -30,6 +30,22 @@ def fail(error: object, status: int = errors.USER_ERROR) -> NoReturn:
   sys.exit(status)
 
 
+def define_flags(
+  config_help: str, workdir_help: str
+) -> tuple[flags.FlagHolder, flags.FlagHolder, flags.FlagHolder]:
+  """The flags of a training entry point: `--config` (a config file; `--config.x.y=...`
+  overrides any field), `--workdir` (both required) and `--max_cpu_devices`."""
+  from ml_collections import config_flags
+
+  config = config_flags.DEFINE_config_file("config", None, config_help)
+  workdir = flags.DEFINE_string("workdir", None, workdir_help)
+  max_cpu_devices = flags.DEFINE_integer(
+    "max_cpu_devices", 64, "Most host devices to emulate when running on CPU."
+  )
+  flags.mark_flags_as_required(["config", "workdir"])
+  return config, workdir, max_cpu_devices
+
+
 _DEBUG = flags.DEFINE_boolean(
   "debug", False, f"Show the traceback of a failure (also ${errors.DEBUG_ENV}=1)."
 )

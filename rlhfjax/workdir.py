@@ -34,7 +34,7 @@ LOCK_FILE = ".lock"
 # name are not paths.
 PATH_FIELDS = {
   "data": ("prompts", "demonstrations", "preferences", "data_dir", "tokenizer"),
-  "init": ("actor", "critic", "reward", "hf_checkpoint", "checkpoint"),
+  "init": ("actor", "critic", "reward"),
   "model": ("hf",),
   # model.roles.critic / model.roles.reward
   "critic": ("hf",),

@@ -23,17 +23,11 @@ import json
 import os
 import shutil
 
-from absl import flags
-from ml_collections import config_flags
-
 from rlhfjax import launch, rerun
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where every stage writes.")
-_MAX_CPU_DEVICES = flags.DEFINE_integer(
-  "max_cpu_devices", 64, "Most host devices to emulate when running on CPU."
+_CONFIG, _WORKDIR, _MAX_CPU_DEVICES = launch.define_flags(
+  "Pipeline config file.", "Where every stage writes."
 )
-flags.mark_flags_as_required(["config", "workdir"])
 
 _COPIED = ("reward.png", "eval.md", "timeline.png")
 
@@ -52,9 +46,8 @@ def main(argv: list[str]) -> None:
 
   # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
   from rlhfjax import config as config_lib
-  from rlhfjax import runner as ppo_runner
+  from rlhfjax import runner
   from rlhfjax.observe.metrics import MetricsWriter
-  from rlhfjax.training import reward_model, sft
 
   workdir = launch.open_run(config, _WORKDIR.value)
   dirs = {name: os.path.join(workdir, name) for name in names}
@@ -62,14 +55,9 @@ def main(argv: list[str]) -> None:
     launch.hold(path, run=workdir)
   config.ppo.init.actor = os.path.join(dirs["sft"], "checkpoints")
   if "rm" in dirs:
-    config.rm.init.checkpoint = os.path.join(dirs["sft"], "checkpoints")
+    config.rm.init.reward = os.path.join(dirs["sft"], "checkpoints")
     config.ppo.init.reward = os.path.join(dirs["rm"], "checkpoints")
-  cfgs = {
-    "sft": config_lib.from_config_dict(config.sft, config_lib.SFTConfig),
-    "ppo": config_lib.from_config_dict(config.ppo),
-  }
-  if "rm" in dirs:
-    cfgs["rm"] = config_lib.from_config_dict(config.rm, config_lib.RewardModelConfig)
+  cfgs = {name: config_lib.from_config_dict(config[name]) for name in names}
   done = {name: _finished(dirs[name], cfgs[name]) for name in names}
   if all(done.values()) and rerun.finished_step(workdir) is not None:
     stages = ", ".join(f"{name} at step {rerun.finished_step(dirs[name])}" for name in names)
@@ -82,25 +70,20 @@ def main(argv: list[str]) -> None:
   algorithm = cfgs["ppo"].algorithm.name.upper()
   titles = {"sft": "supervised fine-tuning", "rm": "reward model", "ppo": algorithm}
   short = {"sft": "SFT", "rm": "reward model", "ppo": algorithm}
-  trainers = {
-    "sft": lambda: sft.SFTTrainer(cfgs["sft"], dirs["sft"]).run().stopped,
-    "rm": lambda: reward_model.RewardModelTrainer(cfgs["rm"], dirs["rm"]).run().stopped,
-    "ppo": lambda: ppo_runner.Runner(cfgs["ppo"], dirs["ppo"]).run().preempted,
-  }
   for number, name in enumerate(names, 1):
     title = f"stage {number}/{len(names)}: {titles[name]}"
     if done[name]:  # not built at all: a finished stage's files stay as they are
       print(f"{title}: finished at step {rerun.finished_step(dirs[name])}", flush=True)
       continue
     print(title, flush=True)
-    if trainers[name]():
+    if runner.Runner(cfgs[name], dirs[name]).run().preempted:
       return _stopped(short[name])
 
   # Everything from the stages' files, never from this process's memory: a rerun skips the
   # finished stages, and its summary must read as the uninterrupted run's.
   rows = {name: MetricsWriter.read(os.path.join(dirs[name], "metrics.jsonl")) for name in dirs}
   evaluation = _read_evaluation(dirs["ppo"])
-  summary = _summary(rows, evaluation, ppo_runner.format_evaluation, algorithm)
+  summary = _summary(rows, evaluation, runner.format_evaluation, algorithm)
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write(summary)
   copied = []

@@ -11,6 +11,9 @@ Multi-process (here two processes of 4 CPU devices on one machine; run once per 
       --config.distributed.enabled=True --config.distributed.coordinator_address=localhost:1234 \
       --config.distributed.num_processes=2 --config.distributed.process_id=K
 
+SFT and the reward model (`algorithm.name` 'sft', 'rm'; `train_sft.py` and `train_rm.py` are
+this script) run on the same loop: see those scripts for what they write.
+
 Writes `metrics.jsonl`, TensorBoard events, `timeline.json` / `timeline.png` (one lane per
 device group), `reward.png`, `eval.json` / `eval.md` (held-out prompts before and after PPO) and
 `checkpoints/<step>/` into the workdir (in a multi-process run, process 0 writes the files and
@@ -21,17 +24,11 @@ with status 0 (a second Ctrl-C stops at once). Any failure: one `error:` line, e
 (`--debug`: the traceback).
 """
 
-from absl import flags
-from ml_collections import config_flags
-
 from rlhfjax import launch
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics, plots and the timeline go.")
-_MAX_CPU_DEVICES = flags.DEFINE_integer(
-  "max_cpu_devices", 64, "Most host devices to emulate when running on CPU."
+_CONFIG, _WORKDIR, _MAX_CPU_DEVICES = launch.define_flags(
+  "Experiment config file.", "Where checkpoints, metrics and plots go."
 )
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv: list[str]) -> None:

@@ -1,37 +1,19 @@
-"""Supervised fine-tuning of the policy on demonstrations (loss on response tokens only).
+"""Supervised fine-tuning of the policy on demonstrations (loss on response tokens only):
+`scripts/train.py` with a config of `algorithm.name='sft'` (the same flags; see there).
 
   python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft
   python scripts/train_sft.py --config=configs/sft_tiny.py --workdir=workdirs/sft \
-      --config.total_steps=200 --config.init.hf_checkpoint=/path/to/hf_model
+      --config.total_steps=200 --config.init.actor=/path/to/hf_model
 
 Writes `metrics.jsonl`, TensorBoard events, `loss.png`, `eval_loss.png` and checkpoints
-(WORKDIR/checkpoints, item 'policy') into the workdir; a rerun resumes from the latest
+(WORKDIR/checkpoints, item 'actor') into the workdir; a rerun resumes from the latest
 checkpoint and ends with the rows and plots of an uninterrupted run; a rerun of a finished run
 says so in one line and changes no file. Bad input: one `error:` line, exit status 2.
 """
 
-from absl import flags
-from ml_collections import config_flags
+from train import main
 
 from rlhfjax import launch
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "SFT config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and plots go.")
-_MAX_CPU_DEVICES = flags.DEFINE_integer(
-  "max_cpu_devices", 64, "Most host devices to emulate when running on CPU."
-)
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-def main(argv: list[str]) -> None:
-  launch.start(argv, _CONFIG.value, _MAX_CPU_DEVICES.value)
-
-  # Imported only now: JAX (which rlhfjax imports) must start after XLA_FLAGS is set.
-  from rlhfjax import config as config_lib
-  from rlhfjax.training import sft, supervised
-
-  supervised.run_script(sft.SFTTrainer, config_lib.SFTConfig, _CONFIG.value, _WORKDIR.value)
-
 
 if __name__ == "__main__":
   launch.run(main)

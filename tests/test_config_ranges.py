@@ -19,13 +19,13 @@ import pytest
 
 from rlhfjax import config as config_lib
 from rlhfjax.placement.validate import PlacementError
-from rlhfjax.planner.place import plan_placement
+from rlhfjax.planner.place import place
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = {
   "ppo_tiny": config_lib.ExperimentConfig,
-  "sft_tiny": config_lib.SFTConfig,
-  "rm_tiny": config_lib.RewardModelConfig,
+  "sft_tiny": config_lib.ExperimentConfig,
+  "rm_tiny": config_lib.ExperimentConfig,
 }
 
 
@@ -86,7 +86,7 @@ def _error(name: str, path: str, value) -> str | None:
   try:
     cfg = config_lib.from_config_dict(_with(name, path, value), SHIPPED[name])
     if SHIPPED[name] is config_lib.ExperimentConfig:
-      plan_placement(cfg, 8)
+      place(cfg, 8)
   except (config_lib.ConfigError, PlacementError) as e:
     return str(e)
   return None
@@ -157,9 +157,9 @@ _MEANINGLESS = [
   ("ppo_tiny", "distributed.start_timeout_s", 0, r"start_timeout_s must be >= 1"),
   ("ppo_tiny", "reward.fn_coef", math.nan, r"'reward\.fn_coef' must be a finite number"),
   ("sft_tiny", "seed", -1, r"'seed' must be in \[0, 2147483647\]"),
-  ("sft_tiny", "eval_every", -1, r"'eval_every' must be >= 0"),
-  ("sft_tiny", "optimizer.warmup_steps", -1, r"'optimizer\.warmup_steps' must be >= 0"),
-  ("rm_tiny", "batch_size", 0, r"'batch_size' must be >= 1"),
+  ("sft_tiny", "eval.every_steps", -1, r"'eval\.every_steps' must be >= 0"),
+  ("sft_tiny", "actor_optimizer.warmup_steps", -1, r"'optimizer\.warmup_steps' must be >= 0"),
+  ("rm_tiny", "supervised.batch_size", 0, r"'supervised\.batch_size' must be >= 1"),
 ]
 
 

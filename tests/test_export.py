@@ -27,7 +27,6 @@ from rlhfjax.config.model import get_model_config
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.models import hf
 from rlhfjax.runner import Runner
-from rlhfjax.training import reward_model, sft
 
 ROOT = pathlib.Path(__file__).parent.parent
 SCRIPT = ROOT / "scripts" / "export_hf.py"
@@ -41,26 +40,27 @@ _LAYERS = 4
 _SHARD = "150KB"  # embedding + norm + LM head in one file (~146 KB), each layer (~135 KB) alone
 
 
-def _supervised(path: str, cls, workdir: pathlib.Path, **fields):
+def _supervised(path: str, workdir: pathlib.Path, **fields):
   config = runpy.run_path(str(ROOT / path))["get_config"]().to_dict()
   config["placement"].update(num_devices=4, tensor=2)
   config["model"]["overrides"] = {"num_layers": _LAYERS}
   # The held-out pass runs before and after training: a few rows keep it short.
   config["data"].update(data_dir=str(workdir.parent / "data"), eval_split="train[:8]")
   config["checkpoint"]["async_save"] = False
-  config.update(batch_size=16, micro_batches=2, max_len=48, eval_every=0, log_every=1)
-  config.update(total_steps=1, **fields)
-  return config_lib.from_config_dict(config, cls)
+  config["supervised"].update(batch_size=16, micro_batches=2, max_len=48)
+  config["eval"]["every_steps"] = 0
+  config.update(log_every=1, total_steps=1, **fields)
+  return config_lib.from_config_dict(config)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """One SFT, one reward-model and one GRPO run of one step each."""
   root = tmp_path_factory.mktemp("export")
-  cfg = _supervised("configs/sft_tiny.py", config_lib.SFTConfig, root / "sft")
-  sft.SFTTrainer(cfg, str(root / "sft"), show_progress=False).run()
-  cfg = _supervised("configs/rm_tiny.py", config_lib.RewardModelConfig, root / "rm")
-  reward_model.RewardModelTrainer(cfg, str(root / "rm"), show_progress=False).run()
+  cfg = _supervised("configs/sft_tiny.py", root / "sft")
+  Runner(cfg, str(root / "sft"), show_progress=False).run()
+  cfg = _supervised("configs/rm_tiny.py", root / "rm")
+  Runner(cfg, str(root / "rm"), show_progress=False).run()
   cd = runpy.run_path(str(ROOT / "configs" / "grpo_tiny.py"))["get_config"]("colocated")
   cd.total_steps = 1
   cd.rollout.batch_size = 8
@@ -133,7 +133,7 @@ def test_sft_export_reloads_in_transformers(runs, tmp_path):
   files = set(os.listdir(tmp_path / "hf"))
   assert {"model.safetensors", "config.json", "generation_config.json"} <= files
   assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= files
-  _assert_lm_matches(runs / "sft", tmp_path / "hf", "policy")
+  _assert_lm_matches(runs / "sft", tmp_path / "hf", "actor")
   ours = ByteTokenizer()
   theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
   text = "Name three vowels: a, é, ü — and 日本語 ✓\n"
@@ -189,7 +189,7 @@ def test_large_exports_are_sharded_with_an_index(runs, tmp_path):
   assert files == [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
   assert sorted(f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")) == files
   assert all(os.path.getsize(tmp_path / "hf" / f) <= 150_000 for f in files)
-  _assert_lm_matches(runs / "sft", tmp_path / "hf", "policy")
+  _assert_lm_matches(runs / "sft", tmp_path / "hf", "actor")
 
 
 def test_byte_tokenizer_json_encodes_like_ours():

@@ -563,7 +563,7 @@ def test_a_run_on_a_full_disk_ends_in_one_line_and_keeps_its_last_checkpoint(tmp
         "--workdir=disk/sft",
         "--config.total_steps=4",
         "--config.checkpoint.every_steps=1",
-        "--config.eval_every=0",
+        "--config.eval.every_steps=0",
         f"--config.data.data_dir={tmp_path / 'data'}",
       ],
       cwd=tmp_path,

@@ -21,7 +21,7 @@ SHORT = (
   *(
     f"--config.{stage}.{flag}"
     for stage in ("sft", "rm")
-    for flag in ("total_steps=4", "eval_every=2", "log_every=1", "checkpoint.every_steps=2")
+    for flag in ("total_steps=4", "eval.every_steps=2", "log_every=1", "checkpoint.every_steps=2")
   ),
   f"--config.ppo.total_steps={PPO_STEPS}",
   "--config.ppo.checkpoint.every_steps=1",
@@ -78,7 +78,7 @@ def test_pipeline_chains_the_stages(uninterrupted):
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
   # PPO started from the SFT policy and the trained reward model: both stages' checkpoints
   # exist, and PPO scored with the reward model (its evaluation reports it).
-  for stage, item in (("sft", "policy_params"), ("rm", "reward_params")):
+  for stage, item in (("sft", "actor_params"), ("rm", "reward_params")):
     assert os.path.isdir(os.path.join(workdir, stage, "checkpoints", "4", item))
   evaluation = json.loads(_read(os.path.join(workdir, "ppo", "eval.json")))
   assert set(evaluation) == {"before", "after"}

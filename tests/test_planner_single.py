@@ -15,8 +15,9 @@ from rlhfjax import config as config_lib
 from rlhfjax.config.model import get_model_config
 from rlhfjax.costmodel import efficiency, hardware
 from rlhfjax.placement.spec import Role
+from rlhfjax.placement.validate import PlacementError
 from rlhfjax.planner import single
-from rlhfjax.training import supervised
+from rlhfjax.planner.place import place
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,10 +70,9 @@ def _sft_dict():
 def test_auto_split_is_the_planners_winner_and_is_printed(capsys):
   cfg = config_lib.from_config_dict(
     {**_sft_dict(), "placement": {"strategy": "auto", "hardware": "h100", "num_devices": 8}},
-    config_lib.SFTConfig,
   )
   model = get_model_config("tiny")
-  spec = supervised.role_spec(cfg, model, Role.ACTOR, "lm", 8)
+  spec = place(cfg, 8)[Role.ACTOR]
   lines = capsys.readouterr().out.splitlines()
   plans = single.plan(
     model,
@@ -80,9 +80,9 @@ def test_auto_split_is_the_planners_winner_and_is_printed(capsys):
     hardware.load_hardware("h100"),
     efficiency.load_efficiency(None),
     8,
-    batch_size=cfg.batch_size,
-    micro_batches=cfg.micro_batches,
-    seq_len=cfg.max_len,
+    batch_size=cfg.supervised.batch_size,
+    micro_batches=cfg.supervised.micro_batches,
+    seq_len=cfg.supervised.max_len,
   )
   best = plans[0]
   assert spec.axes == (("data", best.data), ("fsdp", best.fsdp), ("tensor", best.tensor))
@@ -91,18 +91,15 @@ def test_auto_split_is_the_planners_winner_and_is_printed(capsys):
 
 
 def test_auto_on_local_without_calibration_says_how():
-  cfg = config_lib.from_config_dict(
-    {**_sft_dict(), "placement": {"strategy": "auto"}}, config_lib.SFTConfig
-  )
+  cfg = config_lib.from_config_dict({**_sft_dict(), "placement": {"strategy": "auto"}})
   with pytest.raises(ValueError, match="run scripts/calibrate.py --out=FILE"):
-    supervised.role_spec(cfg, get_model_config("tiny"), Role.ACTOR, "lm", 8)
+    place(cfg, 8)
 
 
 def test_bad_strategy_is_one_line():
-  with pytest.raises(config_lib.ConfigError, match="'placement.strategy' must be 'manual'"):
-    config_lib.from_config_dict(
-      {**_sft_dict(), "placement": {"strategy": "colocated"}}, config_lib.SFTConfig
-    )
+  cfg = config_lib.from_config_dict({**_sft_dict(), "placement": {"strategy": "interleaved"}})
+  with pytest.raises(PlacementError, match="'placement.strategy' must be one of colocated, auto"):
+    place(cfg, 8)
 
 
 @pytest.mark.slow
@@ -122,8 +119,8 @@ def test_scripts_run_the_auto_split(tmp_path, script, config, metric):
       f"--workdir={tmp_path / 'run'}",
       "--config.placement.strategy=auto",
       "--config.placement.hardware=h100",
-      "--config.batch_size=8",
-      "--config.micro_batches=1",
+      "--config.supervised.batch_size=8",
+      "--config.supervised.micro_batches=1",
       "--config.total_steps=2",
       f"--config.data.data_dir={tmp_path / 'data'}",
     ],

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 FLAGS = (
   f"--config.total_steps={STEPS}",
-  "--config.eval_every=2",
+  "--config.eval.every_steps=2",
   "--config.log_every=1",
   "--config.checkpoint.every_steps=2",
 )

@@ -4,12 +4,14 @@ each is one line naming the field and both values. Allowed changes resume."""
 
 import pathlib
 import re
+import runpy
 import shutil
 
 import pytest
 from runs_testing import shipped_config
 
 from rlhfjax import errors
+from rlhfjax.config import from_config_dict
 from rlhfjax.runner import Runner
 
 _ROOT = pathlib.Path(__file__).parent.parent
@@ -68,3 +70,38 @@ def test_resume_allows_more_steps_and_another_placement(grpo_workdir, tmp_path):
   cfg = _config(total_steps=2, placement__strategy="interleaved", model__dtype="bfloat16")
   runner = Runner(cfg, str(workdir), show_progress=False)
   assert runner.start_step == 1
+
+
+def _supervised(name: str, **changes):
+  """`configs/{name}.py` (SFT or the reward model) shrunk to a one-step run on 2 devices."""
+  cd = runpy.run_path(str(_ROOT / "configs" / f"{name}.py"))["get_config"]()
+  small = {
+    "total_steps": 1,
+    "placement.num_devices": 2,
+    "placement.tensor": 1,
+    "supervised.batch_size": 8,
+    "supervised.max_len": 32,
+    "eval.every_steps": 0,
+    "data.eval_split": "train[:8]",
+    "checkpoint.async_save": False,
+  }
+  for dotted, value in {**small, **changes}.items():
+    *sections, field = dotted.split(".")
+    node = cd
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return from_config_dict(cd)
+
+
+@pytest.mark.parametrize(("first", "then"), [("sft_tiny", "rm_tiny"), ("rm_tiny", "sft_tiny")])
+def test_sft_and_the_reward_model_refuse_each_others_checkpoints(tmp_path, first, then):
+  Runner(_supervised(first), str(tmp_path), show_progress=False).run()
+  with pytest.raises(ValueError) as caught:
+    Runner(_supervised(then, total_steps=2), str(tmp_path), show_progress=False)
+  line, status = errors.describe(caught.value)
+  assert status == errors.USER_ERROR and "\n" not in line, line
+  assert "was written by another kind of run, so this one cannot resume it" in line, line
+  names = {"sft_tiny": "sft", "rm_tiny": "rm"}
+  assert f"algorithm.name: the checkpoint has {names[first]!r}, this run {names[then]!r}" in line
+  assert "roles: the checkpoint has" in line, line

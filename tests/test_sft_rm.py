@@ -21,7 +21,9 @@ from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config.model import get_model_config
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.training import reward_model, sft, supervised
+from rlhfjax.planner.place import place
+from rlhfjax.runner import loop
+from rlhfjax.training import reward_model, sft, steps
 from rlhfjax.training.state import init_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,8 +174,14 @@ def _one_step(spec: RoleSpec, params, batch):
   state = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings)(
     jax.device_put(params, runtime.param_shardings), tx
   )
-  micro = supervised.split_micro_batches(batch, 2)
-  step, batch_shardings = supervised.compile_train_step(runtime, loss_fn, tx, shardings, micro)
+  micro = steps.split_micro_batches(batch, 2)
+  batch_shardings = runtime.batch_shardings(micro, leading=1)
+  step = jax.jit(
+    functools.partial(steps.accumulate_and_apply, loss_fn, tx),
+    in_shardings=(shardings, batch_shardings),
+    out_shardings=(shardings, runtime.replicated),
+    donate_argnums=0,
+  )
   new_state, metrics = step(state, jax.device_put(micro, batch_shardings))
   return runtime, new_state, metrics
 
@@ -193,10 +201,10 @@ def test_sft_step_on_one_device_equals_step_on_eight(lm_params):
 
 
 # ---------------------------------------------------------------------------------------------
-# Trainers: learning, placement, resume.
+# The SFT and reward-model flows: learning, placement, resume.
 
 
-def _load_config(path: str, cls, **fields):
+def _load_config(path: str, cls=config_lib.ExperimentConfig, **fields):
   config = runpy.run_path(os.path.join(REPO, path))["get_config"]().to_dict()
   for dotted, value in fields.items():
     *parents, leaf = dotted.split("__")
@@ -208,16 +216,16 @@ def _load_config(path: str, cls, **fields):
 
 
 @pytest.mark.parametrize(
-  ("path", "cls"),
+  ("path", "role"),
   [
-    ("configs/sft_tiny.py", config_lib.SFTConfig),
-    ("configs/rm_tiny.py", config_lib.RewardModelConfig),
+    ("configs/sft_tiny.py", Role.ACTOR),
+    ("configs/rm_tiny.py", Role.REWARD),
   ],
 )
-def test_shipped_configs_load_and_validate(path, cls):
-  cfg = _load_config(path, cls)
+def test_shipped_configs_load_and_validate(path, role):
+  cfg = _load_config(path)
   assert cfg.model.size == "tiny" and cfg.placement.num_devices == 8
-  spec = supervised.role_spec(cfg, CONFIG, Role.ACTOR, "lm", 8)
+  spec = place(cfg, 8)[role]
   assert spec.axes == (("data", 1), ("fsdp", 4), ("tensor", 2))
 
 
@@ -225,10 +233,10 @@ def _small(path, cls, workdir, **fields):
   defaults = dict(
     placement__num_devices=4,
     placement__tensor=2,
-    batch_size=16,
-    micro_batches=2,
-    max_len=48,
-    eval_every=0,
+    supervised__batch_size=16,
+    supervised__micro_batches=2,
+    supervised__max_len=48,
+    eval__every_steps=0,
     log_every=1,
     data__data_dir=str(workdir.parent / "data"),
     checkpoint__every_steps=6,
@@ -240,19 +248,23 @@ def _small(path, cls, workdir, **fields):
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("sft") / "run"
-  cfg = _small("configs/sft_tiny.py", config_lib.SFTConfig, workdir, total_steps=12)
-  trainer = sft.SFTTrainer(cfg, str(workdir), show_progress=False)
+  cfg = _small("configs/sft_tiny.py", config_lib.ExperimentConfig, workdir, total_steps=12)
+  trainer = loop.Runner(cfg, str(workdir), show_progress=False)
   return workdir, trainer, trainer.run()
+
+
+def _eval_rows(result):
+  return [row for row in result.metrics if any(k.startswith("eval/") for k in row)]
 
 
 @pytest.mark.slow
 def test_sft_run_lowers_eval_loss_on_the_role_devices(sft_run):
   workdir, trainer, result = sft_run
-  evals = result.eval_rows()
+  evals = _eval_rows(result)
   assert [row["step"] for row in evals] == [0, 12]
   assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] - 1.0, evals
   assert result.compilations == {"eval_step": 1, "train_step": 1}
-  for leaf in jax.tree.leaves(trainer.state):
+  for leaf in jax.tree.leaves(trainer.cluster.states[Role.ACTOR]):
     assert {s.device.id for s in leaf.addressable_shards} == {0, 1, 2, 3}
   assert {"loss.png", "eval_loss.png", "metrics.jsonl"} <= set(os.listdir(workdir))
   assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "6"]
@@ -261,12 +273,13 @@ def test_sft_run_lowers_eval_loss_on_the_role_devices(sft_run):
 @pytest.mark.slow
 def test_sft_rerun_resumes_from_the_checkpoint(sft_run):
   workdir, trainer, first = sft_run
-  cfg = _small("configs/sft_tiny.py", config_lib.SFTConfig, workdir, total_steps=15)
-  again = sft.SFTTrainer(cfg, str(workdir), show_progress=False)
-  assert again.start_step == 12 and int(again.state.step) == 12
+  cfg = _small("configs/sft_tiny.py", config_lib.ExperimentConfig, workdir, total_steps=15)
+  again = loop.Runner(cfg, str(workdir), show_progress=False)
+  state, first_state = again.cluster.states[Role.ACTOR], trainer.cluster.states[Role.ACTOR]
+  assert again.start_step == 12 and int(state.step) == 12
   # The data iterator continues where the first run stopped, not from the start.
-  assert again.train_batches.get_state() == trainer.train_batches.get_state()
-  for a, b in zip(jax.tree.leaves(again.state), jax.tree.leaves(trainer.state), strict=True):
+  assert again.flow.train.get_state() == trainer.flow.train.get_state()
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(first_state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   result = again.run()
   assert (result.start_step, result.final_step) == (12, 15)
@@ -280,15 +293,16 @@ def test_reward_model_from_sft_beats_chance_on_held_out_pairs(sft_run, tmp_path)
   sft_workdir, _, _ = sft_run
   cfg = _small(
     "configs/rm_tiny.py",
-    config_lib.RewardModelConfig,
+    config_lib.ExperimentConfig,
     tmp_path / "rm",
     total_steps=20,
-    init__checkpoint=str(sft_workdir / "checkpoints"),
+    init__reward=str(sft_workdir / "checkpoints"),
   )
-  trainer = reward_model.RewardModelTrainer(cfg, str(tmp_path / "rm"), show_progress=False)
-  assert not np.any(np.asarray(trainer.state.params["value_head"]))  # fresh head at zero
+  trainer = loop.Runner(cfg, str(tmp_path / "rm"), show_progress=False)
+  params = trainer.cluster.states[Role.REWARD].params
+  assert not np.any(np.asarray(params["value_head"]))  # fresh head at zero
   result = trainer.run()
-  first, last = result.eval_rows()[0], result.eval_rows()[-1]
+  first, last = _eval_rows(result)[0], _eval_rows(result)[-1]
   assert last["eval/accuracy"] > 0.6, (first, last)
   assert last["eval/loss"] < first["eval/loss"]
 
@@ -324,8 +338,8 @@ def test_scripts_train_end_to_end(tmp_path, script, config, metric):
     f"--config={os.path.join(REPO, config)}",
     "--config.placement.num_devices=2",
     "--config.placement.tensor=1",
-    "--config.batch_size=8",
-    "--config.micro_batches=1",
+    "--config.supervised.batch_size=8",
+    "--config.supervised.micro_batches=1",
     "--config.data.data_dir=data",
     workdir="runs/run",
     cwd=tmp_path,
@@ -344,8 +358,12 @@ def test_scripts_train_end_to_end(tmp_path, script, config, metric):
 @pytest.mark.parametrize(
   ("script", "args", "pattern"),
   [
-    ("train_sft.py", ["--config.batch_sise=4"], r"'batch_sise'.*did you mean.*batch_size"),
-    ("train_rm.py", ["--config.micro_batches=3"], r"'micro_batches'=3 must divide"),
+    (
+      "train_sft.py",
+      ["--config.supervised.batch_sise=4"],
+      r"'batch_sise'.*did you mean.*batch_size",
+    ),
+    ("train_rm.py", ["--config.supervised.micro_batches=3"], r"'micro_batches'=3 must divide"),
     ("train_sft.py", ["--config.placement.tensor=3"], r"tensor=3 does not divide"),
   ],
 )

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rlhfjax import data, tasks
-from rlhfjax.config import SFTConfig, from_config_dict
+from rlhfjax.config import from_config_dict
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.data.records import PromptBatch, Record, RecordFieldError
 from rlhfjax.flows import experience
@@ -309,7 +309,7 @@ def test_records_after_a_resume_are_the_uninterrupted_runs(tmp_path, monkeypatch
 def test_the_arithmetic_pipeline_config_validates():
   cd = runpy.run_path(str(_ROOT / "configs" / "pipeline_arithmetic.py"))["get_config"]()
   assert "rm" not in cd
-  sft = from_config_dict(cd.sft, SFTConfig)
+  sft = from_config_dict(cd.sft)
   grpo = from_config_dict(cd.ppo)
   assert sft.data.task == grpo.data.task == "arithmetic"
   assert grpo.algorithm.name == "grpo" and grpo.reward.fn == "rlhfjax.tasks:exact_match_reward"

@@ -19,7 +19,6 @@ from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter
 from rlhfjax.observe.wandb_log import RUN_FILE
 from rlhfjax.runner import Runner
-from rlhfjax.training import sft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -212,19 +211,21 @@ def test_a_writer_that_logs_nothing_starts_no_wandb_run(tmp_path, monkeypatch):
 def test_an_sft_run_logs_its_rows(tmp_path):
   workdir = tmp_path / "sft"
   cd = runpy.run_path(str(ROOT / "configs" / "sft_tiny.py"))["get_config"]().to_dict()
-  cd.update(total_steps=2, batch_size=8, max_len=32, eval_every=0, log_every=1)
+  cd.update(total_steps=2, log_every=1)
+  cd["supervised"].update(batch_size=8, max_len=32)
+  cd["eval"]["every_steps"] = 0
   cd["placement"].update(num_devices=2, tensor=1)
   cd["data"]["data_dir"] = str(tmp_path / "data")
   cd["checkpoint"]["async_save"] = False
   cd["logging"]["wandb"] = True
-  cfg = config_lib.from_config_dict(cd, config_lib.SFTConfig)
-  sft.SFTTrainer(cfg, str(workdir), show_progress=False).run()
+  cfg = config_lib.from_config_dict(cd)
+  Runner(cfg, str(workdir), show_progress=False).run()
   (records,) = _offline_runs(workdir)
   logged = _history(records)
   assert [row["step"] for row in logged] == [0, 1, 2]
   assert logged == MetricsWriter.read(str(workdir / "metrics.jsonl"))
   assert "train/loss" in logged[1] and "eval/loss" in logged[0]
-  assert _config_items(records)["batch_size"] == 8
+  assert _config_items(records)["supervised"]["batch_size"] == 8
 
 
 def test_a_bad_wandb_mode_is_one_line():

@@ -91,7 +91,7 @@ class ModelSection:
   """A local Hugging Face checkpoint directory (Llama 1-3.x, Mistral, Qwen2/2.5/3) whose
   config.json gives every role's architecture (sizes, heads, rope, norm eps, biases, tied
   embeddings, dtype from `torch_dtype`, special token ids). Its weights start the actor and
-  the reference when `init.actor` / `init.hf_checkpoint` are empty, and its tokenizer.json is
+  the reference (and the model SFT trains) when `init.actor` is empty, and its tokenizer.json is
   the tokenizer when `data.tokenizer` is left at 'byte'. A `size` or `overrides` given as well
   must agree with it on every architecture field."""
   critic_size: str | None = None
@@ -268,6 +268,9 @@ class PlacementSection:
   """Memory budget of one device in GiB (2**30 bytes); None: skip the memory check."""
   tensor: int = 1
   """Tensor-parallel size of the training roles (actor, critic, reference, reward)."""
+  data: int = 1
+  """Data-parallel replicas of the one trained model of a flow that places a single role (SFT,
+  reward model): data x fsdp x tensor over the devices, fsdp taking the rest."""
   rollout_tensor: int = 1
   """Tensor-parallel size of the rollout (generation layout)."""
   rollout_fraction: float = 0.5
@@ -291,6 +294,7 @@ class PlacementSection:
       self,
       memory_per_device_gb=ranges.POSITIVE,
       tensor=ranges.COUNT,
+      data=ranges.COUNT,
       rollout_tensor=ranges.COUNT,
     )
 
@@ -443,7 +447,7 @@ class AlgorithmSection:
 
   name: str = "ppo"
   """A registered flow (`rlhfjax.flows.registry`): 'ppo' (its critic-free variants through
-  `ppo.advantage`)."""
+  `ppo.advantage`), 'dpo', 'online_dpo', 'sft' or 'rm' (the reward model)."""
   flow: str = ""
   """A user's flow factory 'module:function' (`make_flow(ctx) -> flow`); overrides `name`."""
 
@@ -539,7 +543,8 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RoleInitSection:
-  """Where PPO's models start; empty: a random initialisation (seeded by `seed`).
+  """Where the models start (PPO's, or the one SFT or the reward model trains); empty: a random
+  initialisation (seeded by `seed`).
 
   Each field is an rlhfjax run's checkpoints directory (its latest complete step) or one step
   directory in it, or a local Hugging Face checkpoint directory (one with a config.json). A
@@ -548,15 +553,17 @@ class RoleInitSection:
   """
 
   actor: str = ""
-  """The policy: an SFT run (item 'policy') or a Hugging Face causal LM. The reference is the
-  same weights. Empty with `model.hf` set: that directory's weights."""
+  """The policy: an SFT run (item 'actor'; 'policy' in older runs) or a Hugging Face causal
+  LM. The reference is the same weights. Empty with `model.hf` set: that directory's weights."""
   critic: str = ""
   """The critic: a reward-model run (item 'reward'), an SFT run (its trunk; the value head
   starts at zero) or a Hugging Face sequence-classification checkpoint; empty: the actor's
   trunk if `actor` is set, else random. Empty with `model.roles.critic.hf` set: its weights."""
   reward: str = ""
   """The reward model: a reward-model run (item 'reward') or a Hugging Face
-  sequence-classification checkpoint. Empty with `model.roles.reward.hf` set: its weights."""
+  sequence-classification checkpoint; for reward-model training also an SFT run or a Hugging
+  Face causal LM, whose trunk it starts from (the value head starts at zero). Empty with
+  `model.roles.reward.hf` set: its weights."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -570,7 +577,9 @@ class EvalSection:
   """Sampling temperature of the evaluation; 0: greedy."""
   every_steps: int = 0
   """Also evaluate every this many iterations, into the metrics as `eval/*` at that step
-  (`eval.json` and `eval.md` keep before and after); 0: only before and after."""
+  (`eval.json` and `eval.md` keep before and after); 0: only before and after. SFT and the
+  reward model evaluate on their whole held-out split, into the metrics rows of step 0, of
+  every `every_steps`-th step and of the last."""
 
   def __post_init__(self):
     ranges.check(
@@ -728,6 +737,30 @@ class DistributedSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisedSection:
+  """Batches of the flows that train one model on a dataset: SFT on `data.demonstrations`,
+  the reward model on `data.preferences`. Held-out evaluation runs on the whole eval split
+  before the first step, every `eval.every_steps` steps and after the last."""
+
+  batch_size: int = 32
+  """Examples (SFT) or preference pairs (reward model) per optimizer update."""
+  micro_batches: int = 1
+  """Gradient-accumulation steps per update; must divide `batch_size`."""
+  max_len: int = 256
+  """Tokens per sequence (prompt and response); longer examples are truncated and counted."""
+
+  def __post_init__(self):
+    ranges.check(
+      "supervised", self, batch_size=ranges.COUNT, micro_batches=ranges.COUNT, max_len=ranges.COUNT
+    )
+    if self.batch_size % self.micro_batches:
+      raise ConfigError(
+        f"supervised: 'micro_batches'={self.micro_batches} must divide "
+        f"'batch_size'={self.batch_size}"
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
   """The whole experiment; each field is one section of the config file."""
 
@@ -736,7 +769,8 @@ class ExperimentConfig:
   rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
   seed: int = 0
   total_steps: int = 20
-  """PPO iterations (rollout, score, update, sync)."""
+  """Iterations of the flow: PPO's rollout, score, update, sync; one optimizer update of SFT or
+  the reward model (a resumed run continues to this step)."""
   ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
   algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
   dpo: DPOSection = dataclasses.field(default_factory=DPOSection)
@@ -750,6 +784,11 @@ class ExperimentConfig:
   critic_optimizer: OptimizerConfig = dataclasses.field(
     default_factory=lambda: OptimizerConfig(learning_rate=5e-5)
   )
+  reward_optimizer: OptimizerConfig = dataclasses.field(
+    default_factory=lambda: OptimizerConfig(learning_rate=1e-4, warmup_steps=10)
+  )
+  """The reward model's, when a flow trains it (algorithm 'rm')."""
+  supervised: SupervisedSection = dataclasses.field(default_factory=SupervisedSection)
   log_every: int = 1
   checkpoint: CheckpointSection = dataclasses.field(default_factory=lambda: CheckpointSection())
   """How often to checkpoint to WORKDIR/checkpoints and whether a rerun resumes."""
@@ -774,127 +813,10 @@ class ExperimentConfig:
     _checkpoint_tokenizer(self)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainPlacementSection:
-  """Where the one trained model of SFT or reward-model training runs: the first
-  `num_devices` devices as one training mesh, data x fsdp x tensor (the layout PPO gives its
-  actor and critic); `strategy='auto'` lets the planner pick the split."""
-
-  strategy: str = "manual"
-  """'manual': `data` and `tensor` as given, FSDP over the rest; 'auto': the planner
-  (`rlhfjax.planner.single`) picks the fastest split that fits, on `hardware`."""
-  num_devices: int | None = None
-  """Devices the job uses (the first ones of `jax.devices()`); None: all of them."""
-  data: int = 1
-  """Data-parallel replicas (each holds whole fsdp x tensor shards); must divide the devices."""
-  tensor: int = 1
-  """Tensor-parallel size; must divide `num_devices` and the model's (KV) heads."""
-  memory_per_device_gb: float | None = None
-  """Memory budget of one device in GiB (params, AdamW moments, grads); None: no check."""
-  hardware: str = "local"
-  """auto: the planner's hardware, a preset name or 'local' (measured, see `efficiency`)."""
-  efficiency: str = ""
-  """auto: a calibration JSON of `scripts/calibrate.py` (needed by 'local') or a profile."""
-
-  def __post_init__(self):
-    if self.strategy not in ("manual", "auto"):
-      raise ConfigError(f"'placement.strategy' must be 'manual' or 'auto', got {self.strategy!r}")
-    ranges.check(
-      "placement",
-      self,
-      num_devices=ranges.COUNT,
-      data=ranges.COUNT,
-      tensor=ranges.COUNT,
-      memory_per_device_gb=ranges.POSITIVE,
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class InitSection:
-  """Where the trained model's first weights come from; both empty: a random initialisation.
-
-  The checkpoint's model must have the architecture of the `model` section: the config, not the
-  checkpoint, says what PPO will later build, so a mismatch is an error rather than a surprise.
-  """
-
-  hf_checkpoint: str = ""
-  """A local Hugging Face checkpoint directory (config.json and safetensors). Both empty with
-  `model.hf` (or the reward model's `model.roles.reward.hf`) set: that directory's weights."""
-  checkpoint: str = ""
-  """An rlhfjax checkpoint directory, e.g. an SFT run's `WORKDIR/checkpoints` (its latest
-  step). The reward model takes its trunk from an SFT checkpoint; the value head starts fresh."""
-
-  def __post_init__(self):
-    if self.hf_checkpoint and self.checkpoint:
-      raise ConfigError("set at most one of 'init.hf_checkpoint' and 'init.checkpoint'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SupervisedConfig:
-  """Fields shared by the SFT and reward-model trainers: one model, one mesh, one dataset."""
-
-  model: ModelSection
-  """The SFT policy runs `model.size`, the reward model `model.reward_size or model.size`."""
-  placement: TrainPlacementSection = dataclasses.field(default_factory=TrainPlacementSection)
-  data: DataSection = dataclasses.field(default_factory=DataSection)
-  optimizer: OptimizerConfig = dataclasses.field(
-    default_factory=lambda: OptimizerConfig(learning_rate=1e-4, warmup_steps=10)
-  )
-  checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
-  """How often to checkpoint to WORKDIR/checkpoints and whether a rerun resumes."""
-  init: InitSection = dataclasses.field(default_factory=InitSection)
-  seed: int = 0
-  """Seeds the initialisation and the data order."""
-  batch_size: int = 32
-  """Examples (SFT) or preference pairs (reward model) per optimizer update."""
-  micro_batches: int = 1
-  """Gradient-accumulation steps per update; must divide `batch_size`."""
-  max_len: int = 256
-  """Tokens per sequence (prompt and response); longer examples are truncated and counted."""
-  total_steps: int = 100
-  """Optimizer updates of the whole run (a resumed run continues to this step)."""
-  eval_every: int = 50
-  """Evaluate on the whole held-out split every this many steps (and before the first and
-  after the last); 0: only before the first and after the last."""
-  log_every: int = 10
-  """Write training metrics every this many steps."""
-  logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
-
-  def __post_init__(self):
-    ranges.check(
-      "",
-      self,
-      seed=ranges.SEED,
-      batch_size=ranges.COUNT,
-      micro_batches=ranges.COUNT,
-      max_len=ranges.COUNT,
-      total_steps=ranges.COUNT,
-      log_every=ranges.COUNT,
-      eval_every=ranges.NON_NEGATIVE,
-    )
-    if self.batch_size % self.micro_batches:
-      raise ConfigError(
-        f"'micro_batches'={self.micro_batches} must divide 'batch_size'={self.batch_size}"
-      )
-    _checkpoint_tokenizer(self)
-
-
-def _checkpoint_tokenizer(cfg: ExperimentConfig | SupervisedConfig) -> None:
+def _checkpoint_tokenizer(cfg: ExperimentConfig) -> None:
   """The tokenizer of `model.hf` when `data.tokenizer` is left at its default ('byte')."""
   if cfg.model.hf and cfg.data.tokenizer == "byte":
     object.__setattr__(cfg, "data", dataclasses.replace(cfg.data, tokenizer=cfg.model.hf))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTConfig(SupervisedConfig):
-  """Supervised fine-tuning on demonstrations (`data.demonstrations`): next-token loss on the
-  response tokens only, so the policy learns to answer, not to write prompts."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardModelConfig(SupervisedConfig):
-  """Reward-model training on preference pairs (`data.preferences`): Bradley-Terry loss on the
-  value head's score of the last real token of the chosen and the rejected sequence."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,17 @@ A flow registered with `roles` (a function of the config) declares the roles it 
 placement, its memory check and the planner give the others no mesh and no memory (GRPO has
 no critic; a rule reward needs no reward model; DPO generates nothing). Its `pricing`
 (`rlhfjax.costmodel.pricing.Pricing`) says how the planner prices an iteration: which stages
-run, by which roles, on how many of the batch's sequences.
+run, by which roles, on how many of the batch's sequences. One registered with `prompts=False`
+reads its own dataset, not the prompt stream, and scores no samples (SFT, the reward model): the
+runner builds it no prompt stream and no rewards.
+
+A flow may also have:
+  evaluate() -> dict[str, float]      its own held-out metrics ('eval/...'), which the runner
+                                      records at step 0, every `eval.every_steps` steps and
+                                      after the last instead of sampling held-out prompts;
+  steps_from_one: bool                its rows are numbered by the updates done (the row of
+                                      iteration i is step i + 1), as an optimizer counts;
+  plots: tuple                        (metric, file, title) of the curves drawn in the workdir.
 """
 
 from __future__ import annotations
@@ -32,8 +42,10 @@ ROLES: dict[str, Callable[[Any], frozenset[Role]]] = {}
 """The roles each registered flow uses, as a function of the experiment config."""
 PRICING: dict[str, Pricing] = {}
 """How the planner prices an iteration of each registered flow."""
+_NO_PROMPTS: set[str] = set()
+"""Registered flows that read no prompt stream."""
 
-_BUILTIN = ("ppo", "dpo", "online_dpo")
+_BUILTIN = ("ppo", "dpo", "online_dpo", "sft", "rm")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 
@@ -41,10 +53,12 @@ def register(
   name: str,
   roles: Callable[[Any], frozenset[Role]] | None = None,
   pricing: Pricing | None = None,
+  *,
+  prompts: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorator: registers a flow factory (or class) under `name`; `roles(config)` says which
   roles it uses (default: all of them), `pricing` how the planner prices it (default: PPO's
-  stages on the roles it uses)."""
+  stages on the roles it uses); `prompts=False`: it reads no prompt stream."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
     FLOWS[name] = factory
@@ -52,6 +66,8 @@ def register(
       ROLES[name] = roles
     if pricing is not None:
       PRICING[name] = pricing
+    if not prompts:
+      _NO_PROMPTS.add(name)
     return factory
 
   return wrap
@@ -100,6 +116,14 @@ def pricing_by_name(name: str) -> Pricing:
   if name not in flows:
     raise ValueError(f"unknown flow {name!r}; registered: {', '.join(sorted(flows))}")
   return PRICING.get(name, PPO)
+
+
+def reads_prompts(config: Any) -> bool:
+  """Whether the configured flow reads the prompt stream (a user's own flow may)."""
+  if config.algorithm.flow:
+    return True
+  builtin()
+  return config.algorithm.name not in _NO_PROMPTS
 
 
 def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[Role]:

@@ -29,10 +29,11 @@ class FlowContext:
 
   cfg: ExperimentConfig
   cluster: Cluster
-  rewards: Rewards
+  rewards: Rewards | None
+  """None for a flow that reads no prompts (`rlhfjax.flows.registry`): it scores no samples."""
   tokenizer: Any
   prompts: Any
-  """The endless, checkpointed prompt iterator (`take(n)`)."""
+  """The endless, checkpointed prompt iterator (`take(n)`); None for a flow that reads none."""
   workdir: str
   """The run's directory (prepared datasets go to WORKDIR/data unless `data.data_dir`)."""
 

@@ -1,7 +1,9 @@
-"""What `scripts/train.py` (and `scripts/train_ppo.py`) do once flags are parsed."""
+"""What `scripts/train.py` (and `train_ppo.py`, `train_sft.py`, `train_rm.py`) do once flags are
+parsed."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from rlhfjax import launch
@@ -13,6 +15,7 @@ def train(config_dict: Any, workdir: str) -> None:
   to `launch.run`, which prints them as one `error:` line."""
   from rlhfjax import config as config_lib
   from rlhfjax import distributed, rerun
+  from rlhfjax.observe.metrics import MetricsWriter
   from rlhfjax.runner import loop
 
   workdir = launch.open_run(config_dict, workdir)
@@ -27,9 +30,20 @@ def train(config_dict: Any, workdir: str) -> None:
   result = runner.run()
   if not distributed.is_primary():
     return
+  headline = getattr(runner.flow, "headline", None)
+  if headline is not None:  # the first and last held-out value of the whole run
+    path = os.path.join(result.workdir, "metrics.jsonl")
+    values = [row[headline] for row in MetricsWriter.read(path) if headline in row]
+    first_last = f"{values[0]:.3f} -> {values[-1]:.3f}" if values else "-"
+    print(
+      f"{headline} {first_last}; steps {result.start_step} -> {result.final_step}; "
+      f"outputs in {result.workdir}"
+    )
   if result.preempted:
-    last = result.metrics[-1]["step"] + 1 if result.metrics else result.start_step
-    print(f"stopped: checkpoint of step {last} written; rerun the same command to resume")
+    written = (
+      "checkpoint written" if headline else f"checkpoint of step {result.final_step} written"
+    )
+    print(f"stopped: {written}; rerun the same command to resume")
     return
   if result.metrics and "reward/mean" in result.metrics[0]:
     first, last = result.metrics[0], result.metrics[-1]

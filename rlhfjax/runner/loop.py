@@ -4,7 +4,10 @@ The runner knows nothing of any algorithm. It builds the cluster of the config's
 the rewards and the prompt stream, asks the flow named by `algorithm` (`rlhfjax.flows`) to
 declare its roles and compile its programs, materializes the weights (fresh, or restored from
 the latest complete checkpoint onto whatever placement the config now names), then calls
-`flow.iteration(i)` and writes each returned row with the stage times of the timeline.
+`flow.iteration(i)` and writes each returned row with the stage times of the timeline. A flow
+on its own dataset (SFT, the reward model: `rlhfjax.flows.registry`) gets no prompt stream and
+no rewards, and reports its own held-out metrics, recorded at step 0, every `eval.every_steps`
+steps and after the last.
 
 Checkpoints (`rlhfjax.checkpoint`) hold the trained roles' states, the flow's own items and
 JSON state, and the prompt iterator's state; every random choice is a function of (`seed`,
@@ -17,6 +20,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 from typing import Any
 
 import jax
@@ -24,7 +28,7 @@ import tqdm
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import data, distributed, export, rerun, signals
-from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.cluster.cluster import HEADS, Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.data.chat_template import load_chat_template
@@ -35,13 +39,15 @@ from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import Timeline, plot_gantt
 from rlhfjax.placement.spec import PlacementSpec, Role
-from rlhfjax.planner.place import plan_placement
+from rlhfjax.planner.place import place
 from rlhfjax.runner import evaluation as evaluation_lib
 from rlhfjax.runner import identity as identity_lib
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
-_SHOWN = ("reward/mean", "kl/mean", "loss/policy")
+_SHOWN = ("reward/mean", "kl/mean", "loss/policy", "train/loss")
 """Metrics the progress bar shows, those a flow reports."""
+_PLOTS = (("reward/mean", "reward.png", "mean reward per iteration"),)
+"""(metric, file, title) of the curves drawn for a flow that names none (`flow.plots`)."""
 
 
 @dataclasses.dataclass
@@ -52,6 +58,8 @@ class RunResult:
   compilations: dict[str, int]
   start_step: int = 0
   """The iteration this run started at: > 0 when it resumed from a checkpoint."""
+  final_step: int = 0
+  """The iterations done when it ended (`total_steps`, or fewer when stopped)."""
   preempted: bool = False
   """SIGTERM stopped the run early, after writing a checkpoint."""
   evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -68,39 +76,48 @@ class Runner:
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True):
     self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
-    self.placement: PlacementSpec = plan_placement(cfg, len(jax.devices()))
+    factory = registry.resolve(cfg.algorithm.name, cfg.algorithm.flow)
+    self.placement: PlacementSpec = place(cfg, len(jax.devices()))
     distributed.check_placement(self.placement)
     self.prediction = None
     """With `placement.strategy=auto`, the planner's prediction, drawn beside the timeline."""
-    if cfg.placement.strategy == "auto":
+    if cfg.placement.strategy == "auto" and len(self.placement.roles) > 1:
       from rlhfjax.planner import auto
 
       self.prediction = auto.predicted_plan(cfg, self.placement)
-    factory = registry.resolve(cfg.algorithm.name, cfg.algorithm.flow)
     self.tokenizer = data.load_tokenizer(cfg.data.tokenizer)
-    if self.tokenizer.vocab_size > cfg.model.for_role("actor").vocab_size:
+    vocab = min(cfg.model.for_role(role.value).vocab_size for role in self.placement.roles)
+    if self.tokenizer.vocab_size > vocab:
       raise ConfigError(
         f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
-        f"only {cfg.model.for_role('actor').vocab_size}"
+        f"only {vocab}"
       )
     self.template = load_chat_template(cfg.data.tokenizer) if cfg.data.chat_template else None
-    self.prompts, self.eval_prompts = self._load_prompts()
+    self.prompts: data.PromptIterator | None = None
+    """The prompt stream; None for a flow that reads its own dataset (SFT, reward model)."""
+    self.eval_prompts = PromptBatch.of([])
+    if registry.reads_prompts(cfg):
+      self.prompts, self.eval_prompts = self._load_prompts()
     self.cluster = Cluster(cfg, self.placement)
     self.timeline, self.traces = self.cluster.timeline, self.cluster.traces
     self.ctx = FlowContext(
       cfg=cfg,
       cluster=self.cluster,
-      rewards=Rewards(cfg, self.cluster, self.tokenizer),
+      # A flow on its own dataset (SFT, reward model) scores no samples.
+      rewards=Rewards(cfg, self.cluster, self.tokenizer) if self.prompts is not None else None,
       tokenizer=self.tokenizer,
       prompts=self.prompts,
       workdir=workdir,
     )
     self.flow = factory(self.ctx)
     if not self.cluster.uses(Role.ROLLOUT):
-      self.eval_prompts = PromptBatch.of(
-        []
-      )  # the held-out evaluation samples responses: a flow without a
-      # rollout (offline DPO) reports its own held-out metrics
+      # The held-out evaluation samples responses: a flow without a rollout (offline DPO, SFT)
+      # reports its own held-out metrics.
+      self.eval_prompts = PromptBatch.of([])
+    self.own_evaluation = getattr(self.flow, "evaluate", None)
+    """The flow's own held-out metrics (`rlhfjax.flows.registry`), if it has them."""
+    self.step_base = 1 if getattr(self.flow, "steps_from_one", False) else 0
+    """The step the row of iteration 0 is logged at."""
     roles = [role.value for role in Role if self.cluster.uses(role)]
     self.identity = identity_lib.identity(cfg, roles, self.tokenizer, self.template)
     """What this run's checkpoints mean (`rlhfjax.runner.identity`): fixed once the flow has
@@ -161,7 +178,8 @@ class Runner:
         f"the config says {self.cfg.seed}: resume with the same seed or another workdir"
       )
     self.cluster.materialize(restored=items)
-    self.prompts.set_state(meta["data"])
+    if self.prompts is not None:
+      self.prompts.set_state(meta["data"])
     self.flow.restore(items, meta)
 
   def _continue_timeline(self, step: int) -> None:
@@ -173,29 +191,33 @@ class Runner:
       self.timeline.continue_from(kept)
 
   def _checkpoint_meta(self, step: int) -> dict[str, Any]:
-    return {
+    # What `export` rebuilds: the first trained role (the actor, or the one model trained).
+    exported = (self.cluster.trained or (Role.ACTOR,))[0]
+    meta = {
       identity_lib.KEY: self.identity,
       "step": step,
       # Every random choice derives from (seed, iteration): this is the whole RNG state.
       "seed": self.cfg.seed,
-      "data": self.prompts.get_state(),
       "placement": self.placement.strategy,
       **self.flow.meta(),
       **export.policy_meta(
-        Role.ACTOR.value,
-        "lm",
-        self.cfg.model.for_role(Role.ACTOR.value),
+        exported.value,
+        HEADS[exported],
+        self.cfg.model.for_role(exported.value),
         self.cfg.data.tokenizer,
         self.cfg.data.chat_template,
       ),
     }
+    if self.prompts is not None:
+      meta["data"] = self.prompts.get_state()
+    return meta
 
   def _save(self, step: int, *, force: bool = False) -> bool:
     """Checkpoint after `step` iterations (on the schedule, or always with `force`), and
     before it the timeline of those iterations, which a run resumed from it continues."""
     if not self.checkpointer.due(step, force=force):
       return False
-    if distributed.is_primary():
+    if distributed.is_primary() and self.timeline.records:
       self.timeline.write_json(os.path.join(self.workdir, "timeline.json"), before=step)
     with self.cluster.resident():  # `save` returns once the arrays are copied
       items = {role.value: self.cluster.states[role] for role in self.cluster.trained}
@@ -225,15 +247,23 @@ class Runner:
   def _iteration(self, iteration: int) -> dict[str, float]:
     row = self.flow.iteration(iteration)
     self.cluster.park()  # offloaded state waits in host memory until its next stage
-    row.update(self._stage_times(iteration))
-    row.update({f"data/{k}": float(v) for k, v in self.prompts.stats.items()})
+    if self.timeline.for_iteration(iteration):  # a flow of one role dispatches no stages
+      row.update(self._stage_times(iteration))
+    if self.prompts is not None:
+      row.update({f"data/{k}": float(v) for k, v in self.prompts.stats.items()})
     return row
 
   def _periodic_evaluation(self, iteration: int) -> dict[str, float]:
     """`eval/*` metrics after every `eval.every_steps`-th iteration but the last (the final
-    evaluation follows it). Tied to the iteration, so a resumed run neither repeats nor skips
-    one; the evaluation's fixed seed makes it the uninterrupted run's."""
+    evaluation follows it; a flow's own held-out metrics go into the last row too). Tied to
+    the iteration, so a resumed run neither repeats nor skips one; the evaluation's fixed seed
+    makes it the uninterrupted run's."""
     every, done = self.cfg.eval.every_steps, iteration + 1
+    if self.own_evaluation is not None:
+      if done != self.cfg.total_steps and not (every and done % every == 0):
+        return {}
+      start = time.perf_counter()
+      return {**self.own_evaluation(), "time/eval": time.perf_counter() - start}
     if not (every and self.eval_prompts) or done % every or done == self.cfg.total_steps:
       return {}
     result = self.evaluate()
@@ -248,10 +278,11 @@ class Runner:
     primary = distributed.is_primary()
     if primary:
       rerun.clear(self.workdir)
+    # A resumed run keeps the rows of the iterations its checkpoint holds and redoes the rest.
     writer = MetricsWriter(
       self.workdir,
       enabled=primary,
-      start_step=self.start_step,
+      start_step=self.start_step + self.step_base if self.start_step else 0,
       wandb=wandb_log.for_run(cfg, self.workdir, enabled=primary),
     )
     evaluation = evaluation_lib.read_evaluation(self.workdir, self.start_step)
@@ -259,6 +290,9 @@ class Runner:
       evaluation = {"before": self.evaluate()}
       evaluation_lib.write_evaluation(self.workdir, evaluation)
     rows: list[dict[str, float]] = []
+    if self.start_step == 0 and self.own_evaluation is not None:
+      rows.append({"step": 0, **self.own_evaluation()})
+      writer.write(0, {k: v for k, v in rows[-1].items() if k != "step"})
     preempted = threading.Event()
     restore_handler = signals.on_stop(preempted.set, f"{self.cfg.algorithm.name} run")
     bar = tqdm.tqdm(
@@ -269,14 +303,16 @@ class Runner:
       disable=not (self.show_progress and primary),
       dynamic_ncols=True,
     )
+    done = self.start_step
     try:
       for iteration in bar:
         row = self._iteration(iteration)
         periodic = self._periodic_evaluation(iteration)
         row.update(periodic)
         rows.append(row)
-        if periodic or iteration % cfg.log_every == 0 or iteration == cfg.total_steps - 1:
-          writer.write(iteration, {k: v for k, v in row.items() if k != "step"})
+        step = iteration + self.step_base
+        if periodic or step % cfg.log_every == 0 or iteration == cfg.total_steps - 1:
+          writer.write(step, {k: v for k, v in row.items() if k != "step"})
         bar.set_postfix({k: f"{row[k]:.3f}" for k in _SHOWN if k in row})
         self._check_skipped(iteration, row)
         done = iteration + 1
@@ -289,7 +325,7 @@ class Runner:
       self.flow.close()
       writer.close()
       self.checkpointer.wait()
-    stopped_early = preempted.is_set() and (not rows or rows[-1]["step"] + 1 < cfg.total_steps)
+    stopped_early = preempted.is_set() and done < cfg.total_steps
     if not stopped_early and self.eval_prompts and "after" not in evaluation:
       evaluation["after"] = self.evaluate()
       evaluation_lib.write_evaluation(self.workdir, evaluation)
@@ -303,6 +339,7 @@ class Runner:
       workdir=self.workdir,
       compilations=self.traces.counts,
       start_step=self.start_step,
+      final_step=done,
       preempted=stopped_early,
       evaluation=evaluation,
     )
@@ -320,8 +357,12 @@ class Runner:
       )
 
   def _write_outputs(self, rows: list[dict[str, float]]) -> None:
-    """Timeline (this run's iterations) and the reward curve (every row of metrics.jsonl, so
+    """Timeline (this run's iterations) and the flow's curves (every row of metrics.jsonl, so
     a resumed run plots the whole run)."""
+    for key, name, title in getattr(self.flow, "plots", _PLOTS):
+      plot_metric(rows, key, os.path.join(self.workdir, name), title=title)
+    if not self.timeline.records:
+      return
     self.timeline.write_json(os.path.join(self.workdir, "timeline.json"))
     newest = max((r.iteration for r in self.timeline.records), default=0)
     last = [r for r in self.timeline.records if r.iteration > newest - 3]
@@ -332,9 +373,3 @@ class Runner:
       from rlhfjax.planner.report import write_beside
 
       write_beside(self.prediction, last, self.workdir, title)
-    plot_metric(
-      rows,
-      "reward/mean",
-      os.path.join(self.workdir, "reward.png"),
-      title="mean reward per iteration",
-    )

@@ -6,9 +6,7 @@ and by the rejected response (each with EOS), right-padded to `max_len`: `chosen
 the padding rows of the last eval batch). A sequence's score is the value head's output at its
 last real token, as PPO reads the reward model (`models.sequence_reward`).
 
-The trained model is saved as the checkpoint item `RewardModelTrainer.item`; PPO loads its
-parameters for the reward role. Its trunk may start from an SFT checkpoint (or an HF causal-LM
-checkpoint): the LM head is dropped and the value head starts fresh.
+The flow that trains with them is `rlhfjax.flows.rm`.
 """
 
 from __future__ import annotations
@@ -17,17 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rlhfjax import algorithms as alg
 from rlhfjax import models
-from rlhfjax.config import RewardModelConfig
 from rlhfjax.config.model import ModelConfig
-from rlhfjax.data import pipeline
-from rlhfjax.placement.spec import Role
-from rlhfjax.training.supervised import Batch, SupervisedTrainer, TrainResult
-
-__all__ = ["RewardModelTrainer", "TrainResult", "pair_scores", "preference_loss"]
 
 
 def pair_scores(
@@ -64,40 +55,3 @@ def preference_eval_sums(
   _, metrics = preference_loss(params, batch, config=config)
   count = jnp.sum(batch["valid"].astype(jnp.float32))
   return {key: value * count for key, value in metrics.items()} | {"count": count}
-
-
-class RewardModelTrainer(SupervisedTrainer):
-  """Trains the reward role's model (value head) on `cfg.data.preferences`."""
-
-  cfg: RewardModelConfig
-
-  role = Role.REWARD
-  head = "value"
-  name = "rm"
-  item = "reward"
-  data_kind = "preference"
-  init_items = ("reward", "policy", "actor")
-  batch_keys = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask", "valid")
-  batch_pipeline = staticmethod(pipeline.preference_batches)
-  plot_key = "eval/accuracy"
-  plot_name = "eval_accuracy.png"
-
-  def data_file(self) -> str:
-    return self.cfg.data.preferences
-
-  def loss_fn(self, params, batch):
-    return preference_loss(params, batch, config=self.model)
-
-  def eval_sums(self, params, batch):
-    return preference_eval_sums(params, batch, config=self.model)
-
-  def tokens_per_batch(self, batch: Batch) -> int:
-    return int(np.sum(batch["chosen_mask"]) + np.sum(batch["rejected_mask"]))
-
-  def example_batch(self, rows: int) -> Batch:
-    shape = (rows, self.cfg.max_len)
-    batch = {
-      name: np.zeros(shape, np.int32)
-      for name in ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask")
-    }
-    return batch | {"valid": np.zeros((rows,), np.float32)}

@@ -6,8 +6,7 @@ tokens) and `loss_mask` float32 [b, s] (1 on the response tokens and EOS, the to
 The logits at column `j - 1` predict the token at column `j`. Prompt tokens are context only:
 the policy PPO starts from should answer prompts, not learn to write them.
 
-The trained policy is saved as the checkpoint item `SFTTrainer.item`; PPO loads its parameters
-for the actor and the reference (`rlhfjax.checkpoint.restore_params`).
+The flow that trains with them is `rlhfjax.flows.sft`.
 """
 
 from __future__ import annotations
@@ -16,17 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rlhfjax import algorithms as alg
 from rlhfjax import models
-from rlhfjax.config import SFTConfig
 from rlhfjax.config.model import ModelConfig
-from rlhfjax.data import pipeline
-from rlhfjax.placement.spec import Role
-from rlhfjax.training.supervised import Batch, SupervisedTrainer, TrainResult
-
-__all__ = ["SFTTrainer", "TrainResult", "sft_eval_sums", "sft_loss"]
 
 
 def sft_loss(
@@ -54,40 +46,3 @@ def sft_eval_sums(
   count = jnp.sum(batch["loss_mask"][:, 1:].astype(jnp.float32))
   loss, accuracy = _nll_and_accuracy(params, batch, config)
   return {"loss": loss * count, "token_accuracy": accuracy * count, "count": count}
-
-
-class SFTTrainer(SupervisedTrainer):
-  """SFT of the policy (the actor's model and head) on `cfg.data.demonstrations`."""
-
-  cfg: SFTConfig
-
-  role = Role.ACTOR
-  head = "lm"
-  name = "sft"
-  item = "policy"
-  data_kind = "demonstration"
-  init_items = ("policy", "actor")
-  batch_keys = ("tokens", "attention_mask", "loss_mask")
-  batch_pipeline = staticmethod(pipeline.sft_batches)
-  plot_key = "eval/loss"
-  plot_name = "eval_loss.png"
-
-  def data_file(self) -> str:
-    return self.cfg.data.demonstrations
-
-  def loss_fn(self, params, batch):
-    return sft_loss(params, batch, config=self.model)
-
-  def eval_sums(self, params, batch):
-    return sft_eval_sums(params, batch, config=self.model)
-
-  def tokens_per_batch(self, batch: Batch) -> int:
-    return int(np.sum(batch["attention_mask"]))
-
-  def example_batch(self, rows: int) -> Batch:
-    shape = (rows, self.cfg.max_len)
-    return {
-      "tokens": np.zeros(shape, np.int32),
-      "attention_mask": np.zeros(shape, np.int32),
-      "loss_mask": np.zeros(shape, np.float32),
-    }

@@ -172,3 +172,8 @@ def accumulate_and_apply(
   metrics["skipped"] = (~finite).astype(jnp.float32)
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
+
+
+def split_micro_batches(batch: dict[str, Any], micro_batches: int) -> dict[str, Any]:
+  """`[b, ...]` arrays to `[m, b / m, ...]`, the layout `accumulate_and_apply` scans."""
+  return {k: v.reshape(micro_batches, -1, *v.shape[1:]) for k, v in batch.items()}

@@ -29,8 +29,8 @@ from rlhfjax.mesh import rules
 
 # Which head a saved item carries, by the item names the trainers use.
 ITEM_HEADS: dict[str, HeadKind] = {
-  "policy": "lm",  # SFT
-  "actor": "lm",  # PPO
+  "policy": "lm",  # SFT runs of older versions
+  "actor": "lm",  # SFT, PPO
   "reward": "value",  # reward-model training
   "critic": "value",  # PPO
 }
