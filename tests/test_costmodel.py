@@ -1,4 +1,5 @@
-"""The cost model imports no JAX: a laptop prices a placement without starting a backend."""
+"""The cost model and the placement package import no JAX: a laptop prices and checks a
+placement without starting a backend."""
 
 import json
 import pkgutil
@@ -6,9 +7,11 @@ import subprocess
 import sys
 
 import rlhfjax.costmodel
+import rlhfjax.placement
 
 _JAX = ("jax", "jaxlib", "flax", "optax", "orbax")
 _MODULES = sorted(m.name for m in pkgutil.iter_modules(rlhfjax.costmodel.__path__))
+_PLACEMENT = sorted(m.name for m in pkgutil.iter_modules(rlhfjax.placement.__path__))
 
 
 def _jax_modules_after(*modules: str) -> list[str]:
@@ -43,3 +46,9 @@ def test_the_package_and_its_standalone_modules_import_no_jax():
 
 def test_every_cost_model_module_imports_no_jax():
   assert _jax_modules_after(*(f"rlhfjax.costmodel.{m}" for m in _MODULES)) == []
+
+
+def test_every_placement_module_imports_no_jax():
+  """Placement is data: specs, strategies and their structural and memory checks."""
+  assert len(_PLACEMENT) >= 5
+  assert _jax_modules_after(*(f"rlhfjax.placement.{m}" for m in _PLACEMENT)) == []
