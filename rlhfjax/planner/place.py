@@ -10,7 +10,7 @@ from __future__ import annotations
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.flows.registry import roles_of
 from rlhfjax.placement.spec import PlacementSpec
-from rlhfjax.placement.strategies import build_placement, train_rows
+from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import check_models, check_spec, resolve_num_devices
 from rlhfjax.planner import auto
 
@@ -37,7 +37,7 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     config.model,
     config.rollout,
     config.placement.memory_per_device_gb,
-    train_rows=train_rows(config),
+    train_rows=auto.train_rows(config),
     offload=config.offload,
   )
   return spec
