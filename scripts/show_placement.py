@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
 
   from rlhfjax import config as config_lib
   from rlhfjax import placement
-  from rlhfjax.planner import place
+  from rlhfjax.planner import auto, place
 
   try:
     config = config_lib.from_config_dict(_CONFIG.value)
@@ -40,13 +40,13 @@ def main(argv: list[str]) -> None:
     spec,
     config.model,
     config.rollout,
-    train_rows=placement.train_rows(config),
+    train_rows=auto.train_rows(config),
     offload=config.offload,
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
   print()
-  print(placement.option_report(config, spec, placement.train_rows(config)))
+  print(placement.option_report(config, spec, auto.train_rows(config)))
 
 
 if __name__ == "__main__":

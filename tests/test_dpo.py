@@ -5,6 +5,7 @@ numbers on two placements, learning on the bundled task."""
 import dataclasses
 import itertools
 import pathlib
+import re
 import runpy
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 
 from rlhfjax import algorithms as alg
 from rlhfjax.config import ConfigError, from_config_dict
-from rlhfjax.flows.online_dpo import make_pairs
+from rlhfjax.flows.online_dpo import make_pairs, refuse_ppo_fields
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
 
@@ -157,10 +158,36 @@ def test_dpo_flows_refuse_fused_scoring(tmp_path, name):
 
 
 def test_online_dpo_needs_pairs(tmp_path):
-  with pytest.raises(ConfigError, match="'ppo.group_size' must be at least 2, got 1"):
-    Runner(_online("colocated", ppo__group_size=1), str(tmp_path), show_progress=False)
-  with pytest.raises(ConfigError, match="pairs of a batch .* must split into 'ppo.mini_batches'"):
-    Runner(_online("colocated", ppo__mini_batches=8), str(tmp_path), show_progress=False)
+  match = "'online_dpo.samples_per_prompt' must be at least 2, got 1"
+  with pytest.raises(ConfigError, match=match):
+    _online("colocated", online_dpo__samples_per_prompt=1)
+  match = "pairs of a batch .* must split into 'online_dpo.mini_batches'"
+  with pytest.raises(ConfigError, match=match):
+    Runner(_online("colocated", online_dpo__mini_batches=8), str(tmp_path), show_progress=False)
+
+
+@pytest.mark.parametrize(
+  ("field", "value", "hint"),
+  [
+    ("group_size", 4, "set 'online_dpo.samples_per_prompt'"),
+    ("ppo_epochs", 2, "set 'online_dpo.epochs'"),
+    ("mini_batches", 2, "set 'online_dpo.mini_batches'"),
+    ("micro_batches", 2, "set 'online_dpo.micro_batches'"),
+    ("kl_coef", 0.5, "online DPO has no such setting"),
+    ("async_rollout", True, "online DPO has no such setting"),
+  ],
+)
+def test_online_dpo_refuses_the_ppo_fields_it_would_ignore(field, value, hint):
+  cfg = _online("colocated", **{f"ppo__{field}": value})
+  message = f"'ppo.{field}'={value!r} is PPO's; online DPO ignores it: {hint}"
+  with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+    refuse_ppo_fields(cfg)
+  refuse_ppo_fields(_online("colocated", ppo__max_skipped_updates=5))  # the runner's
+
+
+def test_online_dpo_flow_refuses_ppo_fields(tmp_path):
+  with pytest.raises(ConfigError, match="set 'online_dpo.samples_per_prompt'"):
+    Runner(_online("colocated", ppo__group_size=4), str(tmp_path), show_progress=False)
 
 
 @pytest.mark.parametrize("group_size", [2, 3])

@@ -32,6 +32,7 @@ from rlhfjax.placement import (
 )
 from rlhfjax.placement.memory import device_totals, option_effects, option_peaks
 from rlhfjax.placement.validate import check_spec
+from rlhfjax.planner import auto
 from rlhfjax.planner.place import plan_placement
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -401,7 +402,7 @@ def _offload_estimates(strategy: str, offload: dict):
   """The placement of `strategy` with `offload`, and its estimates without and with it."""
   config = _config(placement={"strategy": strategy}, reward=_REWARD_MODEL, offload=offload)
   spec = plan_placement(config, 8)
-  rows = strategies.train_rows(config)
+  rows = auto.train_rows(config)
   plain = estimate_placement_memory(spec, config.model, config.rollout, train_rows=rows)
   off = estimate_placement_memory(
     spec, config.model, config.rollout, train_rows=rows, offload=config.offload
@@ -449,7 +450,7 @@ def test_device_peak_with_offload_is_the_hand_computation(strategy, offload):
     spec,
     config.model,
     config.rollout,
-    train_rows=strategies.train_rows(config),
+    train_rows=auto.train_rows(config),
     offload=config.offload,
   )
   assert option_peaks(spec, effects)["configured"] == max(totals.values())
@@ -842,7 +843,7 @@ def test_show_placement_prints_what_remat_chunks_and_offload_save(script_runs, m
   exec(_OPTIONS_CONFIG, namespace)
   config = from_config_dict(namespace["get_config"]())
   spec = build_placement(config.placement, 8)
-  rows_per_step = strategies.train_rows(config)
+  rows_per_step = auto.train_rows(config)
   model = config.model.for_role("actor")
   est = lambda m: estimate_memory(
     Role.ACTOR, spec[Role.ACTOR], m, config.rollout, train_rows=rows_per_step

@@ -145,10 +145,11 @@ def _score_roles(plan) -> set[str]:
 
 
 def test_online_dpo_is_priced_as_online_dpo_not_as_grpo():
-  """Both sample `ppo.group_size` responses per prompt and need no critic; but online DPO keeps
-  the best and the worst of each prompt as a pair: the reference scores those two, the actor
-  trains on them, and no old log-probs are scored (`rlhfjax.flows.online_dpo`)."""
-  online = auto.workload_of(_config("online_dpo"))
+  """Both sample 4 responses per prompt (`online_dpo.samples_per_prompt`, `ppo.group_size`) and
+  need no critic; but online DPO keeps the best and the worst of each prompt as a pair: the
+  reference scores those two, the actor trains on them, and no old log-probs are scored
+  (`rlhfjax.flows.online_dpo`)."""
+  online = auto.workload_of(_config("online_dpo", online_dpo={"samples_per_prompt": 4}))
   grpo = auto.workload_of(_config("grpo"))
   assert online.pricing is pricing.ONLINE_DPO and grpo.pricing is pricing.CRITIC_FREE
   assert online.sequences == grpo.sequences == 16  # 4 prompts x 4 samples, both generated

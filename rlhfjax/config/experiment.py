@@ -361,6 +361,21 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchShape:
+  """How a flow samples its batch and splits it into updates: what the planner prices and the
+  memory check sizes, whichever section of the config sets it (`ppo`, `online_dpo`)."""
+
+  samples_per_prompt: int
+  """Responses the rollout samples for each prompt of `rollout.batch_size`."""
+  epochs: int
+  """Passes over each batch."""
+  mini_batches: int
+  """Optimizer updates per epoch."""
+  micro_batches: int
+  """Gradient-accumulation steps per mini-batch."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOSection:
   """The PPO algorithm: advantage estimation, KL penalty, losses and update schedule."""
 
@@ -440,6 +455,15 @@ class PPOSection:
       kl_horizon=ranges.COUNT,
     )
 
+  @property
+  def batch(self) -> BatchShape:
+    return BatchShape(
+      samples_per_prompt=self.group_size,
+      epochs=self.ppo_epochs,
+      mini_batches=self.mini_batches,
+      micro_batches=self.micro_batches,
+    )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmSection:
@@ -458,8 +482,8 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOSection:
-  """Direct preference optimisation (algorithm 'dpo' on `data.preferences`; 'online_dpo' on
-  pairs sampled by the rollout and ranked by the reward)."""
+  """Direct preference optimisation's loss (algorithm 'dpo' on `data.preferences`; 'online_dpo'
+  on pairs sampled by the rollout and ranked by the reward, as `online_dpo` says)."""
 
   beta: float = 0.1
   """Scale of the implicit reward `beta * (log pi - log pi_ref)`."""
@@ -477,6 +501,34 @@ class DPOSection:
         f"'dpo.label_smoothing'={self.label_smoothing} is conservative DPO's, for "
         "loss='sigmoid'; 'ipo' has no label smoothing: set it to 0"
       )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnlineDPOSection:
+  """Online DPO's sampling and update schedule (algorithm 'online_dpo'); its loss is `dpo`'s.
+  It reads no `ppo` field but the runner's `ppo.max_skipped_updates`."""
+
+  samples_per_prompt: int = 2
+  """Responses sampled per prompt; the best and the worst of them form the prompt's pair."""
+  epochs: int = 1
+  """Passes over each iteration's pairs."""
+  mini_batches: int = 1
+  """Optimizer updates per epoch: the pairs are shuffled and split into this many."""
+  micro_batches: int = 1
+  """Gradient-accumulation steps per mini-batch."""
+
+  def __post_init__(self):
+    counts = ("epochs", "mini_batches", "micro_batches")
+    ranges.check("online_dpo", self, **dict.fromkeys(counts, ranges.COUNT))
+    if self.samples_per_prompt < 2:
+      raise ConfigError(
+        "online DPO pairs the samples of a prompt: 'online_dpo.samples_per_prompt' must be at "
+        f"least 2, got {self.samples_per_prompt}"
+      )
+
+  @property
+  def batch(self) -> BatchShape:
+    return BatchShape(**dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -774,6 +826,7 @@ class ExperimentConfig:
   ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
   algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
   dpo: DPOSection = dataclasses.field(default_factory=DPOSection)
+  online_dpo: OnlineDPOSection = dataclasses.field(default_factory=OnlineDPOSection)
   reward: RewardSection = dataclasses.field(
     default_factory=lambda: RewardSection(fn="rlhfjax.tasks:vowel_reward")
   )

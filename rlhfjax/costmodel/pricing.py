@@ -27,9 +27,10 @@ class Pricing:
   """The rollout generates the responses (and receives the actor's weights after the update);
   False: the batch is given (DPO's preference pairs), nothing is generated or synced."""
   samples_per_prompt: int = 0
-  """Sequences each prompt of a config's batch makes: 0 for `ppo.group_size` responses to each
-  of `rollout.batch_size / ppo.group_size` prompts; a number n for n sequences to each of
-  `rollout.batch_size` prompts (DPO's pairs: 2)."""
+  """Sequences each prompt of a config's batch makes: 0 for the flow's samples per prompt k
+  (`ppo.group_size`, `online_dpo.samples_per_prompt`) to each of `rollout.batch_size / k`
+  prompts; a number n for n sequences to each of `rollout.batch_size` prompts (DPO's pairs:
+  2)."""
   scored: Mapping[str, int]
   """Roles whose forward scores the batch (old log-probs, reference log-probs, values,
   rewards), with the sequences per prompt each scores (0: every one)."""
@@ -83,7 +84,7 @@ ONLINE_DPO = Pricing(
   scored={"reward": 0, "reference": 2},
   trained={"actor": 2},
 )
-"""Online DPO (`rlhfjax.flows.online_dpo`): the rollout generates `ppo.group_size` samples per
-prompt and the reward scores them all, but only the best and the worst of each prompt form a
-pair: the reference scores those two and the actor trains on them (no old log-probs, no
-critic)."""
+"""Online DPO (`rlhfjax.flows.online_dpo`): the rollout generates `online_dpo.samples_per_prompt`
+samples per prompt and the reward scores them all, but only the best and the worst of each
+prompt form a pair: the reference scores those two and the actor trains on them (no old
+log-probs, no critic)."""

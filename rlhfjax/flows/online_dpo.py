@@ -1,16 +1,19 @@
-"""Online DPO (as in ChatLearn): the rollout samples `ppo.group_size` responses per prompt (two
-by default), the reward ranks them, and the best and the worst form a preference pair; the actor
-takes DPO steps on the pairs, then the rollout syncs as in PPO.
+"""Online DPO (as in ChatLearn): the rollout samples `online_dpo.samples_per_prompt` responses
+per prompt (two by default), the reward ranks them, and the best and the worst form a preference
+pair; the actor takes DPO steps (`dpo`'s loss) on the pairs, then the rollout syncs as in PPO.
 
 Like PPO's update, the pairs of an iteration are shuffled on the actor's mesh and split into
-`ppo.mini_batches` mini-batches (of `ppo.micro_batches` micro-batches), for `ppo.ppo_epochs`
-epochs: one optimizer step per mini-batch. Pairs whose responses all score the same carry no
-preference and are left out of the loss (`pairs/valid`). The pairing happens on the actor's
-mesh; the reference scores the pairs on its own mesh, device to device both ways.
+`online_dpo.mini_batches` mini-batches (of `online_dpo.micro_batches` micro-batches), for
+`online_dpo.epochs` epochs: one optimizer step per mini-batch. Pairs whose responses all score
+the same carry no preference and are left out of the loss (`pairs/valid`). The pairing happens
+on the actor's mesh; the reference scores the pairs on its own mesh, device to device both ways.
+The `ppo` section configures none of it: a PPO field set away from its default is refused
+rather than ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
-from rlhfjax.config import ConfigError
+from rlhfjax.config import ConfigError, ExperimentConfig, PPOSection
 from rlhfjax.costmodel import pricing
 from rlhfjax.flows import stages
 from rlhfjax.flows.base import Flow
@@ -59,33 +62,55 @@ def make_pairs(
   return out
 
 
+_MOVED = {
+  "group_size": "samples_per_prompt",
+  "ppo_epochs": "epochs",
+  "mini_batches": "mini_batches",
+  "micro_batches": "micro_batches",
+}
+"""PPO's batch fields and online DPO's own, which it reads instead."""
+_RUNNER_FIELDS = ("max_skipped_updates",)
+"""`ppo` fields the runner reads for every flow."""
+
+
+def refuse_ppo_fields(cfg: ExperimentConfig) -> None:
+  """Online DPO reads no `ppo` field but the runner's: one set away from its default would be
+  ignored, so it is refused, pointing at online DPO's own field where there is one."""
+  default = PPOSection()
+  for field in dataclasses.fields(PPOSection):
+    value = getattr(cfg.ppo, field.name)
+    if field.name in _RUNNER_FIELDS or value == getattr(default, field.name):
+      continue
+    own = _MOVED.get(field.name)
+    hint = f"set 'online_dpo.{own}'" if own else "online DPO has no such setting"
+    raise ConfigError(f"'ppo.{field.name}'={value!r} is PPO's; online DPO ignores it: {hint}")
+
+
 class OnlineDPOFlow(Flow):
   """See the module docstring."""
 
   def __init__(self, ctx: FlowContext):
     self.ctx = ctx
-    cfg, cluster, ppo = ctx.cfg, ctx.cluster, ctx.cfg.ppo
+    cfg, cluster, own = ctx.cfg, ctx.cluster, ctx.cfg.online_dpo
     stages.refuse_fused_scoring(cfg)
-    k = ppo.group_size
-    if k < 2:
-      raise ConfigError(
-        f"online DPO pairs the samples of a prompt: 'ppo.group_size' must be at least 2, got {k}"
-      )
+    refuse_ppo_fields(cfg)
+    k = own.samples_per_prompt
     if cfg.rollout.batch_size % k:
       raise ConfigError(
-        f"'rollout.batch_size'={cfg.rollout.batch_size} must be a multiple of 'ppo.group_size'={k}"
+        f"'rollout.batch_size'={cfg.rollout.batch_size} must be a multiple of "
+        f"'online_dpo.samples_per_prompt'={k}"
       )
     pairs, s = cfg.rollout.batch_size // k, cfg.rollout.max_seq_len
-    if pairs % (ppo.mini_batches * ppo.micro_batches):
+    if pairs % (own.mini_batches * own.micro_batches):
       raise ConfigError(
-        f"the {pairs} pairs of a batch ('rollout.batch_size' / 'ppo.group_size') must split "
-        f"into 'ppo.mini_batches' x 'ppo.micro_batches' = {ppo.mini_batches} x "
-        f"{ppo.micro_batches}"
+        f"the {pairs} pairs of a batch ('rollout.batch_size' / 'online_dpo.samples_per_prompt') "
+        f"must split into 'online_dpo.mini_batches' x 'online_dpo.micro_batches' = "
+        f"{own.mini_batches} x {own.micro_batches}"
       )
     source = WeightSource(
       source=cfg.init.actor, what="init.actor", rng=initial_rngs(cfg.seed)[Role.ACTOR]
     )
-    updates = cfg.total_steps * ppo.ppo_epochs * ppo.mini_batches
+    updates = cfg.total_steps * own.epochs * own.mini_batches
     cluster.train(Role.ACTOR, source, make_optimizer(cfg.actor_optimizer, updates))
     cluster.freeze(Role.REFERENCE, source)
     cluster.rollout_from(Role.ACTOR, ctx.tokenizer.pad_id)
@@ -114,8 +139,8 @@ class OnlineDPOFlow(Flow):
       Role.ACTOR,
       "pair_split",
       shapes,
-      mini=ppo.mini_batches,
-      micro=ppo.micro_batches,
+      mini=own.mini_batches,
+      micro=own.micro_batches,
       seed=cfg.seed,
     )
     dpo = cfg.dpo
@@ -130,9 +155,9 @@ class OnlineDPOFlow(Flow):
     self.skipped_in_row = 0
 
   def iteration(self, iteration: int) -> dict[str, float]:
-    ctx, cluster, ppo = self.ctx, self.ctx.cluster, self.ctx.cfg.ppo
+    ctx, cluster, own = self.ctx, self.ctx.cluster, self.ctx.cfg.online_dpo
     start = cluster.timeline.now()
-    prompts = stages.grouped_prompts(ctx, ppo.group_size)
+    prompts = stages.grouped_prompts(ctx, own.samples_per_prompt)
     seqs = stages.generate_stage(ctx, iteration, prompts)
     exp = Experience(**cluster.upload(Role.ACTOR, Experience.from_sequences(seqs), "rollout"))
     scores = ctx.rewards.score(exp.tokens_bs, exp.attention_mask_bs, seqs, iteration)
@@ -146,7 +171,7 @@ class OnlineDPOFlow(Flow):
     batch = {**pairs, **cluster.move(Role.ACTOR, ref)}
 
     updates = []
-    for _ in range(ppo.ppo_epochs):
+    for _ in range(own.epochs):
       minis = self._split(batch, cluster.states[Role.ACTOR].step)
       for mini in minis:
         updates += cluster.run([cluster.update_stage(Role.ACTOR, self._step, mini)], iteration)
@@ -173,6 +198,7 @@ class OnlineDPOFlow(Flow):
   "online_dpo",
   roles=lambda cfg: policy_roles(cfg, critic=False),
   pricing=pricing.ONLINE_DPO,
+  batch=lambda cfg: cfg.online_dpo.batch,
 )
 def make_flow(ctx: FlowContext) -> OnlineDPOFlow:
   return OnlineDPOFlow(ctx)

@@ -13,7 +13,9 @@ A flow registered with `roles` (a function of the config) declares the roles it 
 placement, its memory check and the planner give the others no mesh and no memory (GRPO has
 no critic; a rule reward needs no reward model; DPO generates nothing). Its `pricing`
 (`rlhfjax.costmodel.pricing.Pricing`) says how the planner prices an iteration: which stages
-run, by which roles, on how many of the batch's sequences. One registered with `prompts=False`
+run, by which roles, on how many of the batch's sequences; its `batch` (a function of the
+config) which section sets the samples per prompt, epochs, mini- and micro-batches that the
+planner prices and the memory check sizes (default: `ppo`'s). One registered with `prompts=False`
 reads its own dataset, not the prompt stream, and scores no samples (SFT, the reward model): the
 runner builds it no prompt stream and no rewards.
 
@@ -32,6 +34,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from rlhfjax.config import BatchShape
 from rlhfjax.costmodel.pricing import PPO, Pricing
 from rlhfjax.flows import user
 from rlhfjax.placement.spec import Role
@@ -44,6 +47,8 @@ PRICING: dict[str, Pricing] = {}
 """How the planner prices an iteration of each registered flow."""
 _NO_PROMPTS: set[str] = set()
 """Registered flows that read no prompt stream."""
+BATCH: dict[str, Callable[[Any], BatchShape]] = {}
+"""The batch shape each registered flow reads, as a function of the experiment config."""
 
 _BUILTIN = ("ppo", "dpo", "online_dpo", "sft", "rm")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
@@ -53,12 +58,14 @@ def register(
   name: str,
   roles: Callable[[Any], frozenset[Role]] | None = None,
   pricing: Pricing | None = None,
+  batch: Callable[[Any], BatchShape] | None = None,
   *,
   prompts: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorator: registers a flow factory (or class) under `name`; `roles(config)` says which
   roles it uses (default: all of them), `pricing` how the planner prices it (default: PPO's
-  stages on the roles it uses); `prompts=False`: it reads no prompt stream."""
+  stages on the roles it uses), `batch(config)` its batch shape (default: `ppo`'s);
+  `prompts=False`: it reads no prompt stream."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
     FLOWS[name] = factory
@@ -68,6 +75,8 @@ def register(
       PRICING[name] = pricing
     if not prompts:
       _NO_PROMPTS.add(name)
+    if batch is not None:
+      BATCH[name] = batch
     return factory
 
   return wrap
@@ -108,6 +117,17 @@ def pricing_of(config: Any) -> Pricing:
     return PPO
   builtin()
   return PRICING.get(config.algorithm.name, PPO)
+
+
+def batch_of(config: Any) -> BatchShape:
+  """The batch shape of the configured flow; `ppo`'s for a user's own flow (`algorithm.flow`)
+  or a flow registered without one."""
+  if not config.algorithm.flow:
+    builtin()
+    declared = BATCH.get(config.algorithm.name)
+    if declared:
+      return declared(config)
+  return config.ppo.batch
 
 
 def pricing_by_name(name: str) -> Pricing:

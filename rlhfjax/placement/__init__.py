@@ -11,7 +11,6 @@ from rlhfjax.placement.strategies import (
   interleaved,
   register_strategy,
   strategy_names,
-  train_rows,
 )
 from rlhfjax.placement.validate import PlacementError
 
@@ -34,5 +33,4 @@ __all__ = [
   "register_strategy",
   "strategy_names",
   "option_report",
-  "train_rows",
 ]

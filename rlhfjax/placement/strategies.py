@@ -24,7 +24,7 @@ import difflib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from rlhfjax.config import ExperimentConfig, ExplicitPlacementSection, PlacementSection
+from rlhfjax.config import ExplicitPlacementSection, PlacementSection
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.placement.validate import (
   PlacementError,
@@ -344,12 +344,6 @@ def build_placement(placement_cfg: PlacementSection, available_devices: int) -> 
   spec = _STRATEGIES[name].build(placement_cfg, num_devices)
   check_spec(spec, num_devices)
   return spec
-
-
-def train_rows(config: ExperimentConfig) -> int:
-  """Sequences per micro-step of the trained roles: the rollout batch split into mini-batches,
-  each into micro-batches."""
-  return max(1, config.rollout.batch_size // config.ppo.mini_batches // config.ppo.micro_batches)
 
 
 def _device_range(start: int, stop: int) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """`placement.strategy='auto'`: plan for the devices at hand and return the winning spec.
 
 The experiment config becomes a `Workload` (the trainer's batch, lengths, epochs, mini- and
-micro-batches, models); the search ranks every placement on the configured hardware (`local`
-from a calibration file, or a preset), and the first plan that fits and passes the placement
-checks of the config is used. The chosen plan and the runner-up are printed.
+micro-batches as the flow's section sets them, models); the search ranks every placement on the
+configured hardware (`local` from a calibration file, or a preset), and the first plan that fits
+and passes the placement checks of the config is used. The chosen plan and the runner-up are
+printed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.costmodel import efficiency, hardware
 from rlhfjax.costmodel.workload import Workload
-from rlhfjax.flows.registry import pricing_of, roles_of
+from rlhfjax.flows.registry import batch_of, pricing_of, roles_of
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import PlacementError, check_models
@@ -26,14 +27,14 @@ def workload_of(config: ExperimentConfig) -> Workload:
   """The planner's view of one iteration of the experiment: the roles its flow uses
   (`rlhfjax.flows.registry.roles_of`), so a critic-free flow plans no critic, a rule reward no
   reward model, and DPO no rollout; the stages priced as the flow registered them
-  (`rlhfjax.flows.registry.pricing_of`)."""
-  ppo, rollout, model = config.ppo, config.rollout, config.model
-  roles, pricing = roles_of(config), pricing_of(config)
+  (`rlhfjax.flows.registry.pricing_of`), on the batch shape it reads (`batch_of`)."""
+  rollout, model = config.rollout, config.model
+  roles, pricing, batch = roles_of(config), pricing_of(config), batch_of(config)
+  samples = _samples_per_prompt(config)
   # A flow whose prompts make a fixed number of sequences (DPO's pairs) takes the batch as
-  # prompts; the others split it into groups of `ppo.group_size` samples.
-  samples = pricing.samples_per_prompt or ppo.group_size
+  # prompts; the others split it into groups of the samples of a prompt.
   prompts = rollout.batch_size if pricing.samples_per_prompt else rollout.batch_size // samples
-  work = Workload(
+  return Workload(
     actor=model.for_role(Role.ACTOR),
     critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
     reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
@@ -44,14 +45,24 @@ def workload_of(config: ExperimentConfig) -> Workload:
     response_len_mean=rollout.max_new_tokens,
     samples_per_prompt=samples,
     response_len_max=rollout.max_new_tokens,
-    ppo_epochs=ppo.ppo_epochs,
-    optimizer_steps=ppo.mini_batches,
+    ppo_epochs=batch.epochs,
+    optimizer_steps=batch.mini_batches,
     offload=config.offload,
+    train_rows=train_rows(config),
   )
-  # The trained roles' micro-steps split the part of the batch they train on (online DPO: the
-  # pairs) into mini- and micro-batches.
-  trained = rollout.batch_size * work.trained(Role.ACTOR) // work.sequences
-  return work.replace(train_rows=trained // ppo.mini_batches // ppo.micro_batches)
+
+
+def train_rows(config: ExperimentConfig) -> int:
+  """Sequences per micro-step of the trained roles: the part of the rollout batch the actor
+  trains on (online DPO: the pairs) split into the flow's mini- and micro-batches."""
+  batch, samples = batch_of(config), _samples_per_prompt(config)
+  per_prompt = pricing_of(config).trained[Role.ACTOR] or samples
+  trained = config.rollout.batch_size * min(per_prompt, samples) // samples
+  return max(1, trained // batch.mini_batches // batch.micro_batches)
+
+
+def _samples_per_prompt(config: ExperimentConfig) -> int:
+  return pricing_of(config).samples_per_prompt or batch_of(config).samples_per_prompt
 
 
 def load_planner_inputs(section) -> tuple[hardware.Hardware, efficiency.Efficiency]:

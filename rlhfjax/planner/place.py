@@ -16,7 +16,7 @@ from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.flows.registry import roles_of
 from rlhfjax.placement import memory, single_role
 from rlhfjax.placement.spec import PlacementSpec, RoleSpec
-from rlhfjax.placement.strategies import build_placement, train_rows
+from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import (
   PlacementError,
   check_models,
@@ -48,7 +48,7 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     config.model,
     config.rollout,
     config.placement.memory_per_device_gb,
-    train_rows=train_rows(config),
+    train_rows=auto.train_rows(config),
     offload=config.offload,
   )
   return spec
