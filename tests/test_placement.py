@@ -33,7 +33,7 @@ from rlhfjax.placement import (
 from rlhfjax.placement.memory import device_totals, option_effects, option_peaks
 from rlhfjax.placement.validate import check_spec
 from rlhfjax.planner import auto
-from rlhfjax.planner.place import plan_placement
+from rlhfjax.planner.place import place, plan_placement
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "show_placement.py"
@@ -652,19 +652,18 @@ def _load_config_file(path: pathlib.Path):
   return module.get_config()
 
 
-def _ppo_sections(path: pathlib.Path) -> list:
-  """The PPO configs a config file holds: itself, or the `ppo` stage of a pipeline; SFT and
-  reward-model configs are checked in tests/test_sft_rm.py."""
+def _experiments(path: pathlib.Path) -> list:
+  """The experiment configs a config file holds: itself, or each stage of a pipeline."""
   config = _load_config_file(path)
   if "ppo" in config and "sft" in config:
-    return [config.ppo]
-  return [] if "batch_size" in config else [config]
+    return list(config.values())
+  return [config]
 
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_loads_and_validates(path):
-  for section in _ppo_sections(path):
-    plan_placement(from_config_dict(section), jax.device_count())
+  for section in _experiments(path):
+    place(from_config_dict(section), jax.device_count())
 
 
 def test_ppo_tiny_validates_with_every_strategy():
