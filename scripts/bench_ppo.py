@@ -15,20 +15,16 @@ import time
 from absl import flags
 
 from rlhfjax import launch
+from rlhfjax.bench import run_flags
 
 _PLACEMENTS = flags.DEFINE_list(
   "placements",
   ["colocated", "interleaved", "interleaved_split", "disaggregated", "disaggregated_async"],
   "Variants of configs/ppo_tiny.py to run.",
 )
-_ITERATIONS = flags.DEFINE_integer("iterations", 5, "PPO iterations per placement (>= 2).")
-_DEVICES = flags.DEFINE_integer("devices", 8, "Devices (host devices emulated on CPU).")
+_RUN = run_flags.define_run_flags(iterations=5, iterations_help="PPO iterations per placement")
+flags.adopt_module_key_flags(run_flags)
 _SIZE = flags.DEFINE_string("size", "tiny", "Registered model size to start from.")
-_HIDDEN = flags.DEFINE_integer("hidden", 128, "hidden_size (0: the size's own).")
-_LAYERS = flags.DEFINE_integer("layers", 4, "num_layers (0: the size's own).")
-_MLP = flags.DEFINE_integer("mlp", 352, "intermediate_size (0: the size's own).")
-_BATCH = flags.DEFINE_integer("batch", 32, "Sequences per rollout batch.")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Response tokens per sequence.")
 _PREDICT = flags.DEFINE_string(
   "predict", None, "Calibration JSON of scripts/calibrate.py: add the planner's prediction."
 )
@@ -42,33 +38,17 @@ _CHECK = flags.DEFINE_integer(
   "(rlhfjax.bench.localcheck.check).",
 )
 
-_SYNC_REPEATS = flags.DEFINE_integer(
-  "sync_repeats",
-  16,
-  "With --check: syncs of each placement timed again per round (Cluster.resync).",
-)
-
 
 def _config(variant: str):
   from rlhfjax.bench.localcheck import bench_config
 
-  return bench_config(
-    variant,
-    iterations=_ITERATIONS.value,
-    devices=_DEVICES.value,
-    size=_SIZE.value,
-    hidden=_HIDDEN.value,
-    layers=_LAYERS.value,
-    mlp=_MLP.value,
-    batch=_BATCH.value,
-    new_tokens=_NEW_TOKENS.value,
-  )
+  return bench_config(variant, size=_SIZE.value, **_RUN.config_kwargs())
 
 
 def main(argv):
   del argv
   launch.quiet_logging()
-  launch.emulate_host_devices(_DEVICES.value)
+  launch.emulate_host_devices(_RUN.devices.value)
   import numpy as np
 
   from rlhfjax.runner import Runner
@@ -79,19 +59,16 @@ def main(argv):
     # The one-step-off-policy variant overlaps generation with the other stages by design;
     # its stage spans are not comparable one by one.
     variants = [p for p in _PLACEMENTS.value if p != "disaggregated_async"]
+    shape = _RUN.config_kwargs()
+    del shape["iterations"]  # one per round
     result = localcheck.check(
       variants,
       fit_variant=variants[0],
       rounds=_CHECK.value,
-      sync_repeats=_SYNC_REPEATS.value,
-      devices=_DEVICES.value,
+      sync_repeats=_RUN.sync_repeats.value,
       progress=lambda line: print(line, flush=True),
       size=_SIZE.value,
-      hidden=_HIDDEN.value,
-      layers=_LAYERS.value,
-      mlp=_MLP.value,
-      batch=_BATCH.value,
-      new_tokens=_NEW_TOKENS.value,
+      **shape,
     )
     print(json.dumps(result.to_json()))
     found = localcheck.agreements(result)
@@ -123,7 +100,7 @@ def main(argv):
         trainer.cfg,
         hardware.load_hardware("local", _PREDICT.value),
         efficiency.load_efficiency(_PREDICT.value),
-        _DEVICES.value,
+        _RUN.devices.value,
         {**measured, "iteration": iteration},
       )
     print(

@@ -16,29 +16,22 @@ import tempfile
 from absl import app, flags
 
 from rlhfjax import launch
+from rlhfjax.bench import run_flags
 
 _OUT = flags.DEFINE_string("out", None, "Where to write the calibration JSON.")
-_DEVICES = flags.DEFINE_integer("devices", 8, "Devices (host devices emulated on CPU).")
-_ITERATIONS = flags.DEFINE_integer("iterations", 4, "PPO iterations of the fitted run (>= 2).")
+_RUN = run_flags.define_run_flags(iterations=4, iterations_help="PPO iterations of the fitted run")
+flags.adopt_module_key_flags(run_flags)
 _VARIANT = flags.DEFINE_string("variant", "colocated", "Placement of the fitted run.")
-_HIDDEN = flags.DEFINE_integer("hidden", 128, "Fitted run: hidden_size (bench_ppo's default).")
-_LAYERS = flags.DEFINE_integer("layers", 4, "Fitted run: num_layers.")
-_MLP = flags.DEFINE_integer("mlp", 352, "Fitted run: intermediate_size.")
-_BATCH = flags.DEFINE_integer("batch", 32, "Fitted run: sequences per rollout batch.")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Fitted run: response tokens per sequence.")
-_SYNC_REPEATS = flags.DEFINE_integer(
-  "sync_repeats", 16, "Fitted run: syncs timed again after each iteration (Cluster.resync)."
-)
 flags.mark_flags_as_required(["out"])
 
 
 def main(argv):
   if len(argv) > 1:
     launch.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  if _ITERATIONS.value < 2:
+  if _RUN.iterations.value < 2:
     launch.fail("--iterations must be >= 2 (the first one compiles)")
   launch.quiet_logging()
-  launch.emulate_host_devices(_DEVICES.value)
+  launch.emulate_host_devices(_RUN.devices.value)
   import dataclasses
 
   import jax
@@ -47,40 +40,31 @@ def main(argv):
   from rlhfjax.bench import calibrate, localcheck
   from rlhfjax.runner import Runner
 
-  devices = jax.devices()[: _DEVICES.value]
+  devices = jax.devices()[: _RUN.devices.value]
   hw = calibrate.measure_hardware(devices)
-  config = localcheck.bench_config(
-    _VARIANT.value,
-    iterations=_ITERATIONS.value,
-    devices=_DEVICES.value,
-    hidden=_HIDDEN.value,
-    layers=_LAYERS.value,
-    mlp=_MLP.value,
-    batch=_BATCH.value,
-    new_tokens=_NEW_TOKENS.value,
-  )
+  config = localcheck.bench_config(_VARIANT.value, **_RUN.config_kwargs())
   runner = Runner(config, tempfile.mkdtemp(), show_progress=False)
   runner.iterate(0)  # compiles
   moments = calibrate.AtMoments(hw, devices)
   samples = {s: [] for s in localcheck.STAGES}
-  for k in range(1, _ITERATIONS.value):  # the calibration timed at the moments of the run
+  for k in range(1, _RUN.iterations.value):  # the calibration timed at the moments of the run
     moments.sample()
     row = runner.iterate(k)
     for s in samples:
       samples[s].append(row[f"time/{s}"])
-    samples["sync"] += localcheck.resync_samples([runner.cluster], _SYNC_REPEATS.value)[0]
+    samples["sync"] += localcheck.resync_samples([runner.cluster], _RUN.sync_repeats.value)[0]
   runner.flow.close()
   hw = moments.hardware()
   measured = {s: float(np.median(xs)) for s, xs in samples.items()}
-  eff = localcheck.fit(config, hw, _DEVICES.value, measured)
+  eff = localcheck.fit(config, hw, _RUN.devices.value, measured)
   out = {
     "hardware": hw.to_json(),
     "efficiency": dataclasses.asdict(eff),
     "fit_run": {
       "config": f"bench_ppo {_VARIANT.value}",
-      "model": {"hidden": _HIDDEN.value, "layers": _LAYERS.value, "mlp": _MLP.value},
-      "batch": _BATCH.value,
-      "new_tokens": _NEW_TOKENS.value,
+      "model": {"hidden": _RUN.hidden.value, "layers": _RUN.layers.value, "mlp": _RUN.mlp.value},
+      "batch": _RUN.batch.value,
+      "new_tokens": _RUN.new_tokens.value,
       "measured": measured,
     },
   }

@@ -8,8 +8,11 @@ import pathlib
 import runpy
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import pytest
 
 _ROOT = pathlib.Path(__file__).parent.parent
 
@@ -17,6 +20,14 @@ VOLATILE = ("time/", "throughput/")
 """Metric keys that measure wall-clock time (seconds, tokens per second): they differ between
 any two runs by nature. Every other key, and every value of it, must repeat exactly: resume is
 exact (every random choice is a function of the seed and the step)."""
+
+
+def assert_same_numbers(base: list[dict], other: list[dict], keys: Iterable[str]) -> None:
+  """Two runs' metric rows agree on `keys`, row by row: the same computation on other meshes,
+  where only the order of reductions may differ."""
+  for a, b in zip(base, other, strict=True):
+    for key in keys:
+      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
 
 
 def rows(workdir: str) -> list[dict]:
@@ -117,3 +128,14 @@ def shipped_config(name: str, changes: dict, variant: str = "colocated"):
       node = node[section]
     node[field] = value
   return from_config_dict(cd)
+
+
+def run_plan_placement(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+  """`python scripts/plan_placement.py *args` as a user runs it, its output captured as text."""
+  return subprocess.run(
+    [sys.executable, str(_ROOT / "scripts" / "plan_placement.py"), *args],
+    capture_output=True,
+    text=True,
+    check=check,
+    timeout=120,
+  )

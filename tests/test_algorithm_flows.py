@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from runs_testing import assert_same_numbers
 
 from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
@@ -71,9 +72,7 @@ def test_every_placement_gives_the_colocated_numbers(runs, name):
   keys = ["reward/mean", "kl/mean", "loss/policy", "policy/entropy", "actor/grad_norm"]
   if name == "grpo":
     keys.append("loss/kl")
-  for a, b in zip(base, other, strict=True):
-    for key in keys:
-      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (name, key)
+  assert_same_numbers(base, other, keys)
   assert base[0]["loss/policy"] != base[1]["loss/policy"]
 
 

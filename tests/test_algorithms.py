@@ -169,26 +169,21 @@ def test_clipped_policy_loss(batch):
 def test_behaviour_policy_importance_weight(batch):
   old, mask = batch["logp"], batch["mask"]
   adv = np.ones_like(old)
-  behaviour = old - 0.1  # the stale policy gave these tokens lower probability
-  loss, _ = alg.clipped_policy_loss(
-    jnp.asarray(old),
-    jnp.asarray(old),
-    jnp.asarray(adv),
-    jnp.asarray(mask),
-    clip_eps=0.2,
-    behaviour_logp_bt=jnp.asarray(behaviour),
-  )
-  _close(loss, -np.exp(0.1))
-  far = old - 5.0
-  loss, _ = alg.clipped_policy_loss(
-    jnp.asarray(old),
-    jnp.asarray(old),
-    jnp.asarray(adv),
-    jnp.asarray(mask),
-    clip_eps=0.2,
-    behaviour_logp_bt=jnp.asarray(far),
-  )
-  _close(loss, -1.2)  # truncated at 1 + eps
+
+  def loss_given(behaviour):
+    loss, _ = alg.clipped_policy_loss(
+      jnp.asarray(old),
+      jnp.asarray(old),
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=0.2,
+      behaviour_logp_bt=jnp.asarray(behaviour),
+    )
+    return loss
+
+  # The stale policy gave these tokens lower probability.
+  _close(loss_given(old - 0.1), -np.exp(0.1))
+  _close(loss_given(old - 5.0), -1.2)  # truncated at 1 + eps
 
 
 def test_clipped_value_loss(batch):

@@ -3,14 +3,14 @@ placements (same numbers), with every kept group carrying a signal."""
 
 import os
 import pathlib
-import runpy
 import signal
 
 import numpy as np
 import pytest
+from runs_testing import assert_same_numbers, shipped_config
 
 from rlhfjax import algorithms as alg
-from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.config import ConfigError
 from rlhfjax.flows import experience, registry
 from rlhfjax.runner import Runner
 
@@ -72,15 +72,15 @@ def first_token_low(prompts, responses, metadata):
   return np.array([float(len(r) > 0 and r[0] < 64) for r in responses], np.float32)
 
 
-def _config(variant, **ppo):
-  cd = runpy.run_path(str(_ROOT / "configs" / "dapo_tiny.py"))["get_config"](variant)
-  cd.reward.fn = "test_dapo:first_token_low"
-  cd.total_steps = 2
-  cd.rollout.batch_size = 8
-  cd.rollout.max_new_tokens = 8
-  cd.eval.num_prompts = 0
-  cd.ppo.update(ppo)
-  return from_config_dict(cd)
+def _config(variant, reward_fn="test_dapo:first_token_low", **ppo):
+  changes = {
+    "reward.fn": reward_fn,
+    "total_steps": 2,
+    "rollout.batch_size": 8,
+    "rollout.max_new_tokens": 8,
+    "eval.num_prompts": 0,
+  }
+  return shipped_config("dapo_tiny", changes | {f"ppo.{k}": v for k, v in ppo.items()}, variant)
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +93,8 @@ def runs(tmp_path_factory):
 
 def test_dapo_gives_the_same_numbers_on_two_placements(runs):
   base, other = runs["colocated"].metrics, runs["disaggregated"].metrics
-  for a, b in zip(base, other, strict=True):
-    for key in (
-      "reward/mean",
-      "loss/policy",
-      "actor/grad_norm",
-      "dapo/rounds",
-      "dapo/filled_groups",
-    ):
-      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+  keys = ("reward/mean", "loss/policy", "actor/grad_norm", "dapo/rounds", "dapo/filled_groups")
+  assert_same_numbers(base, other, keys)
   assert set(runs["disaggregated"].compilations.values()) == {1}
 
 
@@ -138,14 +131,8 @@ def constant_reward(prompts, responses, metadata):
 
 def _constant_run(tmp_path, rounds, stop_at=0):
   _CALLS.update(n=0, stop_at=stop_at)
-  cd = runpy.run_path(str(_ROOT / "configs" / "dapo_tiny.py"))["get_config"]("colocated")
-  cd.reward.fn = "test_dapo:constant_reward"
-  cd.total_steps = 2
-  cd.rollout.batch_size = 8
-  cd.rollout.max_new_tokens = 8
-  cd.eval.num_prompts = 0
-  cd.ppo.dynamic_sampling_rounds = rounds
-  return Runner(from_config_dict(cd), str(tmp_path), show_progress=False).run()
+  cfg = _config("colocated", "test_dapo:constant_reward", dynamic_sampling_rounds=rounds)
+  return Runner(cfg, str(tmp_path), show_progress=False).run()
 
 
 def test_dapo_rounds_with_a_constant_reward_are_reported(tmp_path, capfd):

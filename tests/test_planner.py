@@ -4,14 +4,13 @@ import dataclasses
 import functools
 import json
 import pathlib
-import subprocess
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from runs_testing import run_plan_placement
 
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import OffloadSection, OptimizerConfig, from_config_dict
@@ -226,26 +225,19 @@ def test_grpo_drops_the_critic():
 
 
 def test_plan_placement_script_json(tmp_path):
-  out = subprocess.run(
-    [
-      sys.executable,
-      str(REPO / "scripts" / "plan_placement.py"),
-      "--actor=7b",
-      "--critic=7b",
-      "--reward=7b",
-      "--hardware=a800",
-      "--devices=8",
-      "--prompts=1024",
-      "--prompt_len=1024",
-      "--response_len_mean=512",
-      "--response_len_max=1024",
-      "--json",
-      f"--timeline={tmp_path}",
-    ],
-    capture_output=True,
-    text=True,
+  out = run_plan_placement(
+    "--actor=7b",
+    "--critic=7b",
+    "--reward=7b",
+    "--hardware=a800",
+    "--devices=8",
+    "--prompts=1024",
+    "--prompt_len=1024",
+    "--response_len_mean=512",
+    "--response_len_max=1024",
+    "--json",
+    f"--timeline={tmp_path}",
     check=True,
-    timeout=120,
   )
   plans = [json.loads(line) for line in out.stdout.splitlines()]
   assert len(plans) > 10
@@ -262,12 +254,7 @@ def test_plan_placement_script_json(tmp_path):
 
 
 def test_plan_placement_script_bad_input_is_one_line():
-  out = subprocess.run(
-    [sys.executable, str(REPO / "scripts" / "plan_placement.py"), "--actor=8q"],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  out = run_plan_placement("--actor=8q")
   assert out.returncode == 2
   assert out.stderr.strip().startswith("error: model '8q' is neither a size")
   assert len(out.stderr.strip().splitlines()) == 1
@@ -288,12 +275,7 @@ def test_plan_placement_refuses_meaningless_flags_and_model_files(tmp_path, args
   (tmp_path / "hidden_str.json").write_text(json.dumps({"hidden_size": "4096"}))
   (tmp_path / "list.json").write_text("[1, 2]")
   args = [a.replace("BAD", str(tmp_path)) for a in args]
-  out = subprocess.run(
-    [sys.executable, str(REPO / "scripts" / "plan_placement.py"), "--actor=tiny", *args],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  out = run_plan_placement("--actor=tiny", *args)
   assert out.returncode == 2, out.stderr
   assert out.stderr.startswith("error: " + message.replace("BAD", str(tmp_path))), out.stderr
   assert len(out.stderr.strip().splitlines()) == 1

@@ -32,11 +32,14 @@ def _per_row(seconds):
   return lambda scorer, rows, longest: seconds * rows
 
 
+def _generate_only(lengths, slots, batching, **kwargs):
+  """The phase of a rollout with `slots` and nothing scored."""
+  return fusion.replay_phase(lengths, _rollout(slots=slots), [], _per_row(0), batching, **kwargs)
+
+
 def test_static_batches_last_as_long_as_their_longest_sample():
   lengths = np.array([1, 9, 2, 3])
-  phase = fusion.replay_phase(
-    lengths, _rollout(slots=2), [], _per_row(0), "static", micro_batch=1, threshold=0
-  )
+  phase = _generate_only(lengths, 2, "static", micro_batch=1, threshold=0)
   # Two waves of 2 slots: 9 then 3 steps, each step costing 2.
   assert phase.decode_steps_by_batch == {2: 12}
   assert phase.generate_s == 24.0
@@ -44,9 +47,7 @@ def test_static_batches_last_as_long_as_their_longest_sample():
 
 def test_continuous_batching_refills_finished_slots():
   lengths = np.array([1, 9, 2, 3])
-  phase = fusion.replay_phase(
-    lengths, _rollout(slots=2), [], _per_row(0), "continuous", micro_batch=1, threshold=0
-  )
+  phase = _generate_only(lengths, 2, "continuous", micro_batch=1, threshold=0)
   # Slots: [1, 9] -> the first frees at 1 and takes 2 (ends at 3), then 3 (ends at 6); 9 ends
   # at 9, so 9 steps at batch 2.
   assert phase.decode_steps_by_batch == {2: 9}
@@ -55,9 +56,7 @@ def test_continuous_batching_refills_finished_slots():
 
 def test_tail_compaction_halves_the_batch_down_to_an_odd_size():
   lengths = np.array([1] * 9 + [5, 6, 40])
-  phase = fusion.replay_phase(
-    lengths, _rollout(slots=12), [], _per_row(0), "fused", micro_batch=4, threshold=0.25
-  )
+  phase = _generate_only(lengths, 12, "fused", micro_batch=4, threshold=0.25)
   # 3 of 12 left after step 1 (<= a quarter): 12 -> 6 -> 3 (odd: no further), 39 more steps.
   assert phase.decode_steps_by_batch == {12: 1, 3: 39}
   assert phase.generate_s == 12 + 3 * 39

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+from runs_testing import run_plan_placement
 
 from rlhfjax.config import PlacementSection, from_config_dict
 from rlhfjax.costmodel import efficiency, hardware, pricing
@@ -131,12 +132,7 @@ def test_a_registered_strategy_reaches_plan_placement_script():
     )
     plans = [json.loads(line) for line in out.stdout.splitlines()]
     assert "rollout_first" in {p["strategy"] for p in plans}, strategy
-  bad = subprocess.run(
-    [sys.executable, str(REPO / "scripts" / "plan_placement.py"), "--strategy=nope"],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  bad = run_plan_placement("--strategy=nope")
   assert bad.returncode != 0 and "unknown strategy 'nope'" in bad.stderr
 
 

@@ -3,10 +3,9 @@ flow registry, `plan_placement`, `strategy=auto`, the planner's search and `plan
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from runs_testing import run_plan_placement
 
 from rlhfjax.config import from_config_dict
 from rlhfjax.costmodel import efficiency, hardware
@@ -98,21 +97,8 @@ def test_search_gives_a_critic_free_workload_no_critic_and_no_idle_devices():
 
 @pytest.mark.parametrize("flags", [["--algorithm=grpo"], ["--critic=none"]])
 def test_plan_placement_script_critic_free(flags):
-  out = subprocess.run(
-    [
-      sys.executable,
-      str(REPO / "scripts" / "plan_placement.py"),
-      "--actor=7b",
-      "--hardware=a800",
-      "--devices=8",
-      "--prompts=256",
-      "--json",
-      *flags,
-    ],
-    capture_output=True,
-    text=True,
-    check=True,
-    timeout=120,
+  out = run_plan_placement(
+    "--actor=7b", "--hardware=a800", "--devices=8", "--prompts=256", "--json", *flags, check=True
   )
   plans = [json.loads(line) for line in out.stdout.splitlines()]
   assert plans and plans[0]["fits"]

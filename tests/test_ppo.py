@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from runs_testing import assert_same_numbers
 
 from rlhfjax.cluster import dispatch
 from rlhfjax.config import from_config_dict
@@ -61,9 +62,7 @@ def test_every_placement_gives_the_colocated_numbers(runs, variant):
   base = runs["colocated"][1].metrics
   other = runs[variant][1].metrics
   assert len(base) == len(other) == 2
-  for a, b in zip(base, other, strict=True):
-    for key in _COMPARED:
-      assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (variant, key)
+  assert_same_numbers(base, other, _COMPARED)
   # The runs are not trivially equal: something changed between the two iterations.
   assert base[0]["loss/policy"] != base[1]["loss/policy"]
 

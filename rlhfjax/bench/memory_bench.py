@@ -1,9 +1,9 @@
 """Peak device memory of the PPO actor train step, from XLA's own analysis (nothing allocated).
 
-The step (`ppo.steps.accumulate_and_apply` of `actor_loss`, AdamW with global-norm clipping) is
-compiled ahead of time on abstract inputs for the actor's mesh of a co-located placement;
-`compiled.memory_analysis()` gives the per-device bytes of its arguments, outputs (minus those
-aliased to donated arguments) and temporaries.
+The step (`rlhfjax.training.steps.accumulate_and_apply` of `actor_loss`, AdamW with global-norm
+clipping) is compiled ahead of time on abstract inputs for the actor's mesh of a co-located
+placement; `compiled.memory_analysis()` gives the per-device bytes of its arguments, outputs
+(minus those aliased to donated arguments) and temporaries.
 
 Co-located roles (critic, reference, reward) share those devices and, unless offloaded, keep
 their arrays resident during the actor's update. Their per-device bytes are added from the

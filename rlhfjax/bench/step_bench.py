@@ -1,7 +1,8 @@
 """Single-device efficiency of the hot paths: train-step MFU, decode bandwidth, kernel checks.
 
-* `train_step`: the PPO actor step (`ppo.steps.accumulate_and_apply` of `actor_loss`: AdamW,
-  fp32 master weights, bf16 compute, the size's remat, chunked log-probs) on one device.
+* `train_step`: the PPO actor step (`rlhfjax.training.steps.accumulate_and_apply` of
+  `actor_loss`: AdamW, fp32 master weights, bf16 compute, the size's remat, chunked log-probs)
+  on one device.
   Model FLOPs per step = 6 x (non-embedding parameters + LM head) x tokens + causal attention
   (3 x 2 x b x layers x heads x head_dim x t^2: forward QK^T and PV over half the square, twice
   that backward); recomputation by remat is not counted (MFU, not hardware FLOPs utilisation).

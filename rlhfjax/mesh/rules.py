@@ -56,21 +56,10 @@ TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
 """FSDP over the model width, tensor parallel over vocab/heads/MLP, batch over data x fsdp."""
 
 GENERATION_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
-  {
-    "vocab": ("tensor",),
-    "embed": (),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "head_dim": (),
-    "mlp": ("tensor",),
-    "layers": (),
-    "norm": (),
-    "batch": ("data",),
-    "length": (),
-    "kv_length": (),
-  }
+  {**TRAINING_RULES, "embed": (), "batch": ("data",)}
 )
-"""Tensor parallel only; weights are replicated across `data` groups (no gather per step)."""
+"""The training table without FSDP: tensor parallel only; weights are replicated across `data`
+groups (no gather per step)."""
 
 
 def rules_table(layout: Layout | str) -> Mapping[str, MeshAxes]:

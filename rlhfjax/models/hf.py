@@ -40,22 +40,21 @@ from rlhfjax.models.hf_read import set_at as _set
 def _layer_tensors(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Any, Any]]:
   """HF per-layer name -> (our path under 'layers', to_ours, to_hf) for one layer's tensor."""
   d, h, k, n = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+
+  def in_proj(name: str, heads: int):  # HF [heads * n, d] <-> ours [d, heads, n]
+    return (
+      ("attn", name, "kernel"),
+      lambda w: w.T.reshape(d, heads, n),
+      lambda w: w.reshape(d, heads * n).T,
+    )
+
+  def in_bias(name: str, heads: int):  # HF [heads * n] <-> ours [heads, n]
+    return (("attn", name, "bias"), lambda b: b.reshape(heads, n), lambda b: b.reshape(heads * n))
+
   table = {
-    "self_attn.q_proj.weight": (
-      ("attn", "q_proj", "kernel"),
-      lambda w: w.T.reshape(d, h, n),
-      lambda w: w.reshape(d, h * n).T,
-    ),
-    "self_attn.k_proj.weight": (
-      ("attn", "k_proj", "kernel"),
-      lambda w: w.T.reshape(d, k, n),
-      lambda w: w.reshape(d, k * n).T,
-    ),
-    "self_attn.v_proj.weight": (
-      ("attn", "v_proj", "kernel"),
-      lambda w: w.T.reshape(d, k, n),
-      lambda w: w.reshape(d, k * n).T,
-    ),
+    "self_attn.q_proj.weight": in_proj("q_proj", h),
+    "self_attn.k_proj.weight": in_proj("k_proj", k),
+    "self_attn.v_proj.weight": in_proj("v_proj", k),
     "self_attn.o_proj.weight": (
       ("attn", "o_proj", "kernel"),
       lambda w: w.T.reshape(h, n, d),
@@ -68,17 +67,8 @@ def _layer_tensors(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Any,
     "post_attention_layernorm.weight": (("mlp_norm", "scale"), lambda w: w, lambda w: w),
   }
   if config.qkv_bias:
-    table["self_attn.q_proj.bias"] = (
-      ("attn", "q_proj", "bias"),
-      lambda b: b.reshape(h, n),
-      lambda b: b.reshape(h * n),
-    )
-    for name in ("k_proj", "v_proj"):
-      table[f"self_attn.{name}.bias"] = (
-        ("attn", name, "bias"),
-        lambda b: b.reshape(k, n),
-        lambda b: b.reshape(k * n),
-      )
+    for name, heads in (("q_proj", h), ("k_proj", k), ("v_proj", k)):
+      table[f"self_attn.{name}.bias"] = in_bias(name, heads)
   if config.qk_norm:
     for name in ("q_norm", "k_norm"):
       table[f"self_attn.{name}.weight"] = (("attn", name, "scale"), lambda w: w, lambda w: w)

@@ -368,12 +368,17 @@ def _divisors(n: int) -> str:
   return sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
 
 
-def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpec:
+def _check_tensor(who: str, field: str, devices: tuple[int, ...], tensor: int) -> None:
+  """`placement.<field>` (the tensor-parallel size of `who`) must divide its device count."""
   if tensor < 1 or len(devices) % tensor:
     raise PlacementError(
-      f"{role}: placement.tensor={tensor} does not divide its {len(devices)} devices; "
-      f"set placement.tensor to one of {_divisors(len(devices))}"
+      f"{who}: placement.{field}={tensor} does not divide its {len(devices)} devices; "
+      f"set placement.{field} to one of {_divisors(len(devices))}"
     )
+
+
+def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpec:
+  _check_tensor(role, "tensor", devices, tensor)
   return RoleSpec(
     devices=devices,
     axes=(("data", 1), ("fsdp", len(devices) // tensor), ("tensor", tensor)),
@@ -382,11 +387,7 @@ def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpe
 
 
 def _generation_spec(devices: tuple[int, ...], tensor: int) -> RoleSpec:
-  if tensor < 1 or len(devices) % tensor:
-    raise PlacementError(
-      f"rollout: placement.rollout_tensor={tensor} does not divide its {len(devices)} devices; "
-      f"set placement.rollout_tensor to one of {_divisors(len(devices))}"
-    )
+  _check_tensor("rollout", "rollout_tensor", devices, tensor)
   return RoleSpec(
     devices=devices,
     axes=(("data", len(devices) // tensor), ("tensor", tensor)),
