@@ -326,6 +326,10 @@ class RolloutSection:
   score_micro_batch: int = 0
   """Samples per scoring call. 0: the whole batch in one call unfused, a quarter of it (at
   least 1) fused."""
+  max_tokens_per_score_batch: int = 0
+  """With `ppo.packing`: tokens (rows x `max_seq_len`) per packed scoring call, the samples of
+  a call packed end to end (`rlhfjax.data.packing`). 0: `scoring_rows` x `max_seq_len`, the
+  padded call's size."""
 
   def __post_init__(self):
     ranges.check(
@@ -340,7 +344,13 @@ class RolloutSection:
       slots=ranges.NON_NEGATIVE,
       tail_threshold=ranges.between(0, 1, high_open=True),
       score_micro_batch=ranges.NON_NEGATIVE,
+      max_tokens_per_score_batch=ranges.NON_NEGATIVE,
     )
+    if 0 < self.max_tokens_per_score_batch < self.max_seq_len:
+      raise ConfigError(
+        f"'rollout.max_tokens_per_score_batch'={self.max_tokens_per_score_batch} is below one "
+        f"sequence's capacity, max_prompt_len + max_new_tokens = {self.max_seq_len}"
+      )
     if self.score_micro_batch > self.batch_size:
       raise ConfigError(
         f"'rollout.score_micro_batch'={self.score_micro_batch} exceeds "
@@ -358,6 +368,13 @@ class RolloutSection:
     if self.score_micro_batch:
       return self.score_micro_batch
     return max(1, self.batch_size // 4) if self.fused_scoring else self.batch_size
+
+  @property
+  def score_rows_packed(self) -> int:
+    """Packed rows of `max_seq_len` tokens per scoring call (see `max_tokens_per_score_batch`)."""
+    if self.max_tokens_per_score_batch:
+      return self.max_tokens_per_score_batch // self.max_seq_len
+    return self.scoring_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -427,6 +444,15 @@ class PPOSection:
   max_skipped_updates: int = 3
   """Stop the run, with a message, after this many updates in a row were skipped for a
   non-finite loss or gradients (each skip is counted in the metrics as `update/skipped`)."""
+  packing: bool = True
+  """Score and train on packed rows (`rlhfjax.data.packing`): each sample's real prompt and
+  response tokens end to end in rows of `rollout.max_seq_len` tokens, attention within a
+  sample, instead of every sample padded to `max_seq_len`. Same numbers up to float rounding;
+  micro-batches by token budget (`max_tokens_per_micro_batch`). False: padded."""
+  max_tokens_per_micro_batch: int = 0
+  """With `packing`: the token budget of one gradient-accumulation step (rows of
+  `rollout.max_seq_len` tokens; as many steps per mini-batch as its samples need). 0: the padded
+  micro-batch's tokens, `rollout.batch_size / (mini_batches x micro_batches)` x `max_seq_len`."""
 
   def __post_init__(self):
     _check_choice("ppo.advantage", self.advantage, choices.ADVANTAGE_ESTIMATORS)
@@ -445,6 +471,7 @@ class PPOSection:
       micro_batches=ranges.COUNT,
       group_size=ranges.COUNT,
       max_skipped_updates=ranges.COUNT,
+      max_tokens_per_micro_batch=ranges.NON_NEGATIVE,
       clip_eps=ranges.POSITIVE,
       value_clip_eps=ranges.POSITIVE,
       entropy_coef=ranges.NON_NEGATIVE,
@@ -864,6 +891,12 @@ class ExperimentConfig:
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _checkpoint_tokenizer(self)
+    budget, width = self.ppo.max_tokens_per_micro_batch, self.rollout.max_seq_len
+    if 0 < budget < width:
+      raise ConfigError(
+        f"'ppo.max_tokens_per_micro_batch'={budget} is below one sequence's capacity, "
+        f"rollout.max_prompt_len + rollout.max_new_tokens = {width}"
+      )
 
 
 def _checkpoint_tokenizer(cfg: ExperimentConfig) -> None:

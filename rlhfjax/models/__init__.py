@@ -7,7 +7,7 @@ from rlhfjax.models.hf import (
   load_hf_checkpoint,
   save_hf_checkpoint,
 )
-from rlhfjax.models.logprobs import TokenStats, chunked_stats, token_stats
+from rlhfjax.models.logprobs import TokenStats, chunked_stats, packed_token_stats, token_stats
 from rlhfjax.models.transformer import (
   Transformer,
   abstract_params,
@@ -15,11 +15,13 @@ from rlhfjax.models.transformer import (
   causal_mask,
   forward_hidden,
   forward_logits,
+  forward_packed,
   forward_values,
   init_cache,
   init_params,
   logical_axes,
   positions_from_mask,
+  segment_mask,
   sequence_reward,
 )
 
@@ -27,12 +29,14 @@ __all__ = [
   "TokenStats",
   "chunked_stats",
   "forward_hidden",
+  "packed_token_stats",
   "token_stats",
   "Transformer",
   "abstract_params",
   "apply",
   "causal_mask",
   "forward_logits",
+  "forward_packed",
   "forward_values",
   "head_kind",
   "init_cache",
@@ -41,5 +45,6 @@ __all__ = [
   "logical_axes",
   "positions_from_mask",
   "save_hf_checkpoint",
+  "segment_mask",
   "sequence_reward",
 ]

@@ -110,3 +110,34 @@ def token_stats(
     temperature=temperature,
     dtype=jnp.dtype(config.dtype),
   )
+
+
+def packed_token_stats(
+  config: ModelConfig,
+  params,
+  tokens_bw: jax.Array,
+  positions_bw: jax.Array,
+  segments_bw: jax.Array,
+  temperature: float = 1.0,
+) -> TokenStats:
+  """Statistics of packed rows (`rlhfjax.data.packing`), `[b, w]`: slot `c` is the prediction
+  of the row's token `c + 1` (the last slot's, and a segment's last token's, are of no real
+  token; callers read only the slots `PackedLayout.pred_src` names)."""
+  temperature = 1.0 if temperature in (0.0, 1.0) else temperature
+  targets_bw = jnp.pad(tokens_bw[:, 1:], ((0, 0), (0, 1)))
+  hidden_only = config.logprob_chunk_size is not None
+  out = transformer.forward_packed(
+    config, params, tokens_bw, positions_bw, segments_bw, hidden_only=hidden_only
+  )
+  if not hidden_only:
+    if temperature != 1.0:
+      out = out / temperature
+    return stats_from_logits(out, targets_bw)
+  return chunked_stats(
+    out,
+    transformer.lm_head_vd(config, params),
+    targets_bw,
+    chunk_size=config.logprob_chunk_size,
+    temperature=temperature,
+    dtype=jnp.dtype(config.dtype),
+  )

@@ -455,6 +455,19 @@ def causal_mask(attention_mask_bt: jax.Array, sliding_window: int | None = None)
   return allowed_ts[None] & attention_mask_bt.astype(bool)[:, None, :]
 
 
+def segment_mask(
+  segments_bt: jax.Array, positions_bt: jax.Array, sliding_window: int | None = None
+) -> jax.Array:
+  """`[b, t, t]` boolean of packed rows (`rlhfjax.data.packing`): query i sees key j of the
+  same segment (id > 0) at a position <= its own (and within the window, if set)."""
+  seg_q, seg_k = segments_bt[:, :, None], segments_bt[:, None, :]
+  pos_q, pos_k = positions_bt[:, :, None], positions_bt[:, None, :]
+  allowed = (seg_q == seg_k) & (seg_k > 0) & (pos_k <= pos_q)
+  if sliding_window is not None:
+    allowed &= pos_q - pos_k < sliding_window
+  return allowed
+
+
 def last_token_index(attention_mask_bt: jax.Array) -> jax.Array:
   """Index of each row's last real token (works for left and right padding)."""
   t = attention_mask_bt.shape[-1]
@@ -535,6 +548,25 @@ def forward_hidden(
     {"params": params}, tokens_bt, positions_bt, mask_bts
   )
   return x_btd
+
+
+def forward_packed(
+  config: ModelConfig,
+  params: Params,
+  tokens_bt: jax.Array,
+  positions_bt: jax.Array,
+  segments_bt: jax.Array,
+  *,
+  head: HeadKind = "lm",
+  hidden_only: bool = False,
+) -> jax.Array:
+  """The head's output (or the final hidden states) of packed rows: segments attend only
+  within themselves, positions restart at each segment's start (`segment_mask`)."""
+  mask_bts = segment_mask(segments_bt, positions_bt, config.sliding_window)
+  out, _ = Transformer(config, head, hidden_only=hidden_only).apply(
+    {"params": params}, tokens_bt, positions_bt, mask_bts
+  )
+  return out
 
 
 def lm_head_vd(config: ModelConfig, params: Params) -> jax.Array:
