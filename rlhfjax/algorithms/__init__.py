@@ -27,14 +27,17 @@ from rlhfjax.algorithms.kl import (
 )
 from rlhfjax.algorithms.losses import (
   LOSS_AGGREGATIONS,
+  aggregation_weights,
   clipped_policy_loss,
   clipped_value_loss,
   entropy_bonus,
   entropy_from_logits,
+  policy_token_terms,
   seq_mean_token_mean,
   seq_mean_token_sum_norm,
   token_logprobs,
   token_mean,
+  value_token_terms,
 )
 from rlhfjax.algorithms.masked import masked_mean, masked_var, masked_whiten
 from rlhfjax.algorithms.objectives import (
@@ -74,8 +77,11 @@ __all__ = [
   "KLControllerState",
   "adaptive_kl_update",
   "bradley_terry_loss",
+  "aggregation_weights",
   "clipped_policy_loss",
   "clipped_value_loss",
+  "policy_token_terms",
+  "value_token_terms",
   "entropy_bonus",
   "entropy_from_logits",
   "fixed_kl_update",

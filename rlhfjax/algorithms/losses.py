@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.config import choices
@@ -28,6 +29,24 @@ def seq_mean_token_sum_norm(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
   """`1/B sum_i sum_t x_it m_it / T` with `T` the response capacity (Dr. GRPO, Liu et al.,
   2025): no length normalisation per sequence, so no bias towards long wrong answers."""
   return jnp.mean(jnp.sum(x_bt * mask_bt, -1)) / x_bt.shape[-1]
+
+
+def aggregation_weights(aggregation: str, lengths_b, capacity: int):
+  """Per-sequence token weights `w_i` (NumPy float32) with `sum_i w_i sum_t x_it m_it` equal to
+  `LOSS_AGGREGATIONS[aggregation](x_bt, mask_bt)` over the batch of these response `lengths_b`
+  (`capacity`: the response length `T`). A sum of weighted tokens splits over micro-batches
+  however the sequences fall into them."""
+  lengths_b = np.asarray(lengths_b, np.float64)
+  b = len(lengths_b)
+  if aggregation == "token_mean":
+    w = np.full(b, 1.0 / max(lengths_b.sum(), 1.0))
+  elif aggregation == "seq_mean_token_mean":
+    w = 1.0 / (b * np.maximum(lengths_b, 1.0))
+  elif aggregation == "seq_mean_token_sum_norm":
+    w = np.full(b, 1.0 / (b * capacity))
+  else:
+    raise ValueError(f"unknown loss aggregation {aggregation!r}")
+  return w.astype(np.float32)
 
 
 LOSS_AGGREGATIONS = choices.implement(
@@ -66,6 +85,33 @@ def clipped_policy_loss(
 
   Returns the loss and statistics: clip fraction and the approximate KL to `old`.
   """
+  per_token_bt, terms = policy_token_terms(
+    logp_bt,
+    old_logp_bt,
+    advantages_bt,
+    clip_eps=clip_eps,
+    behaviour_logp_bt=behaviour_logp_bt,
+    clip_eps_high=clip_eps_high,
+  )
+  stats = {
+    "clipfrac": masked_mean(terms["clipped"], mask_bt),
+    "approx_kl": masked_mean(terms["approx_kl"], mask_bt),
+    "ratio_max": jnp.max(jnp.where(mask_bt > 0, terms["ratio"], -jnp.inf)),
+  }
+  return LOSS_AGGREGATIONS[aggregation](per_token_bt, mask_bt), stats
+
+
+def policy_token_terms(
+  logp_bt: jax.Array,
+  old_logp_bt: jax.Array,
+  advantages_bt: jax.Array,
+  *,
+  clip_eps: float,
+  behaviour_logp_bt: jax.Array | None = None,
+  clip_eps_high: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`clipped_policy_loss`'s per-token loss before aggregation, and per-token statistics:
+  'clipped' (1.0 where the clipped term is taken), 'approx_kl' and 'ratio'. Any layout."""
   log_ratio_bt = logp_bt - old_logp_bt
   ratio_bt = jnp.exp(log_ratio_bt)
   unclipped_bt = -advantages_bt * ratio_bt
@@ -75,12 +121,12 @@ def clipped_policy_loss(
   if behaviour_logp_bt is not None:
     weight_bt = jnp.minimum(jnp.exp(old_logp_bt - behaviour_logp_bt), 1.0 + clip_eps)
     per_token_bt = per_token_bt * jax.lax.stop_gradient(weight_bt)
-  stats = {
-    "clipfrac": masked_mean((clipped_bt > unclipped_bt).astype(jnp.float32), mask_bt),
-    "approx_kl": masked_mean(0.5 * jnp.square(log_ratio_bt), mask_bt),
-    "ratio_max": jnp.max(jnp.where(mask_bt > 0, ratio_bt, -jnp.inf)),
+  terms = {
+    "clipped": (clipped_bt > unclipped_bt).astype(jnp.float32),
+    "approx_kl": 0.5 * jnp.square(log_ratio_bt),
+    "ratio": ratio_bt,
   }
-  return LOSS_AGGREGATIONS[aggregation](per_token_bt, mask_bt), stats
+  return per_token_bt, terms
 
 
 def clipped_value_loss(
@@ -96,11 +142,20 @@ def clipped_value_loss(
   V^clip_t = V^old_t + clip(V_t - V^old_t, -eps, eps)
   L        = 1/2 mean_t max((V_t - R_t)^2, (V^clip_t - R_t)^2)
   """
+  err_bt, clipped_bt = value_token_terms(values_bt, old_values_bt, returns_bt, clip_eps=clip_eps)
+  loss = 0.5 * masked_mean(err_bt, mask_bt)
+  return loss, {"clipfrac": masked_mean(clipped_bt, mask_bt)}
+
+
+def value_token_terms(
+  values_bt: jax.Array, old_values_bt: jax.Array, returns_bt: jax.Array, *, clip_eps: float
+) -> tuple[jax.Array, jax.Array]:
+  """`clipped_value_loss`'s per-token squared error (the larger of the clipped and unclipped
+  ones) and where the clipped one is larger (1.0). Any layout."""
   clipped_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
   err_bt = jnp.square(values_bt - returns_bt)
   err_clipped_bt = jnp.square(clipped_bt - returns_bt)
-  loss = 0.5 * masked_mean(jnp.maximum(err_bt, err_clipped_bt), mask_bt)
-  return loss, {"clipfrac": masked_mean((err_clipped_bt > err_bt).astype(jnp.float32), mask_bt)}
+  return jnp.maximum(err_bt, err_clipped_bt), (err_clipped_bt > err_bt).astype(jnp.float32)
 
 
 def entropy_from_logits(logits_btv: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlhfjax import tasks
+from rlhfjax import models, tasks
 from rlhfjax.cluster.cluster import Cluster, WeightSource, initial_rngs
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.placement.spec import Role
@@ -33,6 +33,7 @@ class Rewards:
     self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
     self.task_fn = task_rule(cfg)
     b = cfg.rollout.batch_size
+    self._packed = None
     if self.use_model:
       source = WeightSource(
         source=cfg.init.reward, what="init.reward", rng=initial_rngs(cfg.seed)[Role.REWARD]
@@ -65,23 +66,35 @@ class Rewards:
       role=Role.REWARD,
     )
 
-  def stages(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
+  def stages(self, inputs: tuple[jax.Array, ...], seqs: Any, iteration: int):
     """Scoring stages of some rows (the batch, or a micro-batch of fused scoring): the reward
-    model on its mesh (from the tokens on any mesh), the rule on the host (from the rollout's
-    token ids)."""
+    model on its mesh (from the inputs on any mesh), the rule on the host (from the rollout's
+    token ids).
+
+    `inputs`: `(tokens_bs, attention_bs)`, the model's result the scores `[b]`; or packed rows
+    `(tokens, positions, segments)` (`rlhfjax.flows.packed`), its result the values `[r, w]`,
+    read at each sample's last token by the caller."""
     out = []
     if self.use_model:
-      rows = tokens_bs.shape[0]
-      if rows not in self._micro_scores:
-        self._micro_scores[rows] = self._model_program(rows)
-      program = self._micro_scores[rows]
+      if len(inputs) == 3:
+        if self._packed is None:
+          rt = self.cluster.roles[Role.REWARD]
+          self._packed = self.cluster.compile(
+            "reward_values_packed",
+            functools.partial(models.forward_packed, rt.model, head="value"),
+            in_shardings=(rt.param_shardings, None, None, None),
+            role=Role.REWARD,
+          )
+        program = self._packed
+      else:
+        rows = inputs[0].shape[0]
+        if rows not in self._micro_scores:
+          self._micro_scores[rows] = self._model_program(rows)
+        program = self._micro_scores[rows]
 
       def model():
         # The weights as they are when the stage runs (offload may have moved them since).
-        return program(
-          self.cluster.params[Role.REWARD],
-          *self.cluster.move(Role.REWARD, (tokens_bs, attention_bs)),
-        )
+        return program(self.cluster.params[Role.REWARD], *self.cluster.move(Role.REWARD, inputs))
 
       out.append(self.cluster.stage(Role.REWARD, "score", model))
     if self.fn is not None:
@@ -93,7 +106,7 @@ class Rewards:
 
   def score(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
     """`stages` run on their own, then `combine`d: the score `[b]` on the actor's mesh."""
-    todo = self.stages(tokens_bs, attention_bs, seqs, iteration)
+    todo = self.stages((tokens_bs, attention_bs), seqs, iteration)
     results = self.cluster.run(todo, iteration)
     return self.combine(dict(zip([s.role for s in todo], results, strict=True)))
 

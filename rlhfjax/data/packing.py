@@ -105,7 +105,9 @@ class Packing:
     count = np.zeros(self.rows, np.int32)
     for i in order:
       count[self.row_n[i]] += 1
-      out[self.row_n[i], self.start_n[i] : self.start_n[i] + self.length_n[i]] = count[self.row_n[i]]
+      out[self.row_n[i], self.start_n[i] : self.start_n[i] + self.length_n[i]] = count[
+        self.row_n[i]
+      ]
     return out
 
   def positions(self) -> np.ndarray:

@@ -38,7 +38,7 @@ from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
 from rlhfjax.costmodel import pricing
 from rlhfjax.data.records import PromptBatch
-from rlhfjax.flows import experience, scoring, stages
+from rlhfjax.flows import experience, packed, scoring, stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
@@ -187,12 +187,21 @@ class PPOFlow:
     s = p + t
     rows = cfg.rollout.scoring_rows
     tag = "" if rows >= b else f"_{rows}rows"  # scorers of micro-batches (fused scoring)
-    self._actor_logprobs = stages.logprob_scorer(ctx, Role.ACTOR, "actor_logprobs" + tag, rows)
-    self._reference_logprobs = stages.logprob_scorer(
-      ctx, Role.REFERENCE, "reference_logprobs" + tag, rows
-    )
-    if self.use_critic:
-      self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values" + tag, rows)
+    if ppo.packing:
+      self._packed = packed.Programs(ctx)
+      self._actor_logprobs = stages.packed_logprob_scorer(ctx, Role.ACTOR, "actor_logprobs_packed")
+      self._reference_logprobs = stages.packed_logprob_scorer(
+        ctx, Role.REFERENCE, "reference_logprobs_packed"
+      )
+      if self.use_critic:
+        self._critic_values = stages.packed_value_scorer(ctx, Role.CRITIC, "critic_values_packed")
+    else:
+      self._actor_logprobs = stages.logprob_scorer(ctx, Role.ACTOR, "actor_logprobs" + tag, rows)
+      self._reference_logprobs = stages.logprob_scorer(
+        ctx, Role.REFERENCE, "reference_logprobs" + tag, rows
+      )
+      if self.use_critic:
+        self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values" + tag, rows)
     settings = AdvantageSettings(
       kl_estimator=ppo.kl_estimator,
       estimator=self.estimator,
@@ -210,6 +219,9 @@ class PPOFlow:
     )
     actor = cluster.roles[Role.ACTOR]
     actor_model = actor.model
+    if ppo.packing:
+      self._compile_packed_updates()
+      return
     split = functools.partial(
       stages.minibatch_splitter, ctx, mini=ppo.mini_batches, micro=ppo.micro_batches, seed=cfg.seed
     )
@@ -241,6 +253,27 @@ class PPOFlow:
         steps.critic_loss, config=critic.model, prompt_len=p, clip_eps=ppo.value_clip_eps
       )
       self._critic_step = cluster.train_step("critic_step", Role.CRITIC, critic_loss)
+
+  def _compile_packed_updates(self) -> None:
+    ctx, cfg, ppo, cluster = self.ctx, self.ctx.cfg, self.ctx.cfg.ppo, self.ctx.cluster
+    actor_loss = functools.partial(
+      steps.packed_actor_loss,
+      config=cluster.roles[Role.ACTOR].model,
+      clip_eps=ppo.clip_eps,
+      entropy_coef=ppo.entropy_coef,
+      temperature=cfg.rollout.temperature,
+      clip_eps_high=ppo.clip_eps_high or None,
+      kl_loss_coef=ppo.kl_loss_coef,
+      kl_estimator=ppo.kl_estimator,
+    )
+    self._actor_packed = packed.PackedUpdate(ctx, Role.ACTOR, "actor", actor_loss)
+    if self.use_critic:
+      critic_loss = functools.partial(
+        steps.packed_critic_loss,
+        config=cluster.roles[Role.CRITIC].model,
+        clip_eps=ppo.value_clip_eps,
+      )
+      self._critic_packed = packed.PackedUpdate(ctx, Role.CRITIC, "critic", critic_loss)
 
   # -------------------------------------------------------------------------------------------
   # Checkpointed state.
@@ -289,9 +322,7 @@ class PPOFlow:
       prompts = self.pending_prompts or stages.grouped_prompts(ctx, cfg.ppo.group_size)
       self.pending_prompts = None
       if cfg.rollout.fused_scoring:
-        seqs, scores = scoring.generate_and_score(
-          ctx, iteration, prompts, self._scoring_stages(iteration), cfg.rollout.scoring_rows
-        )
+        seqs, scores = self._generate_and_score(iteration, prompts)
       else:
         seqs = stages.generate_stage(ctx, iteration, prompts)
       if cfg.ppo.dynamic_sampling_rounds:
@@ -311,7 +342,10 @@ class PPOFlow:
         )
     exp = self._score(iteration, seqs, scores)
     exp, stats = self._compute_advantages(iteration, exp)
-    update_metrics = self._update(iteration, exp)
+    if cfg.ppo.packing:
+      update_metrics = self._update_packed(iteration, exp, seqs)
+    else:
+      update_metrics = self._update(iteration, exp)
     if self._pool is None:
       bytes_synced = cluster.sync(iteration)
     elapsed = cluster.timeline.now() - start
@@ -372,26 +406,39 @@ class PPOFlow:
     """The scoring stages of some samples: every role on its own mesh, the rule on the host."""
     ctx = self.ctx
 
-    def todo(tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Sequences):
-      score = functools.partial(
-        stages.score_stage, ctx, tokens_bs=tokens_bs, attention_bs=attention_bs
-      )
+    def todo(inputs: tuple[jax.Array, ...], seqs: Sequences):
       out = [
-        score(Role.ACTOR, self._actor_logprobs),
-        score(Role.REFERENCE, self._reference_logprobs),
+        stages.score_stage(ctx, Role.ACTOR, self._actor_logprobs, inputs),
+        stages.score_stage(ctx, Role.REFERENCE, self._reference_logprobs, inputs),
       ]
       if self.use_critic:
-        out.append(score(Role.CRITIC, self._critic_values))
-      return out + ctx.rewards.stages(tokens_bs, attention_bs, seqs, iteration)
+        out.append(stages.score_stage(ctx, Role.CRITIC, self._critic_values, inputs))
+      return out + ctx.rewards.stages(inputs, seqs, iteration)
 
     return todo
+
+  def _generate_and_score(self, iteration: int, prompts: PromptBatch):
+    """Generation with fused scoring (`rollout.fused_scoring`), padded or packed calls."""
+    ctx, r = self.ctx, self.ctx.cfg.rollout
+    todo = self._scoring_stages(iteration)
+    if self.ctx.cfg.ppo.packing:
+      rows = r.score_rows_packed
+      scorer = packed.PackedScoring(ctx, iteration, todo, rows, self._packed)
+      ready = packed.ready_when_full(r.max_seq_len, rows)
+    else:
+      scorer = scoring.MicroBatchScoring(ctx, iteration, todo, r.scoring_rows)
+      ready = scoring.whole_rows(r.scoring_rows)
+    return scoring.generate_and_score(ctx, iteration, prompts, scorer, ready)
 
   def _score(self, iteration: int, seqs: Sequences, out: dict[str, Any] | None) -> Experience:
     """The rollout batch on the actor's mesh with every role's scores (`out`: those fused
     scoring computed during generation; None: scored now, see `rlhfjax.flows.scoring`)."""
     ctx, cluster, cfg = self.ctx, self.ctx.cluster, self.ctx.cfg
     exp = Experience(**cluster.upload(Role.ACTOR, Experience.from_sequences(seqs), "rollout"))
-    if out is None:
+    if out is None and cfg.ppo.packing:
+      todo = self._scoring_stages(iteration)
+      out = packed.score(ctx, iteration, seqs, todo, cfg.rollout.score_rows_packed, self._packed)
+    elif out is None:
       rows = cfg.rollout.scoring_rows
       tokens = (exp.tokens_bs, exp.attention_mask_bs)
       # The update comes next: its optimizer states (if offloaded) come back during the scoring.
@@ -418,7 +465,8 @@ class PPOFlow:
     ):
       return jax.block_until_ready(self._advantages(exp, coef))
 
-  def _update(self, iteration: int, exp: Experience) -> dict[str, float]:
+  def _update_batches(self, exp: Experience):
+    """The actor's and (None without) the critic's update fields, the critic's on its mesh."""
     cluster, ppo = self.ctx.cluster, self.ctx.cfg.ppo
     common = {
       "tokens": exp.tokens_bs,
@@ -435,19 +483,67 @@ class PPOFlow:
       critic_batch = cluster.move(
         Role.CRITIC, {**common, "returns": exp.returns_bt, "old_values": exp.values_bt}
       )
-    metrics = []
-    last = (ppo.ppo_epochs - 1, ppo.mini_batches - 1)
-    for epoch in range(ppo.ppo_epochs):
+    return actor_batch, critic_batch
+
+  def _update_packed(self, iteration: int, exp: Experience, seqs: Sequences) -> dict[str, float]:
+    """`_update` on packed micro-batches (`rlhfjax.flows.packed`): the same mini-batches."""
+    cluster, ppo = self.ctx.cluster, self.ctx.cfg.ppo
+    # Packed losses weigh slots by `weights`, not by masks.
+    strip = lambda batch: {
+      k: v for k, v in batch.items() if k not in ("attention_mask", "response_mask")
+    }
+    actor_batch, critic_batch = (None if b is None else strip(b) for b in self._update_batches(exp))
+    updates = [(Role.ACTOR, self._actor_packed, actor_batch)]
+    if self.use_critic:
+      updates.append((Role.CRITIC, self._critic_packed, critic_batch))
+
+    def mini_batches(epoch: int):
+      per_role = [
+        u.stages(batch, seqs, packed.minibatch_rows(self.ctx, self._packed, role))
+        for role, u, batch in updates
+      ]
+      return [
+        dict(zip([r for r, _, _ in updates], todo, strict=True))
+        for todo in zip(*per_role, strict=True)
+      ]
+
+    out = self._run_updates(iteration, mini_batches)
+    for role, u, _ in updates:
+      out[f"packing/{role.value}_fill"] = float(np.mean(u.fills))
+      out[f"packing/{role.value}_micro_batches"] = u.micro_batches / len(u.fills)
+      u.fills.clear()
+      u.micro_batches = 0
+    return out
+
+  def _update(self, iteration: int, exp: Experience) -> dict[str, float]:
+    cluster = self.ctx.cluster
+    actor_batch, critic_batch = self._update_batches(exp)
+
+    def mini_batches(epoch: int):
       actor_minis = self._actor_split(actor_batch, cluster.states[Role.ACTOR].step)
       critic_minis = (
         self._critic_split(critic_batch, cluster.states[Role.CRITIC].step)
         if self.use_critic
         else None
       )
-      for k in range(ppo.mini_batches):
+      out = []
+      for k in range(len(actor_minis)):
         todo = {Role.ACTOR: cluster.update_stage(Role.ACTOR, self._actor_step, actor_minis[k])}
         if self.use_critic:
           todo[Role.CRITIC] = cluster.update_stage(Role.CRITIC, self._critic_step, critic_minis[k])
+        out.append(todo)
+      return out
+
+    return self._run_updates(iteration, mini_batches)
+
+  def _run_updates(self, iteration: int, mini_batches) -> dict[str, float]:
+    """Runs every epoch's update stages (`mini_batches(epoch)`: per mini-batch, the stages by
+    role) and reduces their metrics."""
+    cluster, ppo = self.ctx.cluster, self.ctx.cfg.ppo
+    metrics = []
+    last = (ppo.ppo_epochs - 1, ppo.mini_batches - 1)
+    for epoch in range(ppo.ppo_epochs):
+      for k, todo in enumerate(mini_batches(epoch)):
         then = self._update_keys if (epoch, k) != last else ()
         results = cluster.fetch(cluster.run(list(todo.values()), iteration, then=then))
         merged = {

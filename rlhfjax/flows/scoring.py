@@ -48,9 +48,10 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.rollout import fused
 from rlhfjax.rollout.streaming import RolloutStream
 
-StagesFn = Callable[[jax.Array, jax.Array, Sequences], list[dispatch.Stage]]
-"""`fn(tokens_bs, attention_bs, seqs) -> stages`: the scoring stages of the rows of `seqs`
-(tokens on the actor's mesh); each stage's result has those rows in that order."""
+StagesFn = Callable[[tuple[jax.Array, ...], Sequences], list[dispatch.Stage]]
+"""`fn(inputs, seqs) -> stages`: the scoring stages of the rows of `seqs` from `inputs` on the
+actor's mesh: `(tokens_bs, attention_bs)`, or packed `(tokens, positions, segments)` rows
+(`rlhfjax.flows.packed`); each stage's result has those rows (packed: those slots)."""
 
 
 class MicroBatchScoring:
@@ -74,7 +75,12 @@ class MicroBatchScoring:
     tokens = cluster.upload(
       Role.ACTOR, (padded.tokens_bs, padded.attention_mask_bs), "rollout micro-batch"
     )
-    todo = self.stages_fn(*tokens, padded)
+    self._dispatch(self.stages_fn(tokens, padded), indices)
+
+  def _dispatch(self, todo: list[dispatch.Stage], indices: np.ndarray) -> None:
+    """Dispatches one call's stages (of samples `indices`), each recorded by its device
+    group's lane."""
+    cluster = self.ctx.cluster
     if not self._indices:
       cluster.prepare(todo)  # offloaded weights of the scorers come to device memory
     chunk = len(self._indices)
@@ -106,15 +112,19 @@ class MicroBatchScoring:
       )
     )
 
-  def result(self) -> dict[str, Any]:
-    """Every stage's results for the whole batch in its order, by role name: device results on
-    their role's mesh (rows split as the unfused scorer's), host results as NumPy."""
+  def _wait(self) -> None:
+    """Waits for every dispatched block to complete and be recorded."""
     try:
       for wait in self._waits:
         wait.result()
     finally:
       for lane in self._lanes.values():
         lane.shutdown(wait=True)
+
+  def result(self) -> dict[str, Any]:
+    """Every stage's results for the whole batch in its order, by role name: device results on
+    their role's mesh (rows split as the unfused scorer's), host results as NumPy."""
+    self._wait()
     order = np.concatenate(self._indices)
     num = len(order)
     if sorted(order.tolist()) != list(range(num)):
@@ -150,7 +160,7 @@ def score(
   offloaded state is prefetched during the last scoring stage (`Cluster.run`)."""
   cluster, num = ctx.cluster, len(seqs.prompts)
   if rows >= num:
-    todo = stages_fn(*tokens, seqs)
+    todo = stages_fn(tokens, seqs)
     results = cluster.run(todo, iteration, then=then)
     return dict(zip([s.role for s in todo], results, strict=True))
   scoring = MicroBatchScoring(ctx, iteration, stages_fn, rows)
@@ -160,16 +170,23 @@ def score(
   return scoring.result()
 
 
+def whole_rows(rows: int) -> Callable[[np.ndarray], int]:
+  """`generate_and_score`'s flush rule of padded calls: `rows` samples at a time."""
+  return lambda lengths_n: rows if len(lengths_n) >= rows else 0
+
+
 def generate_and_score(
   ctx: FlowContext,
   iteration: int,
   prompts: PromptBatch | Sequence[Sequence[int]],
-  stages_fn: StagesFn,
-  rows: int,
+  scorer: MicroBatchScoring,
+  ready: Callable[[np.ndarray], int],
 ) -> tuple[Sequences, dict[str, Any]]:
-  """Generates responses to `prompts` and scores them in micro-batches of `rows` samples as
-  they finish (see the module docstring); returns the batch (as `stages.generate_stage` does)
-  and `score`'s results. The 'generate' record spans the stream."""
+  """Generates responses to `prompts` and scores them with `scorer` as they finish (see the
+  module docstring): whenever `ready(lengths)` of the waiting samples' prompt + response
+  lengths (in the order they finished) is k > 0, the first k are scored. Returns the batch (as
+  `stages.generate_stage` does) and `scorer.result()`. The 'generate' record spans the
+  stream."""
   cfg, cluster = ctx.cfg, ctx.cluster
   batch = PromptBatch.of(prompts)
   r = cfg.rollout
@@ -179,13 +196,13 @@ def generate_and_score(
     batch.tokens,
     sampling=stages.sampling(cfg, ctx.tokenizer),
     seed=stages.rollout_seed(cfg, iteration),
-    min_yield=rows,
+    min_yield=scorer.rows,
   )
   num, width = stream.num_prompts, stream.width
   tokens = np.full((num, width), ctx.tokenizer.pad_id, np.int32)
   logprobs = np.zeros((num, width), np.float32)
   lengths = np.zeros(num, np.int32)
-  scoring = MicroBatchScoring(ctx, iteration, stages_fn, rows)
+  prompt_lengths = np.asarray([len(x) for x in batch.tokens], np.int32)
   waiting: list[int] = []
 
   def flush(idx: list[int]) -> None:
@@ -198,7 +215,7 @@ def generate_and_score(
       records=batch.rows(idx).records,
       **layout,
     )
-    scoring.add(np.asarray(idx), sub)
+    scorer.add(np.asarray(idx), sub)
 
   finished = iter(stream)
   with cluster.timeline.stage(
@@ -213,9 +230,9 @@ def generate_and_score(
       logprobs[done.indices] = done.logprobs
       lengths[done.indices] = done.lengths
       waiting += done.indices.tolist()
-      while len(waiting) >= rows:
-        flush(waiting[:rows])
-        waiting = waiting[rows:]
+      while k := ready(prompt_lengths[waiting] + lengths[waiting]):
+        flush(waiting[:k])
+        waiting = waiting[k:]
   if waiting:
     flush(waiting)
   seqs = experience.assemble(
@@ -227,4 +244,4 @@ def generate_and_score(
     records=batch.records,
     **layout,
   )
-  return seqs, scoring.result()
+  return seqs, scorer.result()

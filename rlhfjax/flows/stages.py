@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from rlhfjax import models
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
@@ -146,14 +147,41 @@ def _scorer(ctx: FlowContext, role: Role, name: str, fn: Any, out_shape: tuple[i
   )
 
 
-def score_stage(
-  ctx: FlowContext, role: Role, scorer: Any, tokens_bs: jax.Array, attention_bs: jax.Array
-):
-  """A stage scoring the tokens (on any mesh) with `role`'s weights on its own mesh."""
+def packed_logprob_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
+  """`fn(params, tokens, positions, segments) -> logprobs` of packed rows (`[r, w]`, slot `c`
+  the log-prob of token `c + 1`) compiled on `role`'s mesh, once per row count."""
+  cfg, rt = ctx.cfg, ctx.cluster.roles[role]
+
+  def fn(params, tokens, positions, segments):
+    return models.packed_token_stats(
+      rt.model, params, tokens, positions, segments, cfg.rollout.temperature
+    ).logp_bt
+
+  return _packed_scorer(ctx, role, name, fn)
+
+
+def packed_value_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
+  """`fn(params, tokens, positions, segments) -> values` of packed rows (`[r, w]`) compiled on
+  `role`'s mesh (critic or reward model), once per row count."""
+  model = ctx.cluster.roles[role].model
+  fn = functools.partial(models.forward_packed, model, head="value")
+  return _packed_scorer(ctx, role, name, fn)
+
+
+def _packed_scorer(ctx: FlowContext, role: Role, name: str, fn: Any):
+  rt = ctx.cluster.roles[role]
+  return ctx.cluster.compile(
+    name, fn, in_shardings=(rt.param_shardings, None, None, None), role=role
+  )
+
+
+def score_stage(ctx: FlowContext, role: Role, scorer: Any, inputs: tuple[jax.Array, ...]):
+  """A stage scoring `inputs` (on any mesh: tokens and attention mask, or packed rows) with
+  `role`'s weights on its own mesh."""
   cluster = ctx.cluster
 
   def run():
-    return scorer(cluster.weights(role), *cluster.move(role, (tokens_bs, attention_bs)))
+    return scorer(cluster.weights(role), *cluster.move(role, inputs))
 
   return cluster.stage(role, "score", run)
 
@@ -177,7 +205,7 @@ def minibatch_splitter(
   rows = size // micro
 
   def split(batch, step):
-    order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), b)
+    order = minibatch_order(seed, step, b)
     out = []
     for k in range(mini):
       idx = order[k * size : (k + 1) * size]
@@ -189,3 +217,8 @@ def minibatch_splitter(
     for _ in range(mini)
   )
   return ctx.cluster.compile(name, split, out_shardings=out_shardings)
+
+
+def minibatch_order(seed: int, step: jax.Array, b: int) -> jax.Array:
+  """The order the rows of a batch are dealt into mini-batches at optimizer step `step`."""
+  return jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), b)

@@ -132,6 +132,73 @@ def critic_loss(
 
 
 # ---------------------------------------------------------------------------------------------
+# Losses of one packed micro-batch (`rlhfjax.data.packing`).
+#
+# Leaves are `[r, w]` packed rows: 'tokens', 'positions', 'segments', and per slot (slot `c`
+# predicts token `c + 1`) the response fields and two weights, 0 where the slot predicts no
+# response token: 'weights', the loss aggregation's (`alg.aggregation_weights` over the whole
+# mini-batch), and 'token_weights', 1 / the mini-batch's response tokens (the token means
+# metrics report). Losses and metrics are weighted sums, so a mini-batch's are the sums of its
+# micro-batches' whichever way its samples were packed.
+
+
+def packed_actor_loss(
+  params: Any,
+  batch: Batch,
+  *,
+  config: ModelConfig,
+  clip_eps: float,
+  entropy_coef: float,
+  temperature: float = 1.0,
+  clip_eps_high: float | None = None,
+  kl_loss_coef: float = 0.0,
+  kl_estimator: str = "k3",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`actor_loss` of a packed micro-batch, as its share of the mini-batch's loss."""
+  token = models.packed_token_stats(
+    config, params, batch["tokens"], batch["positions"], batch["segments"], temperature
+  )
+  w, tw = batch["weights"], batch["token_weights"]
+  per_token, terms = alg.policy_token_terms(
+    token.logp_bt,
+    batch["old_logprobs"],
+    batch["advantages"],
+    clip_eps=clip_eps,
+    behaviour_logp_bt=batch.get("behaviour_logprobs"),
+    clip_eps_high=clip_eps_high,
+  )
+  policy_loss = jnp.sum(w * per_token)
+  entropy = jnp.sum(tw * token.entropy_bt)
+  metrics = {
+    "loss/policy": policy_loss,
+    "policy/entropy": entropy,
+    "policy/clipfrac": jnp.sum(tw * terms["clipped"]),
+    "policy/approx_kl": jnp.sum(tw * terms["approx_kl"]),
+  }
+  loss = policy_loss - entropy_coef * entropy
+  if kl_loss_coef:
+    kl = jnp.sum(w * alg.get_kl_estimator(kl_estimator)(token.logp_bt, batch["ref_logprobs"]))
+    metrics["loss/kl"] = kl
+    loss = loss + kl_loss_coef * kl
+  return loss, metrics
+
+
+def packed_critic_loss(
+  params: Any, batch: Batch, *, config: ModelConfig, clip_eps: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`critic_loss` of a packed micro-batch, as its share of the mini-batch's loss."""
+  values = models.forward_packed(
+    config, params, batch["tokens"], batch["positions"], batch["segments"], head="value"
+  )
+  err, clipped = alg.value_token_terms(
+    values, batch["old_values"], batch["returns"], clip_eps=clip_eps
+  )
+  tw = batch["token_weights"]
+  loss = 0.5 * jnp.sum(tw * err)
+  return loss, {"loss/value": loss, "value/clipfrac": jnp.sum(tw * clipped)}
+
+
+# ---------------------------------------------------------------------------------------------
 # Train steps with gradient accumulation.
 
 
@@ -159,13 +226,42 @@ def accumulate_and_apply(
     grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype) + poison, grads_acc, grads)
     return grads_acc, metrics
 
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-  grads_sum, metrics_m = jax.lax.scan(micro_step, zeros, batch)
+  grads_sum, metrics_m = jax.lax.scan(micro_step, zero_gradients(state.params), batch)
   num_micro = jax.tree.leaves(batch)[0].shape[0]
-  grads = jax.tree.map(lambda g, p: (g / num_micro).astype(p.dtype), grads_sum, state.params)
+  grads = jax.tree.map(lambda g: g / num_micro, grads_sum)
+  return apply_gradients(tx, state, grads, jax.tree.map(jnp.mean, metrics_m))
+
+
+def zero_gradients(params: Any) -> Any:
+  """The float32 gradient accumulator of `params`, zeroed."""
+  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def add_gradients(
+  loss_fn: LossFn, params: Any, acc: tuple[Any, dict[str, jax.Array]], micro_batch: Batch
+) -> tuple[Any, dict[str, jax.Array]]:
+  """`acc` (float32 gradient and metric sums; metrics `{}` at first) plus one micro-batch's.
+
+  For losses that are a micro-batch's share of the mini-batch's (the packed ones): summed, not
+  averaged. A non-finite loss poisons the sum, as in `accumulate_and_apply`."""
+  grads_acc, metrics_acc = acc
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch)
+  poison = jnp.where(jnp.isfinite(loss), 0.0, jnp.nan)
+  grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype) + poison, grads_acc, grads)
+  if metrics_acc:
+    metrics = jax.tree.map(jnp.add, metrics_acc, metrics)
+  return grads_acc, metrics
+
+
+def apply_gradients(
+  tx: optax.GradientTransformation, state: TrainState, grads: Any, metrics: dict[str, jax.Array]
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update from float32 gradients; an update whose gradients are not finite is
+  skipped by the optimizer (see `make_optimizer`) and reported as `skipped` = 1."""
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = jax.tree.map(jnp.mean, metrics_m)
+  metrics = dict(metrics)
   metrics["grad_norm"] = optax.tree.norm(grads)
   finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
   metrics["grad_finite"] = finite
