@@ -131,12 +131,14 @@ def micro_batches(
   lengths: Sequence[int], width: int, max_rows: int, multiple: int = 1
 ) -> list[tuple[np.ndarray, Packing]]:
   """`lengths` packed best-fit decreasing and split into micro-batches of at most `max_rows`
-  rows, each row count rounded up to `row_buckets(max_rows, multiple)`.
+  rows (rounded up to a multiple of `multiple`), each row count rounded up to
+  `row_buckets(max_rows, multiple)`.
 
   Returns `(indices, packing)` per micro-batch: which of `lengths` it holds (ascending) and
   their packing. Every index is in exactly one micro-batch.
   """
   buckets = row_buckets(max_rows, multiple)
+  max_rows = buckets[-1]
   row_n, start_n, used = best_fit_decreasing(lengths, width)
   lengths = np.asarray(lengths, np.int32)
   out = []

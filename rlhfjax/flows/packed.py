@@ -263,6 +263,38 @@ def minibatch_rows(ctx: FlowContext, programs: Programs, role: Role) -> list[np.
   return [np.sort(part) for part in np.split(np.asarray(order), ctx.cfg.ppo.mini_batches)]
 
 
+def micro_batch_index(
+  parts: list[tuple[np.ndarray, packing.PackedLayout]],
+  rows_n: np.ndarray,
+  response_n: np.ndarray,
+  aggregation: str,
+) -> list[dict[str, np.ndarray]]:
+  """The index arrays of the packed micro-batches `parts` of one mini-batch (batch rows
+  `rows_n`; every sample's response length `response_n`), with the loss weights of
+  `aggregation` over the mini-batch (`alg.aggregation_weights`) and the token-mean weights:
+  what `gather_micro_batch` reads."""
+  t = parts[0][1].response_slot.shape[1]
+  weight_n = alg.aggregation_weights(aggregation, response_n[rows_n], t)
+  token_weight = np.float32(1.0 / max(int(response_n[rows_n].sum()), 1))
+  place_b = np.zeros(len(response_n), np.int64)
+  place_b[rows_n] = np.arange(len(rows_n))  # a sample's place in the mini-batch
+  out = []
+  for _, lay in parts:
+    valid = lay.pred_src >= 0
+    weights = np.where(valid, weight_n[place_b[np.maximum(lay.pred_src, 0) // t]], 0.0)
+    out.append(
+      {
+        "tokens_src": lay.tokens_src,
+        "pred_src": lay.pred_src,
+        "positions": lay.positions,
+        "segments": lay.segments,
+        "weights": weights.astype(np.float32),
+        "token_weights": np.where(valid, token_weight, 0.0).astype(np.float32),
+      }
+    )
+  return out
+
+
 class PackedUpdate:
   """One trained role's packed updates: `stages(fields, seqs, order)` gives one optimizer
   update stage per mini-batch, each a loop of compiled gradient steps over its packed
@@ -321,27 +353,7 @@ class PackedUpdate:
       parts = layouts(seqs, rows_n, self.width, self.max_rows, self.multiple)
       self.fills.append(fill(parts))
       self.micro_batches += len(parts)
-      weight_n = alg.aggregation_weights(
-        self.aggregation, response_n[rows_n], self.width - seqs.prompt_len
-      )
-      token_weight = np.float32(1.0 / max(int(response_n[rows_n].sum()), 1))
-      t = self.width - seqs.prompt_len
-      place_b = np.zeros(len(seqs.prompts), np.int64)
-      place_b[rows_n] = np.arange(len(rows_n))  # a sample's place in the mini-batch
-      index = []
-      for _, lay in parts:
-        valid = lay.pred_src >= 0
-        w_rw = np.where(valid, weight_n[place_b[np.maximum(lay.pred_src, 0) // t]], 0.0)
-        index.append(
-          {
-            "tokens_src": lay.tokens_src,
-            "pred_src": lay.pred_src,
-            "positions": lay.positions,
-            "segments": lay.segments,
-            "weights": w_rw.astype(np.float32),
-            "token_weights": np.where(valid, token_weight, 0.0).astype(np.float32),
-          }
-        )
+      index = micro_batch_index(parts, rows_n, response_n, self.aggregation)
       index = cluster.upload(self.role, index, "packing index")
       out.append(cluster.stage(self.role, "update", functools.partial(self._run, fields, index)))
     return out

@@ -342,10 +342,7 @@ class PPOFlow:
         )
     exp = self._score(iteration, seqs, scores)
     exp, stats = self._compute_advantages(iteration, exp)
-    if cfg.ppo.packing:
-      update_metrics = self._update_packed(iteration, exp, seqs)
-    else:
-      update_metrics = self._update(iteration, exp)
+    update_metrics = self._update(iteration, exp, seqs)
     if self._pool is None:
       bytes_synced = cluster.sync(iteration)
     elapsed = cluster.timeline.now() - start
@@ -515,7 +512,11 @@ class PPOFlow:
       u.micro_batches = 0
     return out
 
-  def _update(self, iteration: int, exp: Experience) -> dict[str, float]:
+  def _update(self, iteration: int, exp: Experience, seqs: Sequences) -> dict[str, float]:
+    """Every epoch's optimizer updates of the actor (and critic) from the scored batch `exp`
+    (`seqs`: its samples on the host, where packed micro-batches are planned)."""
+    if self.ctx.cfg.ppo.packing:
+      return self._update_packed(iteration, exp, seqs)
     cluster = self.ctx.cluster
     actor_batch, critic_batch = self._update_batches(exp)
 
