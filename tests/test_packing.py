@@ -1,0 +1,270 @@
+"""Packed scoring and updates of the PPO family (`ppo.packing`) against the padded ones.
+
+Function level: the packed scorers' log-probs, values and sequence scores, unpacked, and the
+packed actor and critic losses, metrics and gradients, summed over micro-batches, equal the
+padded ones (one micro-batch: the whole mini-batch) within 1e-5 in float32, for every loss
+aggregation; two packings of the same samples give the same gradients. Flow level: every
+PPO-family flow's metrics over two iterations equal the padded run's, and each packed program
+compiles at most once per row-count bucket while the lengths vary.
+
+Tolerances: the tiny model's sums run over 56 hidden units, 152 MLP units and at most 16 keys in
+float32 (unit roundoff 6e-8); packed and padded differ only in the order of those sums (a
+sample's keys sit between other segments' masked zeros), so each result moves by a few ulps of
+its size: log-probs near -ln(328) ~ -5.8 by ~1e-6, losses of size ~1 by ~1e-6. 1e-5 is the
+issue's bound and holds with a margin of 10.
+"""
+
+import functools
+import pathlib
+import runpy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from runs_testing import assert_same_numbers
+
+from rlhfjax import models
+from rlhfjax.config import from_config_dict
+from rlhfjax.config.model import get_model_config
+from rlhfjax.data import packing
+from rlhfjax.flows import experience, packed
+from rlhfjax.runner import Runner
+from rlhfjax.training import steps
+
+CONFIG = get_model_config("tiny")
+P, T = 6, 10
+W = P + T
+B = 8
+_ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _seqs(seed: int = 0) -> experience.Sequences:
+  """B samples of very different prompt and response lengths (1 to the capacity)."""
+  rng = np.random.default_rng(seed)
+  prompt_n = np.array([1, P, 3, 2, P, 4, 1, 5])
+  response_n = np.array([T, 1, 4, T, 2, 7, 1, 3])
+  prompts = [rng.integers(3, CONFIG.vocab_size, n) for n in prompt_n]
+  responses = rng.integers(3, CONFIG.vocab_size, (B, T)).astype(np.int32)
+  return experience.assemble(
+    prompts,
+    responses,
+    response_n,
+    np.zeros((B, T), np.float32),
+    prompt_len=P,
+    response_len=T,
+    pad_id=0,
+  )
+
+
+def _params(head="lm", seed=0):
+  return models.init_params(CONFIG, head, jax.random.key(seed))
+
+
+def _padded_fields(params, seqs, seed=1):
+  """The padded actor/critic batch: tokens, masks and random update fields."""
+  rng = np.random.default_rng(seed)
+  tokens, attention = jnp.asarray(seqs.tokens_bs), jnp.asarray(seqs.attention_mask_bs)
+  mask = jnp.asarray(seqs.response_mask_bt)
+  logp = steps.response_logprobs(CONFIG, params, tokens, attention, P)
+  noise = lambda scale: jnp.asarray(rng.normal(0, scale, (B, T)).astype(np.float32))
+  return {
+    "tokens": tokens,
+    "attention_mask": attention,
+    "response_mask": mask,
+    "old_logprobs": logp + noise(0.5),  # ratios far from 1: clipping is exercised
+    "behaviour_logprobs": logp + noise(0.1),
+    "ref_logprobs": logp + noise(0.2),
+    "advantages": noise(1.0) * mask,
+    "returns": noise(1.0) * mask,
+    "old_values": noise(0.5) * mask,
+  }
+
+
+def _packed_micro_batches(fields, seqs, aggregation, max_rows):
+  parts = packed.layouts(seqs, np.arange(B), W, max_rows, 1)
+  _, response_n = packed.lengths(seqs)
+  index = packed.micro_batch_index(parts, np.arange(B), response_n, aggregation)
+  per_token = {k: v for k, v in fields.items() if k not in ("attention_mask", "response_mask")}
+  return [packed.gather_micro_batch(per_token, jax.tree.map(jnp.asarray, i)) for i in index]
+
+
+def _summed(loss_fn, params, micros):
+  """Loss, metrics and gradients summed over packed micro-batches."""
+  total = None
+  for micro in micros:
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
+    out = (loss, metrics, grads)
+    total = out if total is None else jax.tree.map(jnp.add, total, out)
+  return total
+
+
+def _assert_trees_close(a, b, atol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
+
+
+def _grad_atol(grads):
+  """1e-5 of the largest gradient entry: the bound on a float32 sum's reordering."""
+  return 1e-5 * max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
+
+
+def test_packed_scores_unpack_to_the_padded_ones():
+  seqs = _seqs()
+  lm, value = _params(), _params("value", 1)
+  tokens, attention = jnp.asarray(seqs.tokens_bs), jnp.asarray(seqs.attention_mask_bs)
+  mask = seqs.response_mask_bt > 0
+  want = {
+    "logp": np.asarray(steps.response_logprobs(CONFIG, lm, tokens, attention, P)),
+    "values": np.asarray(steps.response_values(CONFIG, value, tokens, attention, P)),
+    "scores": np.asarray(steps.sequence_scores(CONFIG, value, tokens, attention)),
+  }
+  _, response_n = packed.lengths(seqs)
+  # Two rows per call: the samples spread over several calls, as a long batch's do.
+  parts = packed.layouts(seqs, np.arange(B), W, 2, 1)
+  assert len(parts) > 1
+  got = {"logp": jnp.zeros((B, T)), "values": jnp.zeros((B, T)), "scores": jnp.zeros(B)}
+  for idx, lay in parts:
+    rows = [jnp.asarray(x) for x in (lay.take(seqs.tokens_bs), lay.positions, lay.segments)]
+    base_b, last_b = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
+    base_b[idx], last_b[idx] = lay.response_slot[:, 0], lay.last_slot
+    logp = models.packed_token_stats(CONFIG, lm, *rows).logp_bt
+    values = models.forward_packed(CONFIG, value, *rows, head="value")
+    got["logp"] = packed.unpack_response(got["logp"], logp, base_b, response_n)
+    got["values"] = packed.unpack_response(got["values"], values, base_b, response_n)
+    got["scores"] = packed.unpack_last(got["scores"], values, last_b)
+  for name in ("logp", "values"):
+    np.testing.assert_allclose(np.asarray(got[name])[mask], want[name][mask], atol=1e-5)
+    assert not np.asarray(got[name])[~mask].any()  # nothing outside the responses
+  np.testing.assert_allclose(np.asarray(got["scores"]), want["scores"], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
+def test_packed_actor_loss_and_gradients_equal_the_padded_ones(aggregation):
+  seqs, params = _seqs(), _params()
+  fields = _padded_fields(params, seqs)
+  options = dict(
+    clip_eps=0.2, entropy_coef=0.01, clip_eps_high=0.28, kl_loss_coef=0.05, kl_estimator="k3"
+  )
+  padded_loss = functools.partial(
+    steps.actor_loss, config=CONFIG, prompt_len=P, loss_agg=aggregation, **options
+  )
+  (loss, metrics), grads = jax.value_and_grad(padded_loss, has_aux=True)(params, fields)
+  micros = _packed_micro_batches(fields, seqs, aggregation, max_rows=2)
+  assert len(micros) > 1
+  packed_loss = functools.partial(steps.packed_actor_loss, config=CONFIG, **options)
+  p_loss, p_metrics, p_grads = _summed(packed_loss, params, micros)
+  np.testing.assert_allclose(p_loss, loss, atol=1e-5)
+  assert set(p_metrics) == set(metrics)
+  for key in metrics:
+    np.testing.assert_allclose(p_metrics[key], metrics[key], atol=1e-5, err_msg=key)
+  assert float(metrics["policy/clipfrac"]) > 0  # the clip is exercised
+  _assert_trees_close(p_grads, grads, _grad_atol(grads))
+
+
+def test_packed_critic_loss_and_gradients_equal_the_padded_ones():
+  seqs, params = _seqs(), _params("value", 2)
+  fields = _padded_fields(_params(), seqs)
+  padded_loss = functools.partial(steps.critic_loss, config=CONFIG, prompt_len=P, clip_eps=0.2)
+  (loss, metrics), grads = jax.value_and_grad(padded_loss, has_aux=True)(params, fields)
+  micros = _packed_micro_batches(fields, seqs, "token_mean", max_rows=3)
+  packed_loss = functools.partial(steps.packed_critic_loss, config=CONFIG, clip_eps=0.2)
+  p_loss, p_metrics, p_grads = _summed(packed_loss, params, micros)
+  np.testing.assert_allclose(p_loss, loss, atol=1e-5)
+  np.testing.assert_allclose(p_metrics["value/clipfrac"], metrics["value/clipfrac"], atol=1e-6)
+  _assert_trees_close(p_grads, grads, _grad_atol(grads))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_two_packings_give_the_same_gradients(aggregation):
+  """One sample per row-ish (1-row micro-batches) against everything in one micro-batch: the
+  samples fall into micro-batches differently, the weighted sums do not care."""
+  seqs, params = _seqs(3), _params()
+  fields = _padded_fields(params, seqs, seed=4)
+  loss = functools.partial(steps.packed_actor_loss, config=CONFIG, clip_eps=0.2, entropy_coef=0.0)
+  one = _packed_micro_batches(fields, seqs, aggregation, max_rows=1)
+  whole = _packed_micro_batches(fields, seqs, aggregation, max_rows=B)
+  assert len(one) > len(whole) == 1
+  l1, _, g1 = _summed(loss, params, one)
+  l2, _, g2 = _summed(loss, params, whole)
+  np.testing.assert_allclose(l1, l2, atol=1e-6)
+  _assert_trees_close(g1, g2, _grad_atol(g2))
+
+
+def test_aggregation_weights_reproduce_each_aggregation():
+  """NumPy reference: the weighted token sum is each aggregation of the padded batch."""
+  from rlhfjax import algorithms as alg
+
+  rng = np.random.default_rng(0)
+  lengths = np.array([1, 5, 10, 3])
+  mask = (np.arange(10)[None] < lengths[:, None]).astype(np.float32)
+  x = rng.normal(size=(4, 10)).astype(np.float32)
+  for name, fn in alg.LOSS_AGGREGATIONS.items():
+    w = alg.aggregation_weights(name, lengths, 10)
+    np.testing.assert_allclose(np.sum(w[:, None] * x * mask), fn(x, mask), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flows.
+
+_FLOWS = ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")
+
+
+def _config(name: str, packing_on: bool):
+  cd = runpy.run_path(str(_ROOT / "configs" / f"{name}_tiny.py"))["get_config"]("colocated")
+  cd.total_steps = 2
+  cd.rollout.batch_size = 8
+  cd.rollout.max_new_tokens = 8
+  cd.eval.num_prompts = 0
+  cd.reward.model_coef = 0.5  # continuous scores: every group carries a signal
+  cd.ppo.packing = packing_on
+  if name == "ppo":
+    cd.ppo.mini_batches = 2
+  if name == "dapo":
+    cd.ppo.overlong_buffer = 4
+  return from_config_dict(cd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  out = {}
+  for name in _FLOWS:
+    for packing_on in (False, True):
+      workdir = str(tmp_path_factory.mktemp(f"{name}-{packing_on}"))
+      out[name, packing_on] = Runner(_config(name, packing_on), workdir, show_progress=False).run()
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _FLOWS)
+def test_every_flow_packed_gives_the_padded_numbers(runs, name):
+  padded, packed_run = runs[name, False].metrics, runs[name, True].metrics
+  keys = ["reward/mean", "kl/mean", "loss/policy", "policy/entropy", "policy/approx_kl"]
+  keys += ["actor/grad_norm", "response/length"]
+  if name == "ppo":
+    keys += ["loss/value", "critic/grad_norm"]
+  if name == "grpo":
+    keys.append("loss/kl")
+  if name == "dapo":
+    keys.append("reward/overlong_mean")
+  assert_same_numbers(padded, packed_run, keys)
+  assert padded[0]["loss/policy"] != padded[1]["loss/policy"]
+  # Packed rows carry mostly real tokens; padded rows of 8-token answers to prompts of up to
+  # 48 carry few.
+  assert all(row["packing/actor_fill"] > 0.5 for row in packed_run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _FLOWS)
+def test_packed_programs_compile_once_per_row_bucket(runs, name):
+  """Lengths vary from batch to batch; the packed programs' compiles stay within the buckets."""
+  compilations = runs[name, True].compilations
+  assert compilations["actor_packed_grads"] <= len(packing.row_buckets(8, 8))
+  assert compilations["reference_logprobs_packed"] <= len(packing.row_buckets(8, 8))
+  bounded = {
+    k: v for k, v in compilations.items() if not k.endswith("_packed") and "grads" not in k
+  }
+  assert set(bounded.values()) == {1}, compilations
+  assert not {"actor_step", "actor_minibatches", "actor_logprobs"} & set(compilations)
