@@ -24,6 +24,12 @@ def get_config(variant: str = "colocated"):
   config.rollout.max_prompt_len = 48
   config.rollout.max_new_tokens = 48
   config.eval.num_prompts = 0
-  config.dpo = {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0}
+  config.dpo = {
+    "beta": 0.1,
+    "loss": "sigmoid",
+    "label_smoothing": 0.0,
+    "packing": False,
+    "max_tokens_per_micro_batch": 0,
+  }
   config.actor_optimizer.learning_rate = 1e-4
   return config

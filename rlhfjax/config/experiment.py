@@ -518,9 +518,22 @@ class DPOSection:
   """'sigmoid' (DPO; conservative DPO with `label_smoothing` > 0) or 'ipo'."""
   label_smoothing: float = 0.0
   """Probability that a preference label is flipped (conservative DPO); 'sigmoid' only."""
+  packing: bool = False
+  """Offline DPO ('dpo') trains and scores the reference on packed rows
+  (`rlhfjax.data.packing`): each pair's chosen and rejected sequences' real tokens end to end
+  in rows of `rollout.max_seq_len` tokens, attention within a sequence, instead of every
+  sequence padded. Same numbers up to float rounding; micro-batches by token budget
+  (`max_tokens_per_micro_batch`), a pair never split between two. Online DPO packs by
+  `online_dpo.packing` instead."""
+  max_tokens_per_micro_batch: int = 0
+  """With `packing`: the token budget of one gradient-accumulation step (rows of
+  `rollout.max_seq_len` tokens; as many steps per batch as its pairs need), at least one pair's
+  capacity, 2 x `rollout.max_seq_len`. 0: the padded step's tokens, 2 x `rollout.batch_size` x
+  `rollout.max_seq_len` (its chosen and rejected sequences)."""
 
   def __post_init__(self):
     _check_choice("dpo.loss", self.loss, choices.DPO_LOSSES)
+    ranges.check("dpo", self, max_tokens_per_micro_batch=ranges.NON_NEGATIVE)
     if self.beta <= 0 or not 0 <= self.label_smoothing < 0.5:
       raise ConfigError("'dpo' needs beta > 0 and 0 <= label_smoothing < 0.5")
     if self.loss == "ipo" and self.label_smoothing:
@@ -542,11 +555,26 @@ class OnlineDPOSection:
   mini_batches: int = 1
   """Optimizer updates per epoch: the pairs are shuffled and split into this many."""
   micro_batches: int = 1
-  """Gradient-accumulation steps per mini-batch."""
+  """Gradient-accumulation steps per mini-batch (padded; packed, `max_tokens_per_micro_batch`
+  sets them)."""
+  packing: bool = True
+  """Score the reference and train on packed rows (`rlhfjax.data.packing`): each pair's chosen
+  and rejected samples' real prompt and response tokens end to end in rows of
+  `rollout.max_seq_len` tokens, attention within a sample, instead of every sample padded to
+  `max_seq_len`; pairs whose samples tie (no preference) are not computed at all. Same numbers
+  up to float rounding when `micro_batches` is 1 (packed, a mini-batch's loss is its exact
+  mean over pairs, not a mean of micro-batch means). False: padded."""
+  max_tokens_per_micro_batch: int = 0
+  """With `packing`: the token budget of one gradient-accumulation step (rows of
+  `rollout.max_seq_len` tokens; as many steps per mini-batch as its pairs need), at least one
+  pair's capacity, 2 x `rollout.max_seq_len`. 0: the padded micro-batch's tokens, 2 x the pairs
+  of a micro-batch x `max_seq_len`. The reference scores `rollout.max_tokens_per_score_batch`
+  tokens per call."""
 
   def __post_init__(self):
     counts = ("epochs", "mini_batches", "micro_batches")
     ranges.check("online_dpo", self, **dict.fromkeys(counts, ranges.COUNT))
+    ranges.check("online_dpo", self, max_tokens_per_micro_batch=ranges.NON_NEGATIVE)
     if self.samples_per_prompt < 2:
       raise ConfigError(
         "online DPO pairs the samples of a prompt: 'online_dpo.samples_per_prompt' must be at "
@@ -555,7 +583,12 @@ class OnlineDPOSection:
 
   @property
   def batch(self) -> BatchShape:
-    return BatchShape(**dataclasses.asdict(self))
+    return BatchShape(
+      samples_per_prompt=self.samples_per_prompt,
+      epochs=self.epochs,
+      mini_batches=self.mini_batches,
+      micro_batches=self.micro_batches,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -827,11 +860,34 @@ class SupervisedSection:
   """Gradient-accumulation steps per update; must divide `batch_size`."""
   max_len: int = 256
   """Tokens per sequence (prompt and response); longer examples are truncated and counted."""
+  packing: bool = False
+  """Train on packed rows (`rlhfjax.data.packing`): each example's real tokens end to end in
+  rows of `max_len` tokens, attention within an example, instead of every example padded to
+  `max_len`. Micro-batches by token budget (`max_tokens_per_micro_batch`; a reward model's pair
+  never split between two), weighted so the update is the whole batch's exact mean (SFT's over
+  tokens, the reward model's over pairs): the padded run's numbers up to float rounding when
+  `micro_batches` is 1 (padded, several micro-batches average their own means). Evaluation
+  stays padded."""
+  max_tokens_per_micro_batch: int = 0
+  """With `packing`: the token budget of one gradient-accumulation step (rows of `max_len`
+  tokens; as many steps per batch as its examples need), at least one example's capacity,
+  `max_len` (a pair's, 2 x `max_len`, for the reward model). 0: the padded micro-batch's
+  tokens, `batch_size / micro_batches` x `max_len` (twice that for the reward model's pairs)."""
 
   def __post_init__(self):
     ranges.check(
-      "supervised", self, batch_size=ranges.COUNT, micro_batches=ranges.COUNT, max_len=ranges.COUNT
+      "supervised",
+      self,
+      batch_size=ranges.COUNT,
+      micro_batches=ranges.COUNT,
+      max_len=ranges.COUNT,
+      max_tokens_per_micro_batch=ranges.NON_NEGATIVE,
     )
+    if 0 < self.max_tokens_per_micro_batch < self.max_len:
+      raise ConfigError(
+        f"'supervised.max_tokens_per_micro_batch'={self.max_tokens_per_micro_batch} is below one "
+        f"sequence's capacity, supervised.max_len = {self.max_len}"
+      )
     if self.batch_size % self.micro_batches:
       raise ConfigError(
         f"supervised: 'micro_batches'={self.micro_batches} must divide "
@@ -897,6 +953,13 @@ class ExperimentConfig:
         f"'ppo.max_tokens_per_micro_batch'={budget} is below one sequence's capacity, "
         f"rollout.max_prompt_len + rollout.max_new_tokens = {width}"
       )
+    for name in ("dpo", "online_dpo"):
+      budget = getattr(self, name).max_tokens_per_micro_batch
+      if 0 < budget < 2 * width:
+        raise ConfigError(
+          f"'{name}.max_tokens_per_micro_batch'={budget} is below one pair's capacity, "
+          f"2 x (rollout.max_prompt_len + rollout.max_new_tokens) = {2 * width}"
+        )
 
 
 def _checkpoint_tokenizer(cfg: ExperimentConfig) -> None:

@@ -32,7 +32,9 @@ class RewardModelFlow(SupervisedFlow):
   batch_dtypes = {**dict.fromkeys(_SEQUENCES, np.int32), "valid": np.float32}
   token_masks = ("chosen_mask", "rejected_mask")
   batch_pipeline = staticmethod(data.preference_batches)
+  sides = (("chosen_tokens", "chosen_mask"), ("rejected_tokens", "rejected_mask"))
   loss = staticmethod(reward_model.preference_loss)
+  packed_loss = staticmethod(reward_model.packed_preference_loss)
   eval_sums = staticmethod(reward_model.preference_eval_sums)
   headline = "eval/accuracy"
   plot_file = "eval_accuracy.png"

@@ -29,7 +29,10 @@ class SFTFlow(SupervisedFlow):
   batch_dtypes = {"tokens": np.int32, "attention_mask": np.int32, "loss_mask": np.float32}
   token_masks = ("attention_mask",)
   batch_pipeline = staticmethod(data.sft_batches)
+  sides = (("tokens", "attention_mask"),)
+  loss_masks = ("loss_mask",)
   loss = staticmethod(sft.sft_loss)
+  packed_loss = staticmethod(sft.sft_packed_loss)
   eval_sums = staticmethod(sft.sft_eval_sums)
   headline = "eval/loss"
   plot_file = "eval_loss.png"

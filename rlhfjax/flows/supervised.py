@@ -8,6 +8,10 @@ as exact averages however it is batched; the runner records it at step 0, every
 `eval.every_steps` steps and after the last. Rows are numbered by the updates done (the row of
 iteration i is step i + 1). Subclasses say what the model predicts: the role, the data and the
 loss (`rlhfjax.flows.sft`, `rlhfjax.flows.rm`).
+
+With `supervised.packing` the update runs on packed micro-batches of the batch's sequences
+(`rlhfjax.flows.packed_update`; a reward model's pair kept in one), their losses weighted so the
+update is the whole batch's exact mean; evaluation stays padded.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import numpy as np
 from rlhfjax import data, distributed
 from rlhfjax.cluster.cluster import WeightSource
 from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.data import packed_batches
 from rlhfjax.data.chat_template import load_chat_template
+from rlhfjax.flows import packed_update
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
@@ -56,6 +62,14 @@ class SupervisedFlow(Flow):
   eval_sums: ClassVar[Callable[..., Any]]
   """`eval_sums(params, batch, *, config) -> sums` over one eval batch, including 'count'
   (what every other sum is divided by; a staticmethod)."""
+  sides: ClassVar[tuple[tuple[str, str], ...]]
+  """The (tokens, attention mask) arrays of each sequence of an example: one for SFT, the
+  chosen and the rejected one for a pair."""
+  loss_masks: ClassVar[tuple[str, ...]] = ()
+  """The masks of the sides' tokens `packed_loss` weighs (`slot_weight`)."""
+  packed_loss: ClassVar[Callable[..., Any]]
+  """`packed_loss(params, micro, *, config) -> (loss, metrics)`: one packed micro-batch's
+  contribution to the batch's loss (a staticmethod; `rlhfjax.training.packed`)."""
   headline: ClassVar[str]
   """The held-out metric drawn in `WORKDIR/<plot_file>` and reported at the end of a run."""
   plot_file: ClassVar[str]
@@ -104,6 +118,20 @@ class SupervisedFlow(Flow):
     self.train = self.batches(dataset.source(d.train_split), batch_size=sup.batch_size)
     self._held_out = dataset.source(d.eval_split)
     self._step = cluster.train_step("train_step", self.role, self._loss)
+    if sup.packing:
+      k, budget = len(self.sides), sup.max_tokens_per_micro_batch
+      if 0 < budget < k * sup.max_len:
+        raise ConfigError(
+          f"'supervised.max_tokens_per_micro_batch'={budget} is below one pair's capacity, "
+          f"2 x supervised.max_len = {k * sup.max_len}"
+        )
+      self._max_rows = packed_update.max_rows(
+        budget, sup.max_len, k * sup.batch_size // sup.micro_batches
+      )
+      self._rows_multiple = packed_update.rows_multiple(cluster, self.role)
+      self._packed_step = packed_update.PackedStep(
+        cluster, self.role, "train_step", self._packed_loss
+      )
     runtime = cluster.roles[self.role]
     shape = {"valid": (self.eval_rows,)}
     example = {
@@ -127,6 +155,21 @@ class SupervisedFlow(Flow):
   def _loss(self, params, batch):
     return type(self).loss(params, batch, config=self.model)
 
+  def _packed_loss(self, params, micro):
+    return type(self).packed_loss(params, micro, config=self.model)
+
+  def packed_micro_batches(self, host: Batch) -> list[Batch]:
+    """The packed micro-batches of a host batch (`packed_batches.right_padded_micro_batches`)."""
+    return packed_batches.right_padded_micro_batches(
+      host,
+      self.sides,
+      self.loss_masks,
+      max_len=self.ctx.cfg.supervised.max_len,
+      max_rows=self._max_rows,
+      multiple=self._rows_multiple,
+      pad_id=self.ctx.tokenizer.pad_id,
+    )
+
   def _eval_sums(self, params, batch):
     return type(self).eval_sums(params, batch, config=self.model)
 
@@ -137,11 +180,16 @@ class SupervisedFlow(Flow):
     host = next(self.train)
     start = time.perf_counter()
     batch = {k: host[k] for k in self.batch_dtypes}
-    micro = cluster.upload(
-      self.role, steps.split_micro_batches(batch, sup.micro_batches), "batch", leading=1
-    )
+    if sup.packing:
+      step = self._packed_step
+      micro = packed_update.upload(cluster, self.role, self.packed_micro_batches(host), "batch")
+    else:
+      step = self._step
+      micro = cluster.upload(
+        self.role, steps.split_micro_batches(batch, sup.micro_batches), "batch", leading=1
+      )
     # Run in place, not dispatched: one role has nothing to overlap with.
-    metrics = cluster.fetch(cluster.update_stage(self.role, self._step, micro).fn())
+    metrics = cluster.fetch(cluster.update_stage(self.role, step, micro).fn())
     elapsed = time.perf_counter() - start
     row: dict[str, float] = {"step": step}
     for key, value in metrics.items():

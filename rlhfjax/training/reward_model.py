@@ -6,6 +6,9 @@ and by the rejected response (each with EOS), right-padded to `max_len`: `chosen
 the padding rows of the last eval batch). A sequence's score is the value head's output at its
 last real token, as PPO reads the reward model (`models.sequence_reward`).
 
+`packed_preference_loss` scores a packed micro-batch's sequences at each one's last slot
+(`rlhfjax.training.packed`) and weighs its pairs by their share of the batch's pairs.
+
 The flow that trains with them is `rlhfjax.flows.rm`.
 """
 
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 from rlhfjax import algorithms as alg
 from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
+from rlhfjax.training import packed
 
 
 def pair_scores(
@@ -39,13 +43,27 @@ def preference_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Bradley-Terry loss of one micro-batch of pairs, with accuracy and the mean score margin."""
   chosen_b, rejected_b = pair_scores(params, batch, config=config)
-  valid_b = batch["valid"]
-  loss = alg.bradley_terry_loss(chosen_b, rejected_b, valid_b)
+  return _pair_metrics(chosen_b, rejected_b, batch["valid"])
+
+
+def _pair_metrics(chosen_b, rejected_b, valid_b, scale=1.0):
+  """The Bradley-Terry loss, accuracy and margin (means over the valid pairs) times `scale`."""
+  loss = alg.bradley_terry_loss(chosen_b, rejected_b, valid_b) * scale
   return loss, {
     "loss": loss,
-    "accuracy": alg.preference_accuracy(chosen_b, rejected_b, valid_b),
-    "margin": alg.masked_mean(chosen_b - rejected_b, valid_b),
+    "accuracy": alg.preference_accuracy(chosen_b, rejected_b, valid_b) * scale,
+    "margin": alg.masked_mean(chosen_b - rejected_b, valid_b) * scale,
   }
+
+
+def packed_preference_loss(
+  params: Any, micro: dict[str, jax.Array], *, config: ModelConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`preference_loss` as one packed micro-batch's contribution to the batch's pair means:
+  its pairs' (`chosen`, `rejected` batch rows) mean times their share of the valid pairs."""
+  scores_b = packed.last_token_values(config, params, micro)
+  member_g, scale = packed.pair_scale(micro)
+  return _pair_metrics(scores_b[micro["chosen"]], scores_b[micro["rejected"]], member_g, scale)
 
 
 def preference_eval_sums(

@@ -6,6 +6,10 @@ tokens) and `loss_mask` float32 [b, s] (1 on the response tokens and EOS, the to
 The logits at column `j - 1` predict the token at column `j`. Prompt tokens are context only:
 the policy PPO starts from should answer prompts, not learn to write them.
 
+A packed micro-batch (`rlhfjax.training.packed`) weighs each predicted token by its share of
+the whole batch's tokens (`slot_weight` = loss mask / N), so `sft_packed_loss` is the
+micro-batch's contribution to the batch's token mean.
+
 The flow that trains with them is `rlhfjax.flows.sft`.
 """
 
@@ -36,6 +40,21 @@ def _nll_and_accuracy(params, batch, config: ModelConfig) -> tuple[jax.Array, ja
   mask_bt = batch["loss_mask"][:, 1:].astype(jnp.float32)
   correct_bt = (stats.argmax_bt == batch["tokens"][:, 1:]).astype(jnp.float32)
   return alg.masked_mean(-stats.logp_bt, mask_bt), alg.masked_mean(correct_bt, mask_bt)
+
+
+def sft_packed_loss(
+  params: Any, micro: dict[str, jax.Array], *, config: ModelConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`sft_loss`'s NLL and accuracy as one packed micro-batch's contributions to the batch's
+  token means (summed over micro-batches they are the batch's)."""
+  stats = models.packed_token_stats(
+    config, params, micro["tokens"], micro["positions"], micro["segments"]
+  )
+  targets_rw = jnp.pad(micro["tokens"][:, 1:], ((0, 0), (0, 1)))
+  weight_rw = micro["slot_weight"]
+  loss = jnp.sum(-stats.logp_bt * weight_rw)
+  accuracy = jnp.sum((stats.argmax_bt == targets_rw).astype(jnp.float32) * weight_rw)
+  return loss, {"loss": loss, "token_accuracy": accuracy}
 
 
 def sft_eval_sums(
