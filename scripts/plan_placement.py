@@ -31,7 +31,8 @@ _ALGORITHM = flags.DEFINE_string(
 )
 _PROMPTS = flags.DEFINE_integer("prompts", 1024, "Prompts per iteration.")
 _SAMPLES = flags.DEFINE_integer("samples_per_prompt", 1, "Responses per prompt.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens (padded).")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Longest prompt tokens (padded to it).")
+flags.DEFINE_float("prompt_len_mean", 0, "Mean prompt tokens (0: every prompt is --prompt_len).")
 _MEAN = flags.DEFINE_float("response_len_mean", 512, "Mean response tokens.")
 _MAX = flags.DEFINE_integer("response_len_max", 1024, "Longest response tokens.")
 _EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "PPO epochs per iteration.")
@@ -43,6 +44,22 @@ _STRATEGY = flags.DEFINE_string(
 _ROLLOUT_DEVICES = flags.DEFINE_integer("rollout_devices", None, "Fix the disaggregated split.")
 _ASYNC = flags.DEFINE_bool("async_rollout", False, "One-step off-policy generation overlap.")
 _CONTINUOUS = flags.DEFINE_bool("continuous_batching", False, "Rollout refills finished slots.")
+flags.DEFINE_bool(
+  "packed",
+  False,
+  "Score and train on packed rows of real lengths (ppo.packing), priced with the packing's fill "
+  "loss; default: every sequence padded to prompt_len + response_len_max.",
+)
+flags.DEFINE_integer(
+  "max_tokens_per_micro_batch",
+  0,
+  "--packed: tokens per training micro-step over a role's group (0: the padded micro-batch's).",
+)
+flags.DEFINE_integer(
+  "max_tokens_per_score_batch",
+  0,
+  "--packed: tokens per scoring call over a role's group (0: the padded micro-batch's).",
+)
 _REMAT = flags.DEFINE_enum("remat", "none", ["none", "dots_saveable", "full"], "Remat policy.")
 _CHUNK = flags.DEFINE_integer("logits_chunk", 0, "Log-prob chunk tokens (0: all at once).")
 _OFFLOAD = flags.DEFINE_bool(

@@ -36,17 +36,20 @@ def main(argv: list[str]) -> None:
     spec = place.plan_placement(config, available_devices=jax.device_count())
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
+  train_rows, score_rows = auto.memory_rows(config)
   estimates = placement.estimate_placement_memory(
     spec,
     config.model,
     config.rollout,
-    train_rows=auto.train_rows(config),
+    train_rows=train_rows,
+    score_rows=score_rows,
     offload=config.offload,
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
+  print(placement.format_batches(config, train_rows, score_rows, packed=auto.packs(config)))
   print()
-  print(placement.option_report(config, spec, auto.train_rows(config)))
+  print(placement.option_report(config, spec, train_rows, score_rows))
 
 
 if __name__ == "__main__":

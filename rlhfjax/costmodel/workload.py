@@ -16,6 +16,7 @@ import os
 
 from rlhfjax.config import OffloadSection
 from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
+from rlhfjax.costmodel import fill
 from rlhfjax.costmodel.pricing import PPO, Pricing
 
 REMAT_POLICIES = ("none", "dots_saveable", "full")
@@ -60,8 +61,21 @@ class Workload:
   """Generation lasts as long as its longest sample (no continuous batching)."""
   padded: bool = True
   """Scoring and training run on sequences padded to `prompt_len + response_len_max` (as
-  rlhfjax and DeepSpeed-Chat do); False: on their real lengths (`mean_tokens` per sequence, as
-  an engine that removes padding does). Memory is planned for the padded length either way."""
+  DeepSpeed-Chat, and rlhfjax with `ppo.packing=False`, do); False: on their real lengths
+  (`mean_tokens` per sequence), ideally (every computed token real, as the published OpenRLHF
+  cases assume) or, with `packed`, packed into rows with the packing's fill loss. Memory is
+  planned for rows of the padded length either way."""
+  packed: bool = False
+  """The engine packs (rlhfjax's `ppo.packing`; needs `padded=False`): scoring and training run
+  on rows of `seq_len` tokens holding several sequences each, best-fit decreasing, in
+  micro-batches of a token budget (`train_tokens`, `score_tokens`); a stage computes its real
+  tokens over the packing's fill (`rlhfjax.costmodel.fill`)."""
+  train_tokens: int = 0
+  """With `packed`: tokens per micro-step over a trained role's group (rows x `seq_len`; rlhfjax's
+  `ppo.max_tokens_per_micro_batch`); 0: the padded micro-batch's rows x `seq_len`."""
+  score_tokens: int = 0
+  """With `packed`: tokens per scoring call over a role's group (rlhfjax's
+  `rollout.max_tokens_per_score_batch`); 0: the padded scoring micro-batch's rows x `seq_len`."""
   remat: str = "none"
   """Rematerialisation of the train step: 'none', 'dots_saveable' or 'full'."""
   logits_chunk: int = 0
@@ -99,6 +113,14 @@ class Workload:
       raise ValueError("ppo_epochs and optimizer_steps must be >= 1")
     if min(self.micro_batch, self.score_micro_batch, self.logits_chunk, self.train_rows) < 0:
       raise ValueError("micro_batch, score_micro_batch, train_rows and logits_chunk must be >= 0")
+    if self.packed and self.padded:
+      raise ValueError("packed=True computes on real lengths packed into rows: set padded=False")
+    for name in ("train_tokens", "score_tokens"):
+      if not (getattr(self, name) == 0 or getattr(self, name) >= self.seq_len):
+        raise ValueError(
+          f"{name}={getattr(self, name)} must be 0 or at least one row, prompt_len + "
+          f"response_len_max = {self.seq_len}"
+        )
 
   @property
   def sequences(self) -> int:
@@ -124,8 +146,22 @@ class Workload:
 
   @property
   def compute_len(self) -> float:
-    """Tokens per sequence that scoring and training compute on."""
+    """Tokens per sequence that scoring and training compute on (a packed stage computes
+    `mean_tokens` over its packing's fill: `packing`)."""
     return self.seq_len if self.padded else self.mean_tokens
+
+  def packing(self, sequences: int, max_rows: int, multiple: int = 1) -> fill.PackedStage:
+    """`sequences` of this workload's lengths packed as a packing engine runs them: rows of
+    `seq_len` tokens, micro-batches of at most `max_rows` rows (`rlhfjax.costmodel.fill`)."""
+    return fill.packed_stage(
+      sequences,
+      max_rows=max_rows,
+      multiple=multiple,
+      prompt_len=self.prompt_len,
+      prompt_mean=self.prompt_mean,
+      response_mean=self.response_len_mean,
+      response_max=self.response_len_max,
+    )
 
   @property
   def prompt_mean(self) -> float:

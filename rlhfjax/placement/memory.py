@@ -9,7 +9,9 @@ the weight sync's temporary buffer from the shapes alone. This module feeds it a
   and gives each `data` group its share of the rollout slots;
 - actor and critic are trained on micro-batches of `train_rows` sequences (the config's mini-
   batch split into micro-batches); reference and reward score the whole rollout batch at once,
-  as the trainer does;
+  as the padded trainer does, or `score_rows` rows per call. A packing run passes its token
+  budgets in rows of `max_seq_len` tokens (`rlhfjax.planner.auto.memory_rows`): a packed
+  micro-batch holds as many tokens as its budget, whatever the sequences in it;
 - a device's need is the persistent state (parameters, moments) of every role on it plus the
   largest transient set of any of them: stages sharing a device run one at a time and free
   their temporaries. Offload is per role (`config.offload`): a part a role offloads waits in
@@ -88,6 +90,7 @@ def estimate_memory(
   rollout: RolloutSection,
   *,
   train_rows: int | None = None,
+  score_rows: int | None = None,
   receives_sync: bool = False,
   options: Options | None = None,
   offload: OffloadSection | None = None,
@@ -99,7 +102,9 @@ def estimate_memory(
     spec: the role's devices, mesh axes and layout.
     model: the role's model.
     rollout: the rollout batch shape (sequence length; slots of the rollout).
-    train_rows: sequences per micro-step of a trained role (default: the whole batch).
+    train_rows: sequences (packed: rows of `max_seq_len` tokens, the token budget) per
+      micro-step of a trained role (default: the whole batch).
+    score_rows: sequences (packed: rows) per call of a scoring role (default: the whole batch).
     receives_sync: the rollout gets the actor's weights from other devices.
     options: backend numerics; remat, the logits chunk and fused attention are always the
       role's model's own, and the offload flags are `role`'s own in `offload`.
@@ -115,9 +120,10 @@ def estimate_memory(
     return rollout_memory(
       model, sharding, slots=slots, seq_len=seq_len, options=options, receives_sync=receives_sync
     )
-  rows = train_rows if role in TRAINED_ROLES and train_rows else rollout.batch_size
+  trained = role in TRAINED_ROLES
+  rows = (train_rows if trained else score_rows) or rollout.batch_size
   micro_batch = math.ceil(rows / sharding.batch_shards)
-  fn = train_memory if role in TRAINED_ROLES else forward_memory
+  fn = train_memory if trained else forward_memory
   return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
 
 
@@ -148,6 +154,7 @@ def estimate_placement_memory(
   rollout: RolloutSection,
   *,
   train_rows: int | None = None,
+  score_rows: int | None = None,
   options: Options | None = None,
   offload: OffloadSection | None = None,
 ) -> dict[Role, MemoryEstimate]:
@@ -161,6 +168,7 @@ def estimate_placement_memory(
       model.for_role(role),
       rollout,
       train_rows=train_rows,
+      score_rows=score_rows,
       receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
       options=options,
       offload=offload,
@@ -220,6 +228,7 @@ def option_effects(
   rollout: RolloutSection,
   *,
   train_rows: int | None,
+  score_rows: int | None = None,
   offload: OffloadSection | None = None,
 ) -> dict[Role, OptionEffect]:
   """Each role's `OptionEffect`: `estimate_memory` of its model with and without its remat and
@@ -236,6 +245,7 @@ def option_effects(
         cfg,
         rollout,
         train_rows=train_rows,
+        score_rows=score_rows,
         receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
         offload=offload,
       )

@@ -142,14 +142,18 @@ def format_option_table(
   return "\n".join([title, *_align(rows, numeric_from=_OPTION_HEADER.index("plain")), summary])
 
 
-def option_report(config: ExperimentConfig, spec: PlacementSpec, train_rows: int) -> str:
-  """`format_option_table` of `config`'s per-role models and offload on placement `spec`."""
+def option_report(
+  config: ExperimentConfig, spec: PlacementSpec, train_rows: int, score_rows: int | None = None
+) -> str:
+  """`format_option_table` of `config`'s per-role models and offload on placement `spec`, its
+  micro-batches of `train_rows` and `score_rows` rows (see `estimate_memory`)."""
   off = config.offload
   effects = option_effects(
     spec,
     config.model,
     config.rollout,
     train_rows=train_rows,
+    score_rows=score_rows,
     offload=off,
   )
   settings = {}
@@ -162,6 +166,33 @@ def option_report(config: ExperimentConfig, spec: PlacementSpec, train_rows: int
     ]
     settings[role] = (model.remat, str(model.logprob_chunk_size or "-"), "+".join(parked) or "-")
   return format_option_table(effects, settings, option_peaks(spec, effects))
+
+
+def format_batches(
+  config: ExperimentConfig, train_rows: int, score_rows: int | None, *, packed: bool
+) -> str:
+  """The micro-batches the memory estimates are sized for, in tokens: a packed run's token
+  budgets (`ppo.max_tokens_per_micro_batch`, `rollout.max_tokens_per_score_batch`; rows of
+  `max_seq_len` tokens, whatever the sequences in them) or a padded run's sequences."""
+  width = config.rollout.max_seq_len
+  score = score_rows or config.rollout.batch_size
+  if not packed:
+    return (
+      f"micro-batches: padded, {train_rows} x {width} = {train_rows * width} tokens per training "
+      f"micro-step, {score} x {width} = {score * width} per scoring call"
+    )
+  sources = (
+    ("ppo.max_tokens_per_micro_batch", config.ppo.max_tokens_per_micro_batch),
+    ("rollout.max_tokens_per_score_batch", config.rollout.max_tokens_per_score_batch),
+  )
+  named = [
+    f"{name}={value}" if value else f"{name}=0, the padded micro-batch's" for name, value in sources
+  ]
+  return (
+    f"micro-batches: packed, token budget {train_rows} x {width} = {train_rows * width} tokens "
+    f"per training micro-step ({named[0]}), {score} x {width} = {score * width} per scoring "
+    f"call ({named[1]})"
+  )
 
 
 def _align(rows: Sequence[Sequence[str]], numeric_from: int = _NUMERIC_FROM) -> list[str]:

@@ -65,6 +65,7 @@ def check_models(
   memory_per_device_gb: float | None,
   *,
   train_rows: int | None = None,
+  score_rows: int | None = None,
   options: memory.Options | None = None,
   offload: OffloadSection | None = None,
 ) -> None:
@@ -76,6 +77,7 @@ def check_models(
     rollout: the rollout batch shape.
     memory_per_device_gb: the budget of one device in GiB; None skips the memory checks.
     train_rows: sequences per micro-step of the trained roles (see `estimate_memory`).
+    score_rows: sequences per call of the scoring roles (see `estimate_memory`).
     options: backend settings of the memory model (remat and chunks are each model's own).
     offload: the roles whose parameters or moments wait in host memory while idle; a role's
       offloaded parts count during its own stage and not while it is idle.
@@ -105,7 +107,13 @@ def check_models(
     )
   if memory_per_device_gb is not None:
     estimates = memory.estimate_placement_memory(
-      spec, model, rollout, train_rows=train_rows, options=options, offload=offload
+      spec,
+      model,
+      rollout,
+      train_rows=train_rows,
+      score_rows=score_rows,
+      options=options,
+      offload=offload,
     )
     _check_memory(spec, estimates, memory_per_device_gb)
 

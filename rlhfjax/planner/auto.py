@@ -1,10 +1,12 @@
 """`placement.strategy='auto'`: plan for the devices at hand and return the winning spec.
 
 The experiment config becomes a `Workload` (the trainer's batch, lengths, epochs, mini- and
-micro-batches as the flow's section sets them, models); the search ranks every placement on the
-configured hardware (`local` from a calibration file, or a preset), and the first plan that fits
-and passes the placement checks of the config is used. The chosen plan and the runner-up are
-printed.
+micro-batches as the flow's section sets them, models, and whether the flow packs: `packs`,
+with its token budgets). The config knows no mean length, so a packed run is priced with every
+response at `rollout.max_new_tokens`: full rows, as padding costs, up to the rounding of the
+packing's row buckets. The search ranks every placement on the configured hardware (`local`
+from a calibration file, or a preset), and the first plan that fits and passes the placement
+checks of the config is used. The chosen plan and the runner-up are printed.
 """
 
 from __future__ import annotations
@@ -49,7 +51,61 @@ def workload_of(config: ExperimentConfig) -> Workload:
     optimizer_steps=batch.mini_batches,
     offload=config.offload,
     train_rows=train_rows(config),
+    **packing_of(config),
   )
+
+
+PPO_FAMILY = ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")
+"""The flows of `rlhfjax.flows.ppo`, which score and train packed as `ppo.packing` says."""
+
+
+def packs(config: ExperimentConfig) -> bool:
+  """Whether the configured flow scores and trains on packed rows: the PPO family
+  (`PPO_FAMILY`) as `ppo.packing` says; online DPO as `online_dpo.packing` says where the
+  config has that field; every other flow, and a user's own (`algorithm.flow`), pads."""
+  if config.algorithm.flow:
+    return False
+  if config.algorithm.name in PPO_FAMILY:
+    return config.ppo.packing
+  if config.algorithm.name == "online_dpo":
+    return bool(getattr(config.online_dpo, "packing", False))
+  return False
+
+
+def packing_of(config: ExperimentConfig) -> dict:
+  """The `Workload` fields of the run's packing: padded, or packed in training micro-batches of
+  its token budget (`train_budget`) and scoring calls of `rollout.score_rows_packed` rows, as
+  the engine runs them."""
+  if not packs(config):
+    return {"padded": True, "packed": False}
+  return {
+    "padded": False,
+    "packed": True,
+    "train_tokens": train_budget(config),
+    "score_tokens": config.rollout.score_rows_packed * config.rollout.max_seq_len,
+  }
+
+
+def train_budget(config: ExperimentConfig) -> int:
+  """Tokens per packed training micro-step: `ppo.max_tokens_per_micro_batch` (online DPO: its
+  own section's, where it has one); 0: the padded micro-batch's."""
+  if config.algorithm.name == "online_dpo":
+    return getattr(config.online_dpo, "max_tokens_per_micro_batch", 0)
+  return config.ppo.max_tokens_per_micro_batch
+
+
+def memory_rows(config: ExperimentConfig) -> tuple[int, int | None]:
+  """Rows of `rollout.max_seq_len` tokens per micro-step that the memory check sizes (trained
+  roles, scoring roles): a packing run's token budgets in rows (by default the padded
+  micro-batch's `train_rows`; `rollout.score_rows_packed` per scoring call); a padded run's
+  `train_rows` and the whole batch (None: `estimate_memory`'s default)."""
+  rows = train_rows(config)
+  if not packs(config):
+    return rows, None
+  budget = train_budget(config)
+  return (
+    budget // config.rollout.max_seq_len if budget else rows
+  ), config.rollout.score_rows_packed
 
 
 def train_rows(config: ExperimentConfig) -> int:

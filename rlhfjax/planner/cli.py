@@ -35,6 +35,7 @@ def workload_from_flags(f) -> Workload:
     prompts=f.prompts,
     samples_per_prompt=f.samples_per_prompt,
     prompt_len=f.prompt_len,
+    prompt_len_mean=f.prompt_len_mean,
     response_len_mean=f.response_len_mean,
     response_len_max=f.response_len_max,
     ppo_epochs=f.ppo_epochs,
@@ -44,6 +45,10 @@ def workload_from_flags(f) -> Workload:
     remat=f.remat,
     logits_chunk=f.logits_chunk,
     offload=OFFLOAD_ALL if f.offload else OffloadSection(),
+    padded=not f.packed,
+    packed=f.packed,
+    train_tokens=f.max_tokens_per_micro_batch,
+    score_tokens=f.max_tokens_per_score_batch,
   )
 
 
@@ -53,6 +58,8 @@ def check_flags(f) -> None:
   for name in ("devices", "top"):
     if getattr(f, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(f, name)}")
+  if not f.packed and (f.max_tokens_per_micro_batch or f.max_tokens_per_score_batch):
+    raise ValueError("--max_tokens_per_micro_batch and --max_tokens_per_score_batch need --packed")
   for name in ("devices_per_node", "rollout_devices"):
     if getattr(f, name) is not None and getattr(f, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(f, name)}")
@@ -90,8 +97,21 @@ def plan_from_flags(f) -> tuple[list[Plan], str]:
     raise ValueError(f"no {f.strategy} placement can be built on {f.devices} devices")
   title = (
     f"{f.strategy} placements of {f.algorithm} on {f.devices} x {hw.name} "
-    f"({hw.memory_gib:.0f} GiB), {work.sequences} sequences of {work.prompt_len}+"
-    f"{work.response_len_mean:g}/{work.response_len_max} tokens, efficiency "
-    f"{eff.generation_engine}; stage seconds per iteration"
+    f"({hw.memory_gib:.0f} GiB), {work.sequences} sequences of {_prompt(work)}+"
+    f"{work.response_len_mean:g}/{work.response_len_max} tokens{_lengths(work, plans[0])}, "
+    f"efficiency {eff.generation_engine}; stage seconds per iteration"
   )
   return plans, title + "\n" + report.format_plans(plans, work, top=f.top)
+
+
+def _prompt(work: Workload) -> str:
+  """Prompt tokens, mean/longest when they differ."""
+  return f"{work.prompt_mean:g}/{work.prompt_len}" if work.prompt_len_mean else str(work.prompt_len)
+
+
+def _lengths(work: Workload, best: Plan) -> str:
+  """How scoring and training compute: padded, real lengths, or packed with the best plan's
+  fill."""
+  if work.packed:
+    return f", packed (fill {best.fill:.3f})"
+  return ", padded" if work.padded else ", real lengths"

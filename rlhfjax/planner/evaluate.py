@@ -4,6 +4,13 @@
 costs on its group (`costs`), its memory per device (`memory`), the replayed timeline
 (`replay`), and whether every device fits its memory (persistent state of every role on the
 device plus the largest transient working set of any of them).
+
+A packed workload (`Workload.packed`) scores and trains on packed rows: each stage is priced on
+the rows its packing computes (`Workload.packing`: real tokens over the fill) in as many
+micro-steps as the packing has micro-batches, and a micro-batch's memory is its token budget
+(`train_tokens`, `score_tokens`; by default the padded micro-batch's rows). A packed row costs
+what a padded row of its width does, attention included: a segment-masked attention kernel
+computes the whole row's causal scores (one that skipped the masked blocks would cost less).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from rlhfjax.costmodel import costs, memory
+from rlhfjax.costmodel import costs, fill, memory
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import GIB, Hardware
 from rlhfjax.costmodel.replay import Replay, StageCost, replay
@@ -40,6 +47,9 @@ class Plan:
   tokens_per_s_per_device: float = 0.0
   slots: int = 0
   """Sequences one rollout data group decodes at once (after the memory check)."""
+  fill: float = 0.0
+  """Packed workloads: real / computed tokens over the packed scoring and update stages (each
+  role's packing once); 0 when nothing is packed."""
 
   @property
   def iteration_s(self) -> float:
@@ -61,6 +71,7 @@ class Plan:
       "fits": self.fits,
       "why_not": self.why_not,
       "micro_batch": self.micro_batch,
+      "fill": round(self.fill, 4),
       "mesh": {role.value: dict(spec.axes) for role, spec in self.spec.roles.items()},
       "devices": {
         role.value: [min(s.devices), max(s.devices)] for role, s in self.spec.roles.items()
@@ -120,9 +131,19 @@ def role_memory(
       options=opts,
       receives_sync=not set(rs.devices) <= set(spec[Role.ACTOR].devices),
     )
+  trained = role in (Role.ACTOR, Role.CRITIC)
+  if workload.packed:
+    micro_batch = packed_micro_batch(workload, sharding.batch_shards, micro_batch, trained)
   kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
-  fn = memory.train_memory if role in (Role.ACTOR, Role.CRITIC) else memory.forward_memory
+  fn = memory.train_memory if trained else memory.forward_memory
   return fn(config, HEADS[role], sharding, **kwargs)
+
+
+def packed_micro_batch(workload: Workload, shards: int, micro_batch: int, trained: bool) -> int:
+  """Rows per batch shard of a packed micro-batch: its token budget (`train_tokens` or
+  `score_tokens`) in rows of `seq_len`, or the padded micro-batch's `micro_batch` rows."""
+  tokens = workload.train_tokens if trained else workload.score_tokens
+  return math.ceil(fill.budget_rows(tokens, workload.seq_len, micro_batch * shards) / shards)
 
 
 def evaluate(
@@ -165,7 +186,8 @@ def evaluate(
     slots = math.ceil(slots / 2)
     estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
-  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node)
+  packings: list[fill.PackedStage] = []
+  costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, packings)
   result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
   peaks = device_totals(spec, estimates)
   peak_device = max(peaks, key=peaks.get)
@@ -194,6 +216,11 @@ def evaluate(
     why_not=why_not,
     tokens_per_s_per_device=tokens / result.iteration_s / len(spec.devices),
     slots=slots,
+    fill=(
+      sum(p.real_tokens for p in packings) / sum(p.rows * p.width for p in packings)
+      if packings
+      else 0.0
+    ),
   )
 
 
@@ -206,19 +233,31 @@ def _group(rs: RoleSpec, per_node: int) -> costs.Group:
   )
 
 
-def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node):
+def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, packings):
   w = workload
   roles = tuple(groups)
 
-  def micro_steps(role, sequences, batch=0):
-    return max(1, math.ceil(sequences / ((batch or micro_batch) * groups[role].replicas)))
+  def shape(role, sequences, trained, batch=0):
+    """(rows, tokens per row, micro-steps) in which `role` computes `sequences`: padded or
+    real lengths as the workload says, or the rows of their packing (kept in `packings`)."""
+    replicas = groups[role].replicas
+    if not w.packed:
+      return (
+        sequences,
+        w.compute_len,
+        max(1, math.ceil(sequences / ((batch or micro_batch) * replicas))),
+      )
+    rows = packed_micro_batch(w, replicas, batch or micro_batch, trained) * replicas
+    packing = w.packing(sequences, rows, replicas)
+    packings.append(packing)
+    return packing.rows, w.seq_len, packing.micro_batches
 
   if Role.ROLLOUT not in roles:  # nothing generated (DPO): no generation, no weight sync
     actor = spec[Role.ACTOR].devices
     generate = StageCost(role="rollout", stage="generate", devices=actor, seconds=0.0)
     sync = StageCost(role="rollout", stage="sync", devices=actor, seconds=0.0)
-    advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps, per_node)
-    return generate, _score_costs(spec, w, hw, eff, groups, micro_steps), advantages, updates, sync
+    advantages, updates = _train_costs(spec, w, hw, eff, groups, shape, per_node)
+    return generate, _score_costs(spec, w, hw, eff, groups, shape), advantages, updates, sync
   rollout = spec[Role.ROLLOUT]
   prefill, decode = costs.generate_time(
     hw,
@@ -236,28 +275,29 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node):
   generate = StageCost(
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
   )
-  scores = _score_costs(spec, w, hw, eff, groups, micro_steps)
-  advantages, updates = _train_costs(spec, w, hw, eff, groups, micro_steps, per_node)
+  scores = _score_costs(spec, w, hw, eff, groups, shape)
+  advantages, updates = _train_costs(spec, w, hw, eff, groups, shape, per_node)
   sync = _sync_cost(spec, w, hw, eff)
   return generate, scores, advantages, updates, sync
 
 
-def _score_costs(spec, w, hw, eff, groups, micro_steps):
+def _score_costs(spec, w, hw, eff, groups, shape):
   roles = tuple(groups)
   scores = []
   for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD):
     sequences = w.scored(role.value)
     if role not in roles or not sequences:
       continue  # e.g. DPO's actor scores its pairs inside its train step
+    rows, seq_len, steps = shape(role, sequences, False, w.score_micro_batch)
     seconds = costs.forward_time(
       hw,
       eff,
       model_for(w, role),
       HEADS[role],
       groups[role],
-      sequences=sequences,
-      seq_len=w.compute_len,
-      micro_steps=micro_steps(role, sequences, w.score_micro_batch),
+      sequences=rows,
+      seq_len=seq_len,
+      micro_steps=steps,
       offload=_offload(w, spec, role, trained=False),
     )
     scores.append(
@@ -266,7 +306,7 @@ def _score_costs(spec, w, hw, eff, groups, micro_steps):
   return scores
 
 
-def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
+def _train_costs(spec, w, hw, eff, groups, shape, per_node):
   roles = tuple(groups)
   actor = spec[Role.ACTOR].devices
   advantages = StageCost(
@@ -278,6 +318,9 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
     if role not in roles or not sequences:
       continue
     per_step = math.ceil(sequences / w.optimizer_steps)
+    rows, seq_len, steps = shape(role, per_step, True)
+    if w.packed:  # each mini-batch is packed on its own
+      sequences = rows * w.optimizer_steps
     seconds = costs.train_time(
       hw,
       eff,
@@ -285,10 +328,10 @@ def _train_costs(spec, w, hw, eff, groups, micro_steps, per_node):
       HEADS[role],
       groups[role],
       sequences=sequences,
-      seq_len=w.compute_len,
+      seq_len=seq_len,
       epochs=w.ppo_epochs,
       optimizer_steps=w.optimizer_steps,
-      micro_steps=w.optimizer_steps * micro_steps(role, per_step),
+      micro_steps=w.optimizer_steps * steps,
       remat=w.remat,
       optimizer_dtype=w.optimizer_dtype,
       offload=_offload(w, spec, role, trained=True, per_node=per_node),

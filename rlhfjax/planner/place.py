@@ -43,12 +43,14 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
   # The roles the flow does not use get no mesh and count for no memory.
   spec = spec.only(roles)
   check_spec(spec, num_devices, roles)
+  train_rows, score_rows = auto.memory_rows(config)
   check_models(
     spec,
     config.model,
     config.rollout,
     config.placement.memory_per_device_gb,
-    train_rows=auto.train_rows(config),
+    train_rows=train_rows,
+    score_rows=score_rows,
     offload=config.offload,
   )
   return spec
