@@ -1,7 +1,6 @@
 """The planner prices packed runs: real tokens over the packing's fill, token-budget memory,
 `strategy=auto` from the config's packing, `plan_placement.py --packed` (no JAX needed)."""
 
-import dataclasses
 import json
 import math
 
@@ -9,7 +8,6 @@ import numpy as np
 import pytest
 from runs_testing import run_plan_placement, shipped_config
 
-from rlhfjax.config import OnlineDPOSection
 from rlhfjax.costmodel import costs, fill, hardware, memory
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.pricing import CRITIC_FREE
@@ -197,16 +195,11 @@ def test_auto_prices_the_configs_packing(packing):
   assert work.score_tokens == (config.rollout.score_rows_packed * width if packing else 0)
 
 
-def test_auto_pads_online_dpo_unless_its_section_packs():
+def test_auto_packs_online_dpo_as_its_section_says():
   config = shipped_config("online_dpo_tiny", {})
-  assert not auto.packs(config) and auto.workload_of(config).padded
-
-  @dataclasses.dataclass(frozen=True, kw_only=True)
-  class Packs(OnlineDPOSection):
-    packing: bool = True
-
-  object.__setattr__(config, "online_dpo", Packs(**dataclasses.asdict(config.online_dpo)))
   assert auto.packs(config) and auto.packing_of(config)["packed"]
+  config = shipped_config("online_dpo_tiny", {"online_dpo.packing": False})
+  assert not auto.packs(config) and auto.workload_of(config).padded
 
 
 def test_workload_refuses_packed_and_padded_at_once_and_budgets_below_a_row():

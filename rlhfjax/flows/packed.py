@@ -36,7 +36,7 @@ import numpy as np
 from rlhfjax import algorithms as alg
 from rlhfjax.cluster import dispatch
 from rlhfjax.data import packing
-from rlhfjax.flows import experience, scoring, stages
+from rlhfjax.flows import experience, packed_update, scoring, stages
 from rlhfjax.flows.experience import Sequences
 from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
@@ -296,9 +296,9 @@ def micro_batch_index(
 
 
 class PackedUpdate:
-  """One trained role's packed updates: `stages(fields, seqs, order)` gives one optimizer
-  update stage per mini-batch, each a loop of compiled gradient steps over its packed
-  micro-batches and one compiled apply."""
+  """One trained role's packed updates: `stages(fields, seqs, minis)` gives one optimizer
+  update stage per mini-batch, its packed micro-batches gathered on the role's mesh from the
+  batch's `fields` and their gradients summed (`packed_update.PackedStep`)."""
 
   def __init__(self, ctx: FlowContext, role: Role, name: str, loss_fn: steps.LossFn):
     self.ctx, self.role = ctx, role
@@ -308,37 +308,11 @@ class PackedUpdate:
     self.max_rows = (ppo.max_tokens_per_micro_batch or padded_rows * self.width) // self.width
     self.multiple = batch_shards(ctx, (role,))
     self.aggregation = ppo.loss_agg if role == Role.ACTOR else "token_mean"
-    shardings = cluster.state_shardings[role]
-    rt = cluster.roles[role]
 
-    def add(params, acc, fields, index):
-      return steps.add_gradients(loss_fn, params, acc, gather_micro_batch(fields, index))
+    def micro_loss(params, micro):
+      return loss_fn(params, gather_micro_batch(micro["fields"], micro["index"]))
 
-    def zeros(params, fields):
-      micro = jax.eval_shape(gather_micro_batch, fields, _abstract_index(self.multiple, self.width))
-      metrics = jax.eval_shape(loss_fn, params, micro)[1]
-      return steps.zero_gradients(params), jax.tree.map(
-        lambda m: jnp.zeros(m.shape, m.dtype), metrics
-      )
-
-    grads = shardings.params
-    self._zeros = cluster.compile(
-      f"{name}_zeros", zeros, out_shardings=(grads, rt.replicated), role=role
-    )
-    self._add = cluster.compile(
-      f"{name}_packed_grads",
-      add,
-      out_shardings=(grads, rt.replicated),
-      donate_argnums=1,
-      role=role,
-    )
-    self._apply = cluster.compile(
-      f"{name}_apply",
-      functools.partial(steps.apply_gradients, cluster.tx[role]),
-      out_shardings=(shardings, rt.replicated),
-      donate_argnums=0,
-      role=role,
-    )
+    self._step = packed_update.PackedStep(cluster, role, f"{name}_packed", micro_loss)
     self.fills: list[float] = []
     self.micro_batches = 0
 
@@ -355,27 +329,6 @@ class PackedUpdate:
       self.micro_batches += len(parts)
       index = micro_batch_index(parts, rows_n, response_n, self.aggregation)
       index = cluster.upload(self.role, index, "packing index")
-      out.append(cluster.stage(self.role, "update", functools.partial(self._run, fields, index)))
+      micros = [{"fields": fields, "index": micro} for micro in index]
+      out.append(cluster.update_stage(self.role, self._step, micros))
     return out
-
-  def _run(self, fields: dict[str, jax.Array], index: list[dict[str, jax.Array]]) -> Any:
-    cluster = self.ctx.cluster
-    state = cluster.states[self.role]
-    acc = self._zeros(state.params, fields)
-    for micro in index:
-      acc = self._add(state.params, acc, fields, micro)
-    cluster.states[self.role], metrics = self._apply(state, *acc)
-    return metrics
-
-
-def _abstract_index(rows: int, width: int) -> dict[str, jax.ShapeDtypeStruct]:
-  ints = jax.ShapeDtypeStruct((rows, width), jnp.int32)
-  floats = jax.ShapeDtypeStruct((rows, width), jnp.float32)
-  return {
-    "tokens_src": ints,
-    "pred_src": ints,
-    "positions": ints,
-    "segments": ints,
-    "weights": floats,
-    "token_weights": floats,
-  }

@@ -484,7 +484,6 @@ class PPOFlow:
 
   def _update_packed(self, iteration: int, exp: Experience, seqs: Sequences) -> dict[str, float]:
     """`_update` on packed micro-batches (`rlhfjax.flows.packed`): the same mini-batches."""
-    cluster, ppo = self.ctx.cluster, self.ctx.cfg.ppo
     # Packed losses weigh slots by `weights`, not by masks.
     strip = lambda batch: {
       k: v for k, v in batch.items() if k not in ("attention_mask", "response_mask")

@@ -61,14 +61,14 @@ PPO_FAMILY = ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")
 
 def packs(config: ExperimentConfig) -> bool:
   """Whether the configured flow scores and trains on packed rows: the PPO family
-  (`PPO_FAMILY`) as `ppo.packing` says; online DPO as `online_dpo.packing` says where the
-  config has that field; every other flow, and a user's own (`algorithm.flow`), pads."""
+  (`PPO_FAMILY`) as `ppo.packing` says, online DPO as `online_dpo.packing` says; the offline
+  flows train without sampling (not priced here), and a user's own (`algorithm.flow`) pads."""
   if config.algorithm.flow:
     return False
   if config.algorithm.name in PPO_FAMILY:
     return config.ppo.packing
   if config.algorithm.name == "online_dpo":
-    return bool(getattr(config.online_dpo, "packing", False))
+    return config.online_dpo.packing
   return False
 
 
@@ -88,9 +88,9 @@ def packing_of(config: ExperimentConfig) -> dict:
 
 def train_budget(config: ExperimentConfig) -> int:
   """Tokens per packed training micro-step: `ppo.max_tokens_per_micro_batch` (online DPO: its
-  own section's, where it has one); 0: the padded micro-batch's."""
+  own section's); 0: the padded micro-batch's."""
   if config.algorithm.name == "online_dpo":
-    return getattr(config.online_dpo, "max_tokens_per_micro_batch", 0)
+    return config.online_dpo.max_tokens_per_micro_batch
   return config.ppo.max_tokens_per_micro_batch
 
 

@@ -69,33 +69,21 @@ def zeros(loss_fn: LossFn, params: Any, micro: Batch) -> dict[str, Any]:
   """An empty accumulator for `loss_fn`: float32 gradients and its metrics, all zero."""
   _, metrics = jax.eval_shape(loss_fn, params, micro)
   return {
-    "grads": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+    "grads": steps.zero_gradients(params),
     "metrics": jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metrics),
   }
 
 
 def accumulate(loss_fn: LossFn, params: Any, acc: dict[str, Any], micro: Batch) -> dict[str, Any]:
-  """`acc` plus one micro-batch's gradients and metrics (contributions, summed). A non-finite
-  loss poisons the gradients, as `steps.accumulate_and_apply` does, so the update is skipped."""
-  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
-  poison = jnp.where(jnp.isfinite(loss), 0.0, jnp.nan)
-  return {
-    "grads": jax.tree.map(lambda a, g: a + g.astype(a.dtype) + poison, acc["grads"], grads),
-    "metrics": jax.tree.map(jnp.add, acc["metrics"], metrics),
-  }
-
-
-def _linear_loss(params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`<params, grads>`: a loss whose gradient is exactly `batch['grads']` (cast to each
-  parameter's dtype, as a loss's gradient is), with `batch['metrics']` as its metrics."""
-  terms = jax.tree.map(lambda p, g: jnp.sum(p.astype(jnp.float32) * g), params, batch["grads"])
-  return sum(jax.tree.leaves(terms)), batch["metrics"]
+  """`acc` plus one micro-batch's gradients and metrics (contributions, summed;
+  `steps.add_gradients`): a non-finite loss poisons the gradients, so the update is skipped."""
+  grads, metrics = steps.add_gradients(loss_fn, params, (acc["grads"], acc["metrics"]), micro)
+  return {"grads": grads, "metrics": metrics}
 
 
 def apply(
   tx: optax.GradientTransformation, state: TrainState, acc: dict[str, Any]
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer update with the accumulated gradients: `steps.accumulate_and_apply` over one
-  micro-batch of `_linear_loss`, so the update, its finite check (a skipped update) and its
-  metrics (`grad_norm`, `grad_finite`, `skipped`) are the padded step's own."""
-  return steps.accumulate_and_apply(_linear_loss, tx, state, jax.tree.map(lambda x: x[None], acc))
+  """One optimizer update with the accumulated gradients (`steps.apply_gradients`: the padded
+  step's finite check, skipped update and metrics)."""
+  return steps.apply_gradients(tx, state, acc["grads"], acc["metrics"])
