@@ -12,9 +12,10 @@ training compute on about the real tokens:
   follows (advantages, metrics) is the padded flow's, on the same arrays.
 * update: a mini-batch (the same samples as the padded splitter's, from the same permutation)
   is packed into as many micro-batches of at most `ppo.max_tokens_per_micro_batch` tokens as its
-  samples need; each gathers its packed rows from the batch on the role's mesh. Its loss is its
-  share of the mini-batch's (`alg.aggregation_weights`), so the gradients are summed and equal
-  the whole mini-batch's whichever way the samples fell into micro-batches.
+  samples need; each is gathered from the batch on the actor's mesh (where the advantages are)
+  and moves to the trained role's mesh as packed rows. Its loss is its share of the
+  mini-batch's (`alg.aggregation_weights`), so the gradients are summed and equal the whole
+  mini-batch's whichever way the samples fell into micro-batches.
 
 A program compiled per packed row count compiles once per bucket (`packing.row_buckets`): a
 handful per role however the lengths vary.
@@ -297,29 +298,28 @@ def micro_batch_index(
 
 class PackedUpdate:
   """One trained role's packed updates: `stages(fields, seqs, minis)` gives one optimizer
-  update stage per mini-batch, its packed micro-batches gathered on the role's mesh from the
-  batch's `fields` and their gradients summed (`packed_update.PackedStep`)."""
+  update stage per mini-batch. Its packed micro-batches are gathered where the batch's `fields`
+  are (`source`'s mesh: the actor's, where the advantages are) and moved to the role's mesh as
+  packed rows; their gradients are summed (`packed_update.PackedStep`)."""
 
-  def __init__(self, ctx: FlowContext, role: Role, name: str, loss_fn: steps.LossFn):
-    self.ctx, self.role = ctx, role
+  def __init__(self, ctx: FlowContext, role: Role, name: str, loss_fn: steps.LossFn, source: Role):
+    self.ctx, self.role, self.source = ctx, role, source
     cfg, ppo, cluster = ctx.cfg, ctx.cfg.ppo, ctx.cluster
     self.width = cfg.rollout.max_seq_len
     padded_rows = cfg.rollout.batch_size // (ppo.mini_batches * ppo.micro_batches)
     self.max_rows = (ppo.max_tokens_per_micro_batch or padded_rows * self.width) // self.width
-    self.multiple = batch_shards(ctx, (role,))
+    self.multiple = batch_shards(ctx, (role, source))
     self.aggregation = ppo.loss_agg if role == Role.ACTOR else "token_mean"
-
-    def micro_loss(params, micro):
-      return loss_fn(params, gather_micro_batch(micro["fields"], micro["index"]))
-
-    self._step = packed_update.PackedStep(cluster, role, f"{name}_packed", micro_loss)
+    self._gather = cluster.compile(f"{name}_gather", gather_micro_batch, role=source)
+    self._step = packed_update.PackedStep(cluster, role, f"{name}_packed", loss_fn)
     self.fills: list[float] = []
     self.micro_batches = 0
 
   def stages(
     self, fields: dict[str, jax.Array], seqs: Sequences, minis: list[np.ndarray]
   ) -> list[dispatch.Stage]:
-    """One update stage per mini-batch `minis[k]` (rows of `seqs`), its index uploaded now."""
+    """One update stage per mini-batch `minis[k]` (rows of `seqs`; `fields` on the source's
+    mesh), its micro-batches planned, gathered and moved now."""
     cluster = self.ctx.cluster
     _, response_n = lengths(seqs)
     out = []
@@ -328,7 +328,7 @@ class PackedUpdate:
       self.fills.append(fill(parts))
       self.micro_batches += len(parts)
       index = micro_batch_index(parts, rows_n, response_n, self.aggregation)
-      index = cluster.upload(self.role, index, "packing index")
-      micros = [{"fields": fields, "index": micro} for micro in index]
+      index = cluster.upload(self.source, index, "packing index")
+      micros = [cluster.move(self.role, self._gather(fields, micro)) for micro in index]
       out.append(cluster.update_stage(self.role, self._step, micros))
     return out

@@ -266,14 +266,14 @@ class PPOFlow:
       kl_loss_coef=ppo.kl_loss_coef,
       kl_estimator=ppo.kl_estimator,
     )
-    self._actor_packed = packed.PackedUpdate(ctx, Role.ACTOR, "actor", actor_loss)
+    self._actor_packed = packed.PackedUpdate(ctx, Role.ACTOR, "actor", actor_loss, Role.ACTOR)
     if self.use_critic:
       critic_loss = functools.partial(
         steps.packed_critic_loss,
         config=cluster.roles[Role.CRITIC].model,
         clip_eps=ppo.value_clip_eps,
       )
-      self._critic_packed = packed.PackedUpdate(ctx, Role.CRITIC, "critic", critic_loss)
+      self._critic_packed = packed.PackedUpdate(ctx, Role.CRITIC, "critic", critic_loss, Role.ACTOR)
 
   # -------------------------------------------------------------------------------------------
   # Checkpointed state.
@@ -462,33 +462,26 @@ class PPOFlow:
     ):
       return jax.block_until_ready(self._advantages(exp, coef))
 
-  def _update_batches(self, exp: Experience):
-    """The actor's and (None without) the critic's update fields, the critic's on its mesh."""
-    cluster, ppo = self.ctx.cluster, self.ctx.cfg.ppo
-    common = {
-      "tokens": exp.tokens_bs,
-      "attention_mask": exp.attention_mask_bs,
-      "response_mask": exp.response_mask_bt,
-    }
-    actor_batch = {**common, "old_logprobs": exp.old_logprobs_bt, "advantages": exp.advantages_bt}
+  def _update_fields(self, exp: Experience) -> tuple[dict, dict | None]:
+    """The per-sample fields the actor's and (None without one) the critic's losses read."""
+    ppo = self.ctx.cfg.ppo
+    actor = {"tokens": exp.tokens_bs, "old_logprobs": exp.old_logprobs_bt}
+    actor["advantages"] = exp.advantages_bt
     if ppo.async_rollout:
-      actor_batch["behaviour_logprobs"] = exp.rollout_logprobs_bt
+      actor["behaviour_logprobs"] = exp.rollout_logprobs_bt
     if ppo.kl_loss_coef:
-      actor_batch["ref_logprobs"] = exp.ref_logprobs_bt
-    critic_batch = None
+      actor["ref_logprobs"] = exp.ref_logprobs_bt
+    critic = None
     if self.use_critic:
-      critic_batch = cluster.move(
-        Role.CRITIC, {**common, "returns": exp.returns_bt, "old_values": exp.values_bt}
-      )
-    return actor_batch, critic_batch
+      critic = {"tokens": exp.tokens_bs, "returns": exp.returns_bt, "old_values": exp.values_bt}
+    return actor, critic
 
   def _update_packed(self, iteration: int, exp: Experience, seqs: Sequences) -> dict[str, float]:
-    """`_update` on packed micro-batches (`rlhfjax.flows.packed`): the same mini-batches."""
-    # Packed losses weigh slots by `weights`, not by masks.
-    strip = lambda batch: {
-      k: v for k, v in batch.items() if k not in ("attention_mask", "response_mask")
-    }
-    actor_batch, critic_batch = (None if b is None else strip(b) for b in self._update_batches(exp))
+    """`_update` on packed micro-batches (`rlhfjax.flows.packed`): the same mini-batches, each
+    micro-batch gathered on the actor's mesh and moved to the critic's as packed rows."""
+    # Packed losses weigh slots by `weights`, not by masks; the critic's fields stay on the
+    # actor's mesh until packed.
+    actor_batch, critic_batch = self._update_fields(exp)
     updates = [(Role.ACTOR, self._actor_packed, actor_batch)]
     if self.use_critic:
       updates.append((Role.CRITIC, self._critic_packed, critic_batch))
@@ -517,7 +510,11 @@ class PPOFlow:
     if self.ctx.cfg.ppo.packing:
       return self._update_packed(iteration, exp, seqs)
     cluster = self.ctx.cluster
-    actor_batch, critic_batch = self._update_batches(exp)
+    masks = {"attention_mask": exp.attention_mask_bs, "response_mask": exp.response_mask_bt}
+    actor_batch, critic_batch = self._update_fields(exp)
+    actor_batch = {**actor_batch, **masks}
+    if self.use_critic:
+      critic_batch = cluster.move(Role.CRITIC, {**critic_batch, **masks})
 
     def mini_batches(epoch: int):
       actor_minis = self._actor_split(actor_batch, cluster.states[Role.ACTOR].step)
