@@ -15,6 +15,7 @@ issue's bound and holds with a margin of 10.
 """
 
 import functools
+import json
 import pathlib
 import runpy
 
@@ -262,6 +263,8 @@ def test_every_flow_packed_gives_the_padded_numbers(runs, name):
 def test_packed_programs_compile_once_per_row_bucket(runs, name):
   """Lengths vary from batch to batch; the packed programs' compiles stay within the buckets."""
   compilations = runs[name, True].compilations
+  written = json.loads((pathlib.Path(runs[name, True].workdir) / "compilations.json").read_text())
+  assert written == compilations  # reported beside the metrics
   assert compilations["actor_packed_grad"] <= len(packing.row_buckets(8, 8))
   assert compilations["reference_logprobs_packed"] <= len(packing.row_buckets(8, 8))
   bounded = {

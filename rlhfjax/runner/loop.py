@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import threading
 import time
@@ -331,6 +332,10 @@ class Runner:
       evaluation_lib.write_evaluation(self.workdir, evaluation)
     if primary:
       self._write_outputs(writer.rows())
+      # How often each program was traced (compiled) by name: the packed programs once per
+      # row-count bucket (`rlhfjax.data.packing.row_buckets`), every other one once.
+      with open(os.path.join(self.workdir, "compilations.json"), "w") as f:
+        json.dump(dict(sorted(self.traces.counts.items())), f, indent=1)
       if not stopped_early:
         rerun.mark_finished(self.workdir, max(self.start_step, cfg.total_steps))
     self.checkpointer.close()
