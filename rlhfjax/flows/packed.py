@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -36,6 +36,7 @@ import numpy as np
 
 from rlhfjax import algorithms as alg
 from rlhfjax.cluster import dispatch
+from rlhfjax.cluster.residency import Key
 from rlhfjax.data import packing
 from rlhfjax.flows import experience, packed_update, scoring, stages
 from rlhfjax.flows.experience import Sequences
@@ -133,18 +134,29 @@ class PackedScoring(scoring.MicroBatchScoring):
     self.multiple = batch_shards(ctx, tuple(Role(r.value) for r in ctx.cluster.roles))
     self._layouts: list[tuple[np.ndarray, packing.PackedLayout, np.ndarray]] = []
 
-  def add(self, indices: np.ndarray, seqs: Sequences) -> None:
-    """Dispatches the scoring of `seqs` (samples `indices` of the batch) in packed calls."""
+  def add(self, indices: np.ndarray, seqs: Sequences, then: Sequence[Key] | None = None) -> None:
+    """Dispatches the scoring of `seqs` (samples `indices` of the batch) in packed calls.
+
+    With `then` and one call: its stages run together (`Cluster.run`, disjoint meshes at the
+    same time) and the state of the (role, stage) in `then` is prefetched during the last of
+    them, as the padded whole-batch scoring does."""
     cluster, pad = self.ctx.cluster, self.ctx.tokenizer.pad_id
     indices = np.asarray(indices)
-    for sub, layout in layouts(seqs, np.arange(len(indices)), self.width, self.rows, self.multiple):
+    _, response_n = lengths(seqs)
+    parts = layouts(seqs, np.arange(len(indices)), self.width, self.rows, self.multiple)
+    for sub, layout in parts:
       rows = cluster.upload(
         Role.ACTOR,
         (layout.take(seqs.tokens_bs, pad), layout.positions, layout.segments),
         "rollout micro-batch",
       )
-      self._dispatch(self.stages_fn(rows, experience.take_rows([(seqs, sub)])), indices[sub])
-      _, response_n = lengths(seqs)
+      todo = self.stages_fn(rows, experience.take_rows([(seqs, sub)]))
+      if then is not None and len(parts) == 1:
+        for stage, out in zip(todo, cluster.run(todo, self.iteration, then=then), strict=True):
+          self._parts.setdefault(stage.role, []).append(out)
+        self._indices.append(indices[sub])
+      else:
+        self._dispatch(todo, indices[sub])
       self._layouts.append((indices[sub], layout, response_n[sub]))
 
   def result(self) -> dict[str, Any]:
@@ -227,10 +239,12 @@ def score(
   stages_fn: Any,
   rows: int,
   programs: Programs,
+  then: Sequence[Key] = (),
 ) -> dict[str, Any]:
-  """`scoring.score` packed: every sample of `seqs` in calls of at most `rows` packed rows."""
+  """`scoring.score` packed: every sample of `seqs` in calls of at most `rows` packed rows (in
+  one call, its stages run together; `then` as `PackedScoring.add`'s)."""
   scorer = PackedScoring(ctx, iteration, stages_fn, rows, programs)
-  scorer.add(np.arange(len(seqs.prompts)), seqs)
+  scorer.add(np.arange(len(seqs.prompts)), seqs, then=then)
   return scorer.result()
 
 

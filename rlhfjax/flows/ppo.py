@@ -434,7 +434,9 @@ class PPOFlow:
     exp = Experience(**cluster.upload(Role.ACTOR, Experience.from_sequences(seqs), "rollout"))
     if out is None and cfg.ppo.packing:
       todo = self._scoring_stages(iteration)
-      out = packed.score(ctx, iteration, seqs, todo, cfg.rollout.score_rows_packed, self._packed)
+      rows = cfg.rollout.score_rows_packed
+      # The update comes next: its optimizer states (if offloaded) come back during the scoring.
+      out = packed.score(ctx, iteration, seqs, todo, rows, self._packed, self._update_keys)
     elif out is None:
       rows = cfg.rollout.scoring_rows
       tokens = (exp.tokens_bs, exp.attention_mask_bs)

@@ -181,15 +181,15 @@ class SupervisedFlow(Flow):
     start = time.perf_counter()
     batch = {k: host[k] for k in self.batch_dtypes}
     if sup.packing:
-      step = self._packed_step
+      update = self._packed_step
       micro = packed_update.upload(cluster, self.role, self.packed_micro_batches(host), "batch")
     else:
-      step = self._step
+      update = self._step
       micro = cluster.upload(
         self.role, steps.split_micro_batches(batch, sup.micro_batches), "batch", leading=1
       )
     # Run in place, not dispatched: one role has nothing to overlap with.
-    metrics = cluster.fetch(cluster.update_stage(self.role, step, micro).fn())
+    metrics = cluster.fetch(cluster.update_stage(self.role, update, micro).fn())
     elapsed = time.perf_counter() - start
     row: dict[str, float] = {"step": step}
     for key, value in metrics.items():
