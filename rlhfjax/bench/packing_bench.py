@@ -34,7 +34,7 @@ _GRPO_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grp
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
   iterations: int = 4
-  batch: int = 32
+  batch: int = 64
   group: int = 4
   max_prompt_len: int = 32
   max_new_tokens: int = 512
