@@ -58,12 +58,7 @@ def lengths(seqs: Sequences) -> tuple[np.ndarray, np.ndarray]:
 
 def batch_shards(ctx: FlowContext, roles: tuple[Role, ...]) -> int:
   """Rows of a packed batch divide evenly over the batch axes of every one of `roles`."""
-  out = 1
-  for role in roles:
-    rt = ctx.cluster.roles[role]
-    size = rt.mesh.devices.size
-    out = math.lcm(out, size // rt.batch_sharding((size, 1)).shard_shape((size, 1))[0])
-  return out
+  return math.lcm(*(packed_update.rows_multiple(ctx.cluster, role) for role in roles))
 
 
 def layouts(
@@ -131,7 +126,7 @@ class PackedScoring(scoring.MicroBatchScoring):
     self.num, self.programs = ctx.cfg.rollout.batch_size, programs
     cfg = ctx.cfg
     self.width = cfg.rollout.max_seq_len
-    self.multiple = batch_shards(ctx, tuple(Role(r.value) for r in ctx.cluster.roles))
+    self.multiple = batch_shards(ctx, tuple(ctx.cluster.roles))
     self._layouts: list[tuple[np.ndarray, packing.PackedLayout, np.ndarray]] = []
 
   def add(self, indices: np.ndarray, seqs: Sequences, then: Sequence[Key] | None = None) -> None:
@@ -321,28 +316,24 @@ class PackedUpdate:
     cfg, ppo, cluster = ctx.cfg, ctx.cfg.ppo, ctx.cluster
     self.width = cfg.rollout.max_seq_len
     padded_rows = cfg.rollout.batch_size // (ppo.mini_batches * ppo.micro_batches)
-    self.max_rows = (ppo.max_tokens_per_micro_batch or padded_rows * self.width) // self.width
+    self.max_rows = packed_update.max_rows(ppo.max_tokens_per_micro_batch, self.width, padded_rows)
     self.multiple = batch_shards(ctx, (role, source))
     self.aggregation = ppo.loss_agg if role == Role.ACTOR else "token_mean"
     self._gather = cluster.compile(f"{name}_gather", gather_micro_batch, role=source)
     self._step = packed_update.PackedStep(cluster, role, f"{name}_packed", loss_fn)
-    self.fills: list[float] = []
-    self.micro_batches = 0
 
   def stages(
     self, fields: dict[str, jax.Array], seqs: Sequences, minis: list[np.ndarray]
-  ) -> list[dispatch.Stage]:
-    """One update stage per mini-batch `minis[k]` (rows of `seqs`; `fields` on the source's
-    mesh), its micro-batches planned, gathered and moved now."""
+  ) -> list[tuple[dispatch.Stage, float, int]]:
+    """Per mini-batch `minis[k]` (rows of `seqs`; `fields` on the source's mesh): its update
+    stage, its micro-batches planned, gathered and moved now, with their fill and count."""
     cluster = self.ctx.cluster
     _, response_n = lengths(seqs)
     out = []
     for rows_n in minis:
       parts = layouts(seqs, rows_n, self.width, self.max_rows, self.multiple)
-      self.fills.append(fill(parts))
-      self.micro_batches += len(parts)
       index = micro_batch_index(parts, rows_n, response_n, self.aggregation)
       index = cluster.upload(self.source, index, "packing index")
       micros = [cluster.move(self.role, self._gather(fields, micro)) for micro in index]
-      out.append(cluster.update_stage(self.role, self._step, micros))
+      out.append((cluster.update_stage(self.role, self._step, micros), fill(parts), len(parts)))
     return out

@@ -488,22 +488,23 @@ class PPOFlow:
     if self.use_critic:
       updates.append((Role.CRITIC, self._critic_packed, critic_batch))
 
+    stats = {role: ([], []) for role, _, _ in updates}  # fills, micro-batch counts
+
     def mini_batches(epoch: int):
-      per_role = [
-        u.stages(batch, seqs, packed.minibatch_rows(self.ctx, self._packed, role))
-        for role, u, batch in updates
-      ]
-      return [
-        dict(zip([r for r, _, _ in updates], todo, strict=True))
-        for todo in zip(*per_role, strict=True)
-      ]
+      per_role = []
+      for role, u, batch in updates:
+        planned = u.stages(batch, seqs, packed.minibatch_rows(self.ctx, self._packed, role))
+        for _, fill, count in planned:
+          stats[role][0].append(fill)
+          stats[role][1].append(count)
+        per_role.append([stage for stage, _, _ in planned])
+      roles = [role for role, _, _ in updates]
+      return [dict(zip(roles, todo, strict=True)) for todo in zip(*per_role, strict=True)]
 
     out = self._run_updates(iteration, mini_batches)
-    for role, u, _ in updates:
-      out[f"packing/{role.value}_fill"] = float(np.mean(u.fills))
-      out[f"packing/{role.value}_micro_batches"] = u.micro_batches / len(u.fills)
-      u.fills.clear()
-      u.micro_batches = 0
+    for role, (fills, counts) in stats.items():
+      out[f"packing/{role.value}_fill"] = float(np.mean(fills))
+      out[f"packing/{role.value}_micro_batches"] = float(np.mean(counts))
     return out
 
   def _update(self, iteration: int, exp: Experience, seqs: Sequences) -> dict[str, float]:
