@@ -3,6 +3,11 @@ r"""Rollout engine throughput: one JSON line per (size, batch, prompt length, ne
   python scripts/bench_rollout.py --size=small --batch=8 --prompt_len=64 --new_tokens=128
   python scripts/bench_rollout.py --size=1b --batch=1,16,64 --copy_mib=4096 --matmul_n=8192
 
+With `--engines`, one line per engine instead: the dense and the paged engines on a long-tailed
+length mix in the same KV memory (`rlhfjax.bench.engines_bench`):
+
+  python scripts/bench_rollout.py --engines=dense,paged,paged_prefix_shared
+
 Sizes: the registered model sizes ('tiny', '125m', '1b', ...) and 'small' (benchmark only);
 --hidden_size etc. override a size's fields.
 """
@@ -11,7 +16,7 @@ import json
 
 from absl import app, flags
 
-from rlhfjax.bench import rollout_bench
+from rlhfjax.bench import engines_bench, rollout_bench
 from rlhfjax.config.model import SHAPE_FIELDS
 
 _SIZE = flags.DEFINE_string("size", "small", "Model size.")
@@ -25,6 +30,19 @@ _MATMUL_N = flags.DEFINE_integer("matmul_n", 1024, "Side of the matmul-rate prob
 _OVERRIDES = {
   name: flags.DEFINE_integer(name, None, f"Override the size's {name}.") for name in SHAPE_FIELDS
 }
+_ENGINES = flags.DEFINE_list(
+  "engines", [], f"Compare engines {engines_bench.ENGINES} on a long-tailed mix instead."
+)
+_GROUPS = flags.DEFINE_integer("groups", 16, "--engines: prompts (each asked --group_size times).")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "--engines: samples per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "--engines: response token limit.")
+_MEAN_NEW = flags.DEFINE_integer("mean_new_tokens", 64, "--engines: mean response length.")
+_DENSE_SLOTS = flags.DEFINE_integer(
+  "dense_slots", 8, "--engines: the dense engine's slots; the KV budget is these at full length."
+)
+_PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 32, "--engines: the paged engines' slots.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "--engines: tokens per page.")
+_DECODE_CHUNK = flags.DEFINE_integer("decode_chunk", 64, "--engines: decode steps per call.")
 _DTYPE = flags.DEFINE_enum(
   "dtype", None, ["float32", "bfloat16"], "Override compute and parameter dtype."
 )
@@ -35,6 +53,30 @@ def main(argv):
   overrides = {k: f.value for k, f in _OVERRIDES.items() if f.value is not None}
   if _DTYPE.value:
     overrides.update(dtype=_DTYPE.value, param_dtype=_DTYPE.value)
+  if _ENGINES.value:
+    workload = engines_bench.Workload(
+      groups=_GROUPS.value,
+      group_size=_GROUP_SIZE.value,
+      max_prompt_len=int(_PROMPT_LEN.value[0]),
+      max_new_tokens=_MAX_NEW.value,
+      mean_new_tokens=_MEAN_NEW.value,
+    )
+    budget = engines_bench.Budget(
+      dense_slots=_DENSE_SLOTS.value,
+      paged_slots=_PAGED_SLOTS.value,
+      page_size=_PAGE_SIZE.value,
+      decode_chunk=_DECODE_CHUNK.value,
+    )
+    for record in engines_bench.run(
+      tuple(_ENGINES.value),
+      workload,
+      budget,
+      size=_SIZE.value,
+      repeats=min(_REPEATS.value, 2),
+      model_overrides=overrides,
+    ):
+      print(json.dumps(record), flush=True)
+    return
   for batch in _BATCH.value:
     for prompt_len in _PROMPT_LEN.value:
       for new_tokens in _NEW_TOKENS.value:

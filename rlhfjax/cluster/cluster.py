@@ -174,14 +174,20 @@ class Cluster:
         self.params[role] = self._load(role)
     if self._rollout_from is not None:
       rollout = self.cfg.rollout
+      rt, source = self.roles[Role.ROLLOUT], self._rollout_from
+      replicas = dict(rt.mesh.shape).get("data", 1)
       engine_cfg = EngineConfig(
-        num_slots=rollout.slots or rollout.batch_size,
+        num_slots=rollout.num_slots,
         prompt_buckets=(rollout.max_prompt_len,),
         max_new_tokens=rollout.max_new_tokens,
         pad_token_id=self._pad_id,
         tail_threshold=rollout.tail_threshold,
+        paged=rollout.paged,
+        page_size=rollout.page_size,
+        num_pages=rollout.kv_pages(replicas) if rollout.paged else None,
+        share_prefixes=rollout.share_prefixes,
+        decode_chunk=rollout.decode_chunk,
       )
-      rt, source = self.roles[Role.ROLLOUT], self._rollout_from
       self._cast = None
       if self.rollout_reads_source:
         # Co-located in the same layout and dtype: the engine reads the source's arrays

@@ -318,6 +318,24 @@ class RolloutSection:
   tail_threshold: float = 0.0
   """Tail compaction: once at most this fraction of the slots still decode (and no prompt is
   queued), they move into a smaller decode batch on fewer replicas. 0: off."""
+  paged: bool = True
+  """Keep the rollout's KV cache in fixed-size pages from one pool per 'data' replica
+  (`rlhfjax.rollout.paging`): a sequence holds pages for the tokens it has, prompts are
+  admitted by free pages, and identical prompts share theirs. False: a dense cache of
+  `max_seq_len` tokens per slot."""
+  page_size: int = 16
+  """Tokens per KV page (with `paged`)."""
+  kv_cache_tokens: int = 0
+  """With `paged`: tokens the page pool holds over all the rollout's 'data' replicas (the KV
+  cache's memory). 0: every slot at full length, `slots x max_seq_len`, the dense cache's
+  memory. A smaller pool with more `slots` runs more sequences at once on long-tailed lengths;
+  when it fills, the youngest sequence is preempted and recomputed later."""
+  share_prefixes: bool = True
+  """With `paged`: the samples of one prompt (a GRPO group) prefill it once and share its
+  pages."""
+  decode_chunk: int = 64
+  """Most decode steps one device call runs while prompts wait (their admission and the page
+  reservations happen between calls; finished slots refill on device within a call)."""
   fused_scoring: bool = False
   """Score finished samples in micro-batches while the rest still generate (RLHFuse): each
   scoring role on its own mesh, concurrently when disjoint from the rollout's, between decode
@@ -343,6 +361,9 @@ class RolloutSection:
       top_p=ranges.between(0, 1, low_open=True),
       slots=ranges.NON_NEGATIVE,
       tail_threshold=ranges.between(0, 1, high_open=True),
+      page_size=ranges.COUNT,
+      kv_cache_tokens=ranges.NON_NEGATIVE,
+      decode_chunk=ranges.COUNT,
       score_micro_batch=ranges.NON_NEGATIVE,
       max_tokens_per_score_batch=ranges.NON_NEGATIVE,
     )
@@ -350,6 +371,16 @@ class RolloutSection:
       raise ConfigError(
         f"'rollout.max_tokens_per_score_batch'={self.max_tokens_per_score_batch} is below one "
         f"sequence's capacity, max_prompt_len + max_new_tokens = {self.max_seq_len}"
+      )
+    if self.paged and self.tail_threshold > 0:
+      raise ConfigError(
+        "'rollout.tail_threshold' compacts the dense KV cache's rows: set 'rollout.paged=False' "
+        "with it (the paged engine frees finished rows' pages and refills their slots instead)"
+      )
+    if self.paged and 0 < self.kv_cache_tokens < self.max_seq_len:
+      raise ConfigError(
+        f"'rollout.kv_cache_tokens'={self.kv_cache_tokens} cannot hold one sequence of "
+        f"max_prompt_len + max_new_tokens = {self.max_seq_len} tokens"
       )
     if self.score_micro_batch > self.batch_size:
       raise ConfigError(
@@ -361,6 +392,22 @@ class RolloutSection:
   def max_seq_len(self) -> int:
     """Tokens per sequence the KV cache holds: prompt plus response."""
     return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def num_slots(self) -> int:
+    """Decode slots of the engine (see `slots`)."""
+    return self.slots or self.batch_size
+
+  def kv_pages(self, replicas: int) -> int:
+    """With `paged`: pages of the pool over `replicas` 'data' replicas, one reserved page each
+    included (`kv_cache_tokens` in whole pages per replica; 0: every slot of the replica at
+    full length)."""
+    ceil = lambda a, b: -(-a // b)
+    if self.kv_cache_tokens:
+      per_replica = ceil(ceil(self.kv_cache_tokens, replicas), self.page_size)
+    else:
+      per_replica = ceil(self.num_slots, replicas) * ceil(self.max_seq_len, self.page_size)
+    return replicas * (per_replica + 1)
 
   @property
   def scoring_rows(self) -> int:

@@ -208,13 +208,18 @@ def rollout_memory(
   seq_len: int,
   options: Options,
   receives_sync: bool,
+  cache_tokens: int | None = None,
 ) -> MemoryEstimate:
-  """Per-device memory of generation with `slots` sequences per data group."""
+  """Per-device memory of generation with `slots` sequences per data group.
+
+  `cache_tokens`: tokens the data group's KV cache holds (a paged pool); None: every slot at
+  full length, `slots x seq_len`."""
   c = activation_bytes(config, options.native_half)
   _, _, _, k, n = _dims(config)
   kv_per_token = 2 * config.num_layers * k * n * c
   kv_shards = sharding.tensor if k % sharding.tensor == 0 else 1
-  kv_cache = slots * seq_len * _ceil_div(kv_per_token, kv_shards)
+  tokens = slots * seq_len if cache_tokens is None else cache_tokens
+  kv_cache = tokens * _ceil_div(kv_per_token, kv_shards)
   logits = slots * config.vocab_size * 4 * 2 // sharding.tensor
   transfer = 0
   if receives_sync:

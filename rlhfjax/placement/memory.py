@@ -116,15 +116,29 @@ def estimate_memory(
   sharding = sharding_of(spec)
   seq_len = rollout.max_seq_len
   if role == Role.ROLLOUT:
-    slots = math.ceil((rollout.slots or rollout.batch_size) / sharding.batch_shards)
+    slots = math.ceil(rollout.num_slots / sharding.batch_shards)
     return rollout_memory(
-      model, sharding, slots=slots, seq_len=seq_len, options=options, receives_sync=receives_sync
+      model,
+      sharding,
+      slots=slots,
+      seq_len=seq_len,
+      options=options,
+      receives_sync=receives_sync,
+      cache_tokens=rollout_cache_tokens(rollout, sharding.batch_shards),
     )
   trained = role in TRAINED_ROLES
   rows = (train_rows if trained else score_rows) or rollout.batch_size
   micro_batch = math.ceil(rows / sharding.batch_shards)
   fn = train_memory if trained else forward_memory
   return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
+
+
+def rollout_cache_tokens(rollout: RolloutSection, replicas: int) -> int | None:
+  """Tokens one 'data' replica's KV cache holds: its share of the page pool in whole pages plus
+  the reserved page, or None for the dense cache (every slot at full length)."""
+  if not rollout.paged:
+    return None
+  return rollout.kv_pages(replicas) // replicas * rollout.page_size
 
 
 def model_options(model: ModelConfig, options: Options | None = None) -> Options:
