@@ -1,6 +1,7 @@
 """The paged rollout engine against the dense one: outputs, pages, sharing, admission, layout."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ from rlhfjax import models, rollout
 from rlhfjax.config.model import get_model_config
 from rlhfjax.models import transformer
 from rlhfjax.placement.spec import RoleSpec
-from rlhfjax.rollout import paging
+from rlhfjax.rollout import paged_decode, paging
 from rlhfjax.rollout.lengths import tail_lengths
 
 CONFIG = get_model_config("tiny")
@@ -146,15 +147,15 @@ def test_data2_tensor2_mesh_equals_one_device_dense(dense, paged_2x2):
 def test_pool_is_split_over_data_and_tensor_and_decode_gathers_no_pages(paged_2x2):
   engine = paged_2x2
   state = engine.init_decode_state()
-  pool = state.cache["k"]  # [l, data replicas, kv heads, pages per replica, page, n]
+  pool = state.cache["k"]  # [data replicas, l, kv heads, pages per replica, page, n]
   d, t = 2, 2
-  assert pool.shape[1] == d and pool.shape[2] == CONFIG.num_kv_heads
-  assert pool.sharding.spec[1] == "data" and pool.sharding.spec[2] == "tensor"
+  assert pool.shape[0] == d and pool.shape[2] == CONFIG.num_kv_heads
+  assert pool.sharding.spec[0] == "data" and pool.sharding.spec[2] == "tensor"
   shards = pool.addressable_shards
   assert {s.device.id for s in shards} == {4, 5, 6, 7}
   per_device = pool.size // (d * t)
   assert all(s.data.size == per_device for s in shards)
-  assert len({(s.index[1].start, s.index[2].start) for s in shards}) == d * t  # all distinct
+  assert len({(s.index[0].start, s.index[2].start) for s in shards}) == d * t  # all distinct
   plan = jax.device_put(engine.paged._host_plan(np.int32(1)), engine.paged.plan_shardings)
   hlo = engine.paged._generate_steps.lower(engine.params, state, plan).compile().as_text()
   gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
@@ -381,3 +382,38 @@ def test_page_pool_counts_references():
     pool.release(a[1:2])
   with pytest.raises(RuntimeError, match="pages asked"):
     pool.alloc(4)
+
+
+def test_decode_call_writes_the_pool_in_place():
+  """Like tests/test_decode_cache.py for the pool: donated, aliased, never copied whole."""
+  layers, b, length, e = 5, 4, 512, 16
+  w = length // e
+  pages = b * w + 1
+  cfg = get_model_config("tiny", num_layers=layers, attention="xla")
+  table = paging.slot_pages(b, 1, pages, w)
+  state = jax.eval_shape(
+    lambda: paged_decode.empty_state(
+      cfg,
+      num_slots=b,
+      replicas=1,
+      pages=pages,
+      page_size=e,
+      width=w,
+      out_rows=2 * b + 1,
+      max_new_tokens=16,
+      max_stop_tokens=4,
+      table_bw=table,
+    )
+  )
+  plan = jax.eval_shape(lambda: paged_decode.idle_plan(table, 1, 4, np.int32(1)))
+  step = jax.jit(functools.partial(paged_decode.generate_steps, cfg, "gather"), donate_argnums=1)
+  compiled = step.lower(models.abstract_params(cfg, "lm"), state, plan).compile(
+    compiler_options={"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+  )
+  pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache))
+  stats = compiled.memory_analysis()
+  assert stats.alias_size_in_bytes >= pool_bytes
+  assert stats.temp_size_in_bytes < pool_bytes / 2, (stats.temp_size_in_bytes, pool_bytes)
+  whole = f"f32[1,{layers},{cfg.num_kv_heads},{pages},{e},{cfg.head_dim}]"
+  ops = re.findall(rf"= {re.escape(whole)}\{{[0-9,]*\}} ([a-z\-]+)\(", compiled.as_text())
+  assert ops and not {"copy", "dynamic-update-slice", "broadcast", "transpose"} & set(ops), ops

@@ -196,11 +196,11 @@ def test_tensor2_data2_mesh_gives_the_same_outputs_as_one_device(engine, engine_
   assert kernel.sharding.spec[2] == "tensor"
   assert {s.device.id for s in kernel.addressable_shards} == {4, 5, 6, 7}
   state = engine_2x2.init_decode_state()
-  pool = state.cache["k"]  # [l, data replicas, kv_heads, pages per replica, page, n]
-  assert pool.sharding.mesh == mesh and pool.sharding.spec[1] == "data"
+  pool = state.cache["k"]  # [data replicas, l, kv_heads, pages per replica, page, n]
+  assert pool.sharding.mesh == mesh and pool.sharding.spec[0] == "data"
   assert pool.sharding.spec[2] == "tensor"
   # 4 slots x 2 pages of 16 (a 24-token row) + 1 reserved page per replica = 5 per replica.
-  assert {s.data.shape for s in pool.addressable_shards} == {(3, 1, 1, 5, 16, 12)}
+  assert {s.data.shape for s in pool.addressable_shards} == {(1, 3, 1, 5, 16, 12)}
   assert {s.device.id for s in pool.addressable_shards} == {4, 5, 6, 7}
 
   prompts = _prompts(4)

@@ -255,9 +255,9 @@ class PagedKV:
   """
 
   k: jax.Array
-  """[l, D, k, P, e, n] keys."""
+  """[D, l, k, P, e, n] keys."""
   v: jax.Array
-  """[l, D, k, P, e, n] values."""
+  """[D, l, k, P, e, n] values."""
   table_bw: jax.Array
   """[b, w] int32 page ids (local to the row's replica)."""
   kernel: str = "gather"
@@ -265,8 +265,9 @@ class PagedKV:
 
 
 def init_paged_cache(config: ModelConfig, replicas: int, pages: int, page_size: int) -> Cache:
-  """Zeroed page pools `{'k', 'v'}: [l, D, k, P, e, n]` in the compute dtype."""
-  shape = (config.num_layers, replicas, config.num_kv_heads, pages, page_size, config.head_dim)
+  """Zeroed page pools `{'k', 'v'}: [D, l, k, P, e, n]` in the compute dtype (replicas first,
+  so that the per-replica scatters and gathers, vmapped over them, need no transpose)."""
+  shape = (replicas, config.num_layers, config.num_kv_heads, pages, page_size, config.head_dim)
   return {name: jnp.zeros(shape, jnp.dtype(config.dtype)) for name in "kv"}
 
 
@@ -276,7 +277,7 @@ def _by_replica(x: jax.Array, replicas: int) -> jax.Array:
 
 
 def write_pages(
-  pool_lDkPen: jax.Array,
+  pool_DlkPen: jax.Array,
   layer: jax.Array,
   new_btkn: jax.Array,
   table_bw: jax.Array,
@@ -288,7 +289,7 @@ def write_pages(
   One scatter per replica, vmapped over the replica axis so that a pool sharded over 'data'
   is updated where it lives. Page ids repeat only for page 0, the reserved page inactive rows
   write to, so any order of the writes gives the same pages to every live row."""
-  replicas, e = pool_lDkPen.shape[1], pool_lDkPen.shape[4]
+  replicas, e = pool_DlkPen.shape[0], pool_DlkPen.shape[4]
   t = new_btkn.shape[1]
   index_bt = index_b[:, None] + jnp.arange(t)[None, :]
   page_bt = jnp.take_along_axis(table_bw, index_bt // e, axis=1)
@@ -296,24 +297,24 @@ def write_pages(
   def one(pool_lkPen, new_ctkn, page_ct, entry_ct):
     return pool_lkPen.at[layer, :, page_ct, entry_ct].set(new_ctkn.astype(pool_lkPen.dtype))
 
-  return jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)(
-    pool_lDkPen,
+  return jax.vmap(one)(
+    pool_DlkPen,
     _by_replica(new_btkn, replicas),
     _by_replica(page_bt, replicas),
     _by_replica(index_bt % e, replicas),
   )
 
 
-def gather_pages(pool_lDkPen: jax.Array, layer: jax.Array, table_bw: jax.Array) -> jax.Array:
+def gather_pages(pool_DlkPen: jax.Array, layer: jax.Array, table_bw: jax.Array) -> jax.Array:
   """`[b, w*e, k, n]`: every row's pages of layer `layer` in logical order (vmapped over the
   replicas, like `write_pages`)."""
-  _, replicas, k, _, e, n = pool_lDkPen.shape
+  replicas, _, k, _, e, n = pool_DlkPen.shape
   b, w = table_bw.shape
 
   def one(pool_lkPen, table_cw):
     return pool_lkPen[layer, :, table_cw]  # [c, w, k, e, n]
 
-  rows_Dcwken = jax.vmap(one, in_axes=(1, 0))(pool_lDkPen, _by_replica(table_bw, replicas))
+  rows_Dcwken = jax.vmap(one)(pool_DlkPen, _by_replica(table_bw, replicas))
   return rows_Dcwken.swapaxes(-3, -2).reshape(b, w * e, k, n)
 
 
@@ -409,7 +410,7 @@ def paged_attend(
   if config.sliding_window is not None:
     raise ValueError("the Pallas paged kernels have no sliding window: use 'gather'")
   k_DkPen, v_DkPen = (
-    jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in (cache.k, cache.v)
+    jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (cache.k, cache.v)
   )
   lengths_b = (index_b + q_bthn.shape[1]).astype(jnp.int32)
   return pallas_paged_attention(cache.kernel, q_bthn, k_DkPen, v_DkPen, cache.table_bw, lengths_b)

@@ -3,7 +3,7 @@
 Letters in names: b decode slots, o output rows, q queued requests, p prompt bucket length,
 w pages per sequence (the page table's width), v pages of a prompt bucket, r response capacity
 (max new tokens), m stop ids per row, x words of a PRNG key's data, d 'data' replicas; in the
-pool `[l, d, k, P, e, n]`: l layers, k kv heads, P pages per replica, e entries per page (the
+pool `[d, l, k, P, e, n]`: l layers, k kv heads, P pages per replica, e entries per page (the
 page size), n head dim.
 
 Layout. Each 'data' replica owns its own pages (page ids are local to a replica) and its own
@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
@@ -48,7 +49,7 @@ class PagedState:
   """What the paged decode loop carries between calls. A pytree."""
 
   cache: Cache
-  """Page pools `{'k', 'v'}: [l, d, k, P, e, n]` in the compute dtype."""
+  """Page pools `{'k', 'v'}: [d, l, k, P, e, n]` in the compute dtype."""
   table_bw: jax.Array
   """Each slot's page table (page ids local to its replica)."""
   tokens_b: jax.Array
@@ -169,7 +170,7 @@ class Prefix:
 def logical_axes() -> tuple[PagedState, Queue, Plan, Requests, Prefix]:
   """Logical axis names of every field of the paged programs' pytrees (leaves are tuples)."""
   row, row2, scalar = ("batch",), ("batch", None), ()
-  pool = ("layers", "batch", "kv_heads", None, None, "head_dim")
+  pool = ("batch", "layers", "kv_heads", None, None, "head_dim")
   state = PagedState(
     cache={"k": pool, "v": pool},
     table_bw=row2,
@@ -267,6 +268,32 @@ def slot_tokens(state: PagedState) -> jax.Array:
   return _flat(jax.vmap(lambda out, row: out[row])(rows_d, _by_replica(state.row_b, replicas)))
 
 
+def idle_plan(table_bw: np.ndarray, replicas: int, max_stop_tokens: int, limit: np.ndarray) -> Plan:
+  """A plan with page tables `table_bw`, an empty queue (of the `2 * b` entries every plan
+  has), no eviction and every limit `limit`, as host arrays."""
+  b, w = table_bw.shape
+  q = 2 * b
+  ints = lambda *shape: np.zeros(shape, np.int32)
+  queue = Queue(
+    **{name: ints(q) for name in Queue.__dataclass_fields__}
+    | dict(
+      table_qw=ints(q, w),
+      stop_qm=np.full((q, max_stop_tokens), -1, np.int32),
+      temperature_q=np.zeros(q, np.float32),
+      top_p_q=np.ones(q, np.float32),
+    )
+  )
+  return Plan(
+    table_bw=table_bw,
+    evict_b=np.zeros(b, bool),
+    count_d=ints(replicas),
+    queue=queue,
+    max_steps=limit,
+    until_free=limit,
+    until_finished=limit,
+  )
+
+
 def _request_keys(seed_b: jax.Array, request_id_b: jax.Array) -> jax.Array:
   keys_b = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(seed_b, request_id_b)
   return jax.random.key_data(keys_b)
@@ -335,12 +362,12 @@ def insert(
     kv = jnp.pad(kv_lbpkn, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
     return kv.reshape(layers, b, v, e, k, n).transpose(0, 4, 1, 2, 3, 5)  # [l, k, b, v, e, n]
 
-  def write(pool_ldkPen, kv_lkbven):
+  def write(pool_dlkPen, kv_lkbven):
     def one(pool_lkPen, d):
       dst_bv = jnp.where((replica_b == d)[:, None], pages_bv, 0)
       return pool_lkPen.at[:, :, dst_bv].set(kv_lkbven.astype(pool_lkPen.dtype))
 
-    return jax.vmap(one, in_axes=(1, 0), out_axes=1)(pool_ldkPen, jnp.arange(replicas))
+    return jax.vmap(one)(pool_dlkPen, jnp.arange(replicas))
 
   cache = {name: write(state.cache[name], pages(prefix.cache[name])) for name in state.cache}
 
@@ -375,11 +402,11 @@ def _begin(state: PagedState, plan: Plan) -> PagedState:
   copy_from = _by_replica(plan.queue.copy_from_q, replicas)
   copy_to = _by_replica(plan.queue.copy_to_q, replicas)
 
-  def copy(pool_ldkPen):
+  def copy(pool_dlkPen):
     def one(pool_lkPen, from_q, to_q):
       return pool_lkPen.at[:, :, to_q].set(pool_lkPen[:, :, from_q])
 
-    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(pool_ldkPen, copy_from, copy_to)
+    return jax.vmap(one)(pool_dlkPen, copy_from, copy_to)
 
   return dataclasses.replace(
     state,

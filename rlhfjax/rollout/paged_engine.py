@@ -159,29 +159,10 @@ class PagedPrograms:
       table_bw=self.slot_table,
     )
 
-  def _host_plan(self, scalar: np.ndarray, table_bw: np.ndarray | None = None) -> Plan:
-    """A plan with no queue and no eviction (the slot API's), as host arrays."""
+  def _host_plan(self, limit: np.ndarray) -> Plan:
+    """The slot API's plan (its fixed page tables, no queue) as host arrays."""
     cfg = self._engine.config
-    b, q = cfg.num_slots, 2 * cfg.num_slots
-    zeros = lambda *shape: np.zeros(shape, np.int32)
-    queue = Queue(
-      **{name: zeros(q) for name in Queue.__dataclass_fields__}
-      | dict(
-        table_qw=zeros(q, self.width),
-        stop_qm=np.full((q, cfg.max_stop_tokens), -1, np.int32),
-        temperature_q=np.zeros(q, np.float32),
-        top_p_q=np.ones(q, np.float32),
-      )
-    )
-    return Plan(
-      table_bw=self.slot_table if table_bw is None else table_bw,
-      evict_b=np.zeros(b, bool),
-      count_d=zeros(self.replicas),
-      queue=queue,
-      max_steps=scalar,
-      until_free=scalar,
-      until_finished=scalar,
-    )
+    return paged_decode.idle_plan(self.slot_table, self.replicas, cfg.max_stop_tokens, limit)
 
   def _put(self, tree: Any, shardings: Any) -> Any:
     self._engine.host_transfers += 1
