@@ -348,6 +348,22 @@ def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path():
   np.testing.assert_allclose(outs["pallas_gpu"], outs["gather"], atol=1e-5, rtol=0)
 
 
+def test_pallas_gpu_kernel_runs_the_engine_per_shard_on_a_data_tensor_mesh():
+  """The engine with 'pallas_gpu' (interpret mode here, under `jax.shard_map` over data=2 x
+  tensor=2) samples what the gather path samples."""
+  cfg = CONFIG.replace(head_dim=16)
+  params = models.init_params(cfg, "lm", jax.random.key(4))
+  prompts = _prompts(9, (3, 16, 7, 1, 12))
+  setting = rollout.SamplingParams(temperature=1.0, max_new_tokens=5)
+  outs = [
+    rollout.Engine.for_role(
+      cfg, dataclasses.replace(PAGED, paged_attention=kernel), _role([4, 5, 6, 7], 2, 2), params
+    ).generate(prompts, sampling=setting, seed=3)
+    for kernel in ("gather", "pallas_gpu")
+  ]
+  _assert_same(outs[1], outs[0])
+
+
 def test_bad_paged_configs_raise_one_line_errors(params):
   for field, bad in (("page_size", 0), ("decode_chunk", 0), ("num_pages", 1)):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
