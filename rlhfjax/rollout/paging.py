@@ -5,16 +5,18 @@ a free list with reference counts, a prefix cache, `slots` decode slots, a queue
 requests waiting for a slot (one per free slot plus `slots` more, at most `2 * slots`) and
 `2 * slots` output rows (plus a garbage row).
 
-Prefix sharing. A prompt (its whole token tuple) is prefilled once per replica: the requests
-with that prompt (the `group_size` samples of a GRPO group) share its full pages. Its partly
-filled last page belongs to the first request that needed it; every later request copies it
-into its own page before its first token (copy on write: a request writes its response from
-index `L - 1` on, so positions before it are the same in every copy). The cache entry holds a
-reference to all of them until its last user finishes or is preempted.
+Prefix sharing. A prompt is prefilled once per replica: the requests with that prompt (the
+`group_size` samples of a GRPO group) share its full pages. The cache key is the tuple of the
+prefilled tokens, all of the prompt but its last token (which the first decode step feeds).
+Its partly filled last page belongs to the first request that needed it; every later request
+copies it into its own page before its first token (copy on write: a request writes its
+response from index `L - 1` on, so positions before it are the same in every copy). The cache
+entry holds a reference to all of them until its last user finishes or is preempted.
 
 Admission is by pages, not by slot count: a request is admitted (prefilled and queued for a
 slot of its replica) when its replica has queue room and free pages for its prompt and one
-decode chunk. Before each decode call every running request reserves pages for the steps the
+decode chunk (requests queued beyond its free slots also leave the next chunk of growth of
+the admitted ones free). Before each decode call every running request reserves pages for the steps the
 call may run (`decode_chunk`, or all its remaining tokens when nothing waits); after the call
 the pages of finished requests and unused reservations go back to the free list. When a
 running request cannot get its pages, the youngest admitted request of its replica is
@@ -374,6 +376,8 @@ class Scheduler:
     prefills: list[PrefillItem] = []
     while self.pending and self._admit(self.pending[0], prefills):
       self.pending.popleft()
+    if not self.running() and not any(self.queued):  # (an empty pool admits any request)
+      raise RuntimeError(f"request {self.pending[0].index} does not fit an empty page pool")
     self.counters.prefill_rows += len(prefills)
     self.counters.max_pages_in_use = max(
       self.counters.max_pages_in_use, sum(p.in_use for p in self.pools)
