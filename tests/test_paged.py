@@ -370,8 +370,8 @@ def test_bad_paged_configs_raise_one_line_errors(params):
       dataclasses.replace(PAGED, **{field: bad})
   with pytest.raises(ValueError, match="EngineConfig.paged_attention"):
     dataclasses.replace(PAGED, paged_attention="flash")
-  with pytest.raises(ValueError, match="EngineConfig.num_pages=7 gives 7 pages per 'data'"):
-    rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, num_pages=7), _role([0]))
+  with pytest.raises(ValueError, match="EngineConfig.num_pages=6 gives 6 pages per 'data'"):
+    rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, num_pages=6), _role([0]))
   with pytest.raises(ValueError, match="multiple of the mesh's 'data' axis"):
     rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, num_pages=21), _role([0, 1], 2))
   with pytest.raises(ValueError, match="sliding window"):

@@ -62,10 +62,10 @@ class PagedPrograms:
         f"({self.replicas})"
       )
     self.pages = total // self.replicas
-    if self.pages < w + 2:
+    if self.pages < w + 1:  # (a request alone in its replica always fits: see `paging`)
       raise ValueError(
         f"EngineConfig.num_pages={total} gives {self.pages} pages per 'data' replica; each needs "
-        f"at least {w + 2} (a full sequence of {w}, a shared prompt's last page, the reserved one)"
+        f"at least {w + 1} (a full sequence of {w} and the reserved page)"
       )
     self.width = w
     self.out_rows = 2 * self.slots_per_replica + 1

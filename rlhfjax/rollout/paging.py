@@ -15,15 +15,18 @@ entry holds a reference to all of them until its last user finishes or is preemp
 
 Admission is by pages, not by slot count: a request is admitted (prefilled and queued for a
 slot of its replica) when its replica has queue room and free pages for its prompt and one
-decode chunk (requests queued beyond its free slots also leave the next chunk of growth of
-the admitted ones free). Before each decode call every running request reserves pages for the steps the
-call may run (`decode_chunk`, or all its remaining tokens when nothing waits); after the call
-the pages of finished requests and unused reservations go back to the free list. When a
+decode chunk (requests queued beyond its free slots also leave the next chunk of growth of the
+admitted ones free). Before each decode call every running request reserves pages for the
+steps the call may run (`decode_chunk`, or all its remaining tokens when nothing waits); after
+the call the pages of finished requests and unused reservations go back to the free list. When a
 running request cannot get its pages, the youngest admitted request of its replica is
 preempted: its pages are freed and it goes back to the front of the waiting line, keeping the
 tokens it generated; readmitted, it re-prefills prompt + tokens and continues with its RNG at
 its step count, so its tokens are those it would have drawn without the preemption (up to fp32
-rounding of the recomputed KV).
+rounding of the recomputed KV). A pool of one full sequence per replica always progresses: a
+request alone in its replica needs at most a sequence's pages, plus one if it shares a prompt
+whose first user is gone (the entry keeps that user's last prompt page); short of it, it
+preempts itself, which frees the entry, and comes back as the prompt's first user.
 """
 
 from __future__ import annotations
