@@ -1,5 +1,7 @@
 """The rollout engine against a no-cache reference, across meshes, slots, seeds and settings."""
 
+import dataclasses
+
 import jax
 import jax.monitoring
 import jax.numpy as jnp
@@ -194,11 +196,12 @@ def test_tensor2_data2_mesh_gives_the_same_outputs_as_one_device(engine, engine_
   assert kernel.sharding.spec[2] == "tensor"
   assert {s.device.id for s in kernel.addressable_shards} == {4, 5, 6, 7}
   state = engine_2x2.init_decode_state()
-  cache = state.cache["k"]  # [l, slots, s, kv_heads, n]
-  assert cache.sharding.mesh == mesh and cache.sharding.spec[1] == "data"
-  assert cache.sharding.spec[3] == "tensor"
-  assert {s.data.shape for s in cache.addressable_shards} == {(3, 2, 24, 1, 12)}
-  assert {s.device.id for s in cache.addressable_shards} == {4, 5, 6, 7}
+  pool = state.cache["k"]  # [data replicas, l, kv_heads, pages per replica, page, n]
+  assert pool.sharding.mesh == mesh and pool.sharding.spec[0] == "data"
+  assert pool.sharding.spec[2] == "tensor"
+  # 4 slots x 2 pages of 16 (a 24-token row) + 1 reserved page per replica = 5 per replica.
+  assert {s.data.shape for s in pool.addressable_shards} == {(1, 3, 1, 5, 16, 12)}
+  assert {s.device.id for s in pool.addressable_shards} == {4, 5, 6, 7}
 
   prompts = _prompts(4)
   for setting in (rollout.GREEDY, rollout.SamplingParams(temperature=1.0, top_p=0.9)):
@@ -226,8 +229,8 @@ def test_continuous_batching_answers_each_prompt_once_like_the_batch(engine, eng
     want.append(response[: stops[0] + 1] if stops else response)
 
   out = engine.generate(prompts, sampling=settings)
-  assert out.inserts.tolist() == [1] * len(prompts)
-  assert out.decode_calls > 4  # slots were refilled while others were still decoding
+  assert out.inserts.tolist() == [1] * len(prompts)  # 11 prompts through 4 slots: refilled
+  assert out.decode_calls > 1 and out.max_live == ENGINE.num_slots
   assert [out.tokens[i, :n].tolist() for i, n in enumerate(out.lengths)] == want
   assert out.stopped.tolist() == [
     bool(set(w) & set(s.stop_token_ids or ())) for w, s in zip(want, settings, strict=True)
@@ -254,7 +257,11 @@ def test_seeds_reproduce_across_calls_and_slot_counts_and_differ_between_seeds(e
   assert (other.tokens != first.tokens).mean() > 0.5
 
 
-def test_slot_api_prefill_insert_generate_and_reuse_a_finished_slot(engine, params):
+def test_slot_api_prefill_insert_generate_and_reuse_a_finished_slot(params):
+  """The dense engine's slot protocol: its prefill samples the first token (the paged one's
+  first decode step does: tests/test_paged.py)."""
+  dense = dataclasses.replace(ENGINE, paged=False)
+  engine = rollout.Engine.for_role(CONFIG, dense, _role([0], 1, 1), params)
   prompts = _prompts(7, (4, 11, 6))
   greedy = _reference_greedy(params, prompts)
   state = engine.init_decode_state()

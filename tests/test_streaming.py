@@ -50,8 +50,8 @@ def plain(params):
 
 @pytest.fixture(scope="module")
 def compacting(params):
-  """The same mesh, compacting once at most half the slots run."""
-  return _engine(params, [0, 1, 2, 3], 4, 1, tail_threshold=0.5)
+  """The same mesh, compacting once at most half the slots run (the dense engine's)."""
+  return _engine(params, [0, 1, 2, 3], 4, 1, tail_threshold=0.5, paged=False)
 
 
 def _collect(stream):
@@ -94,9 +94,11 @@ def test_compacted_tail_gives_the_same_tokens_and_logprobs_and_compiles_once_per
     for field in ("tokens", "lengths", "mask", "stopped", "inserts"):
       np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
-  # Request 3 (13 tokens: 12 decode steps) starts at step 0 and is the last to end; request 6
-  # (11 tokens) ends 2 steps before it, so request 3 runs its last 2 steps alone on 1 slot.
-  assert want.decode_steps_by_batch == {8: 12}
+  # Request 3 (13 tokens: 12 decode steps after the dense prefill's first token; 13 in the
+  # paged engine, whose first decode step samples it) starts at step 0 and is the last to end;
+  # request 6 (11 tokens) ends 2 steps before it, so request 3 runs its last 2 steps alone on 1
+  # slot.
+  assert want.decode_steps_by_batch == {8: 13}
   assert sum(got.decode_steps_by_batch.values()) == 12
   assert got.decode_steps_by_batch[1] == 2 and set(got.decode_steps_by_batch) == {8, 4, 2, 1}
   streamed = rollout.RolloutStream(compacting, prompts, sampling=SAMPLING, seed=3)
@@ -111,7 +113,7 @@ def test_compacted_tail_gives_the_same_tokens_and_logprobs_and_compiles_once_per
 
 
 def test_compacted_cache_moves_to_fewer_replicas_with_the_rows_it_held(params):
-  engine = _engine(params, [4, 5, 6, 7], 2, 2, tail_threshold=0.5)  # data=2 x tensor=2
+  engine = _engine(params, [4, 5, 6, 7], 2, 2, tail_threshold=0.5, paged=False)  # data x tensor
   prompts = _prompts(2, 8)
   state = engine.init_decode_state()
   setting = rollout.SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=())
@@ -202,6 +204,9 @@ def test_tail_threshold_is_validated():
     rollout.EngineConfig(tail_threshold=1.0)
   with pytest.raises(ValueError, match="tail_threshold"):
     rollout.EngineConfig(tail_threshold=-0.1)
+  assert rollout.EngineConfig().paged and not rollout.EngineConfig(tail_threshold=0.5).paged
+  with pytest.raises(ValueError, match="tail_threshold > 0 needs paged=False"):
+    rollout.EngineConfig(tail_threshold=0.5, paged=True)
 
 
 def test_bench_lengths_have_the_asked_tail():

@@ -9,13 +9,17 @@ Parameters carry logical axis names only ('vocab', 'embed', 'heads', 'kv_heads',
 One call signature serves every use:
   * a full forward (training, scoring): `cache=None`, keys are the `t` new tokens;
   * prefill and decode (rollout): `cache` holds `[l, b, s, k, n]` keys and values; the `t` new
-    keys/values are written at `cache_index_b` of each row and attention runs over all `s` slots.
+    keys/values are written at `cache_index_b` of each row and attention runs over all `s` slots;
+  * paged decode (rollout): `cache` is a `PagedKV`, pools of fixed-size pages and a page table
+    per row; the new keys/values are written at logical index `cache_index_b` of each row, in the
+    page its table names, and attention runs over the row's pages (`paged_attend`).
 The caller supplies positions and a boolean mask `[b, t, s]`, so left padding, continuous
 batching slots and sliding windows are all just masks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -227,6 +231,191 @@ def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask_bts) -> jax
   )
 
 
+# ---------------------------------------------------------------------------------------------
+# Paged KV cache. Letters: D data replicas (each owns its own pages: page ids are local to a
+# replica), c rows per replica, P pages per replica, e entries per page (the page size), w pages
+# per row (the width of its page table).
+
+PAGED_KERNELS = ("gather", "pallas_gpu", "pallas_tpu")
+"""Paged attention implementations: the rows' pages gathered into a contiguous `[b, w*e, k, n]`
+then `attend` (any backend, any mask), or JAX's Pallas paged-attention kernels (decode only, no
+sliding window; 'pallas_gpu' runs in Pallas' interpret mode off a GPU)."""
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass, data_fields=("k", "v", "table_bw"), meta_fields=("kernel",)
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+  """A paged KV cache as the layer scan carries it.
+
+  Row `i` of the batch lives in replica `i // c` (rows replica-major, as a batch sharded over
+  'data' is laid out), and its logical index `j` is entry `j % e` of page `table_bw[i, j // e]`
+  of that replica. The pools keep kv heads before pages, the layout of JAX's Pallas kernels.
+  """
+
+  k: jax.Array
+  """[D, l, k, P, e, n] keys."""
+  v: jax.Array
+  """[D, l, k, P, e, n] values."""
+  table_bw: jax.Array
+  """[b, w] int32 page ids (local to the row's replica)."""
+  kernel: str = "gather"
+  """One of `PAGED_KERNELS`."""
+
+
+def init_paged_cache(config: ModelConfig, replicas: int, pages: int, page_size: int) -> Cache:
+  """Zeroed page pools `{'k', 'v'}: [D, l, k, P, e, n]` in the compute dtype (replicas first,
+  so that the per-replica scatters and gathers, vmapped over them, need no transpose)."""
+  shape = (replicas, config.num_layers, config.num_kv_heads, pages, page_size, config.head_dim)
+  return {name: jnp.zeros(shape, jnp.dtype(config.dtype)) for name in "kv"}
+
+
+def _by_replica(x: jax.Array, replicas: int) -> jax.Array:
+  """`[b, ...]` as `[D, b / D, ...]` (rows are replica-major)."""
+  return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+
+
+def write_pages(
+  pool_DlkPen: jax.Array,
+  layer: jax.Array,
+  new_btkn: jax.Array,
+  table_bw: jax.Array,
+  index_b: jax.Array,
+) -> jax.Array:
+  """Writes each row's `t` new entries, logical indices `index_b[row] + [0, t)`, into its pages
+  of layer `layer`.
+
+  One scatter per replica, vmapped over the replica axis so that a pool sharded over 'data'
+  is updated where it lives. Page ids repeat only for page 0, the reserved page inactive rows
+  write to, so any order of the writes gives the same pages to every live row."""
+  replicas, e = pool_DlkPen.shape[0], pool_DlkPen.shape[4]
+  t = new_btkn.shape[1]
+  index_bt = index_b[:, None] + jnp.arange(t)[None, :]
+  page_bt = jnp.take_along_axis(table_bw, index_bt // e, axis=1)
+
+  def one(pool_lkPen, new_ctkn, page_ct, entry_ct):
+    return pool_lkPen.at[layer, :, page_ct, entry_ct].set(new_ctkn.astype(pool_lkPen.dtype))
+
+  return jax.vmap(one)(
+    pool_DlkPen,
+    _by_replica(new_btkn, replicas),
+    _by_replica(page_bt, replicas),
+    _by_replica(index_bt % e, replicas),
+  )
+
+
+def gather_pages(pool_DlkPen: jax.Array, layer: jax.Array, table_bw: jax.Array) -> jax.Array:
+  """`[b, w*e, k, n]`: every row's pages of layer `layer` in logical order (vmapped over the
+  replicas, like `write_pages`)."""
+  replicas, _, k, _, e, n = pool_DlkPen.shape
+  b, w = table_bw.shape
+
+  def one(pool_lkPen, table_cw):
+    return pool_lkPen[layer, :, table_cw]  # [c, w, k, e, n]
+
+  rows_Dcwken = jax.vmap(one)(pool_DlkPen, _by_replica(table_bw, replicas))
+  return rows_Dcwken.swapaxes(-3, -2).reshape(b, w * e, k, n)
+
+
+def _kernel_blocks(pages_per_row: int, most: int) -> int:
+  """The largest divisor of `pages_per_row` that is at most `most` (the kernels' block sizes
+  must divide the pages of a row)."""
+  return max(d for d in range(1, min(most, pages_per_row) + 1) if pages_per_row % d == 0)
+
+
+def _pallas_paged(kernel: str, q_bhn, k_kPen, v_kPen, table_bw, lengths_b) -> jax.Array:
+  """One replica's decode attention through a Pallas paged-attention kernel, `[b, h, n]`."""
+  w = table_bw.shape[1]
+  if kernel == "pallas_gpu":
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    splits = _kernel_blocks(w, 16)
+    return gpu_paged.paged_attention(
+      q_bhn,
+      k_kPen,
+      v_kPen,
+      table_bw,
+      lengths_b,
+      block_h=16,
+      pages_per_compute_block=_kernel_blocks(w // splits, 8),
+      k_splits=splits,
+      interpret=jax.default_backend() != "gpu",
+    )
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+
+  return tpu_paged(
+    q_bhn, k_kPen, v_kPen, lengths_b, table_bw, pages_per_compute_block=_kernel_blocks(w, 8)
+  )
+
+
+def pallas_paged_attention(kernel: str, q_bthn, k_DkPen, v_DkPen, table_bw, lengths_b) -> jax.Array:
+  """Decode attention (`t = 1`) of each row over its first `lengths_b` logical entries through a
+  Pallas kernel, `[b, 1, h, n]`.
+
+  The kernels do not scale the scores: the queries are scaled by `n ** -0.5` here. Under a mesh
+  in context (`jax.sharding.use_abstract_mesh`) the kernel runs per shard (`jax.shard_map`):
+  replicas over 'data', kv heads (and their query heads) over 'tensor', so no pool leaves its
+  devices."""
+  b, t, h, n = q_bthn.shape
+  if t != 1:
+    raise ValueError(f"the Pallas paged kernels take one query per row (decode), got {t}")
+  replicas, k = k_DkPen.shape[:2]
+  q_Dchn = _by_replica((q_bthn[:, 0].astype(jnp.float32) * n**-0.5).astype(q_bthn.dtype), replicas)
+
+  def per_shard(q_Dchn, k_DkPen, v_DkPen, table_Dcw, lengths_Dc):
+    outs = [
+      _pallas_paged(kernel, q_Dchn[d], k_DkPen[d], v_DkPen[d], table_Dcw[d], lengths_Dc[d])
+      for d in range(q_Dchn.shape[0])
+    ]
+    return jnp.stack(outs)
+
+  args = (
+    q_Dchn,
+    k_DkPen,
+    v_DkPen,
+    _by_replica(table_bw, replicas),
+    _by_replica(lengths_b, replicas),
+  )
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(mesh.shape)
+  if sizes and math.prod(sizes.values()) > 1:
+    P = jax.sharding.PartitionSpec
+    data = "data" if replicas % sizes.get("data", 1) == 0 and "data" in sizes else None
+    tensor = sizes.get("tensor", 1)
+    tensor = "tensor" if "tensor" in sizes and k % tensor == 0 and h % tensor == 0 else None
+    rows = P(data)
+    per_shard = jax.shard_map(
+      per_shard,
+      mesh=mesh,
+      in_specs=(P(data, None, tensor), P(data, tensor), P(data, tensor), rows, rows),
+      out_specs=P(data, None, tensor),
+      check_vma=False,
+    )
+  out_Dchn = per_shard(*args)
+  return out_Dchn.reshape(b, 1, h, n).astype(q_bthn.dtype)
+
+
+def paged_attend(
+  config: ModelConfig, q_bthn, cache: PagedKV, layer, mask_bts, index_b
+) -> jax.Array:
+  """Attention of the new queries over each row's pages of layer `layer`, `[b, t, h, n]`.
+
+  'gather' honours `mask_bts` (`[b, t, w*e]` over logical indices); the kernels see the keys
+  `[0, index_b + t)` of each row, the mask of a decode step without a sliding window."""
+  if cache.kernel == "gather":
+    keys_bskn = gather_pages(cache.k, layer, cache.table_bw)
+    values_bskn = gather_pages(cache.v, layer, cache.table_bw)
+    return attend(config, q_bthn, keys_bskn, values_bskn, mask_bts)
+  if config.sliding_window is not None:
+    raise ValueError("the Pallas paged kernels have no sliding window: use 'gather'")
+  k_DkPen, v_DkPen = (
+    jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (cache.k, cache.v)
+  )
+  lengths_b = (index_b + q_bthn.shape[1]).astype(jnp.int32)
+  return pallas_paged_attention(cache.kernel, q_bthn, k_DkPen, v_DkPen, cache.table_bw, lengths_b)
+
+
 class Attention(nn.Module):
   config: ModelConfig
 
@@ -276,18 +465,26 @@ class Attention(nn.Module):
     q_bthn = rotary(q_bthn, positions_bt, inv_freq_m)
     k_btkn = rotary(k_btkn, positions_bt, inv_freq_m)
 
-    if cache is None:
-      keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
-    else:
-      new_cache = {
-        "k": _write_cache(cache["k"], layer, k_btkn, cache_index_b),
-        "v": _write_cache(cache["v"], layer, v_btkn, cache_index_b),
-      }
-      keys_bskn, values_bskn = (
-        jax.lax.dynamic_index_in_dim(new_cache[name], layer, keepdims=False) for name in "kv"
+    if isinstance(cache, PagedKV):
+      new_cache = dataclasses.replace(
+        cache,
+        k=write_pages(cache.k, layer, k_btkn, cache.table_bw, cache_index_b),
+        v=write_pages(cache.v, layer, v_btkn, cache.table_bw, cache_index_b),
       )
+      out_bthn = paged_attend(cfg, q_bthn, new_cache, layer, mask_bts, cache_index_b)
+    else:
+      if cache is None:
+        keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
+      else:
+        new_cache = {
+          "k": _write_cache(cache["k"], layer, k_btkn, cache_index_b),
+          "v": _write_cache(cache["v"], layer, v_btkn, cache_index_b),
+        }
+        keys_bskn, values_bskn = (
+          jax.lax.dynamic_index_in_dim(new_cache[name], layer, keepdims=False) for name in "kv"
+        )
+      out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask_bts)
 
-    out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask_bts)
     out_bthn = checkpoint_name(out_bthn, "attention_out")
     out_btd = Linear(
       "bthn,hnd->btd",

@@ -40,11 +40,25 @@ class GenerateOutput:
   """[prompts, r] bool: True on response tokens."""
   stopped: np.ndarray
   """[prompts] bool: the response ended with a stop token (else it hit `max_new_tokens`)."""
+  versions: np.ndarray
+  """[prompts, r] int32: `Engine.params_version` of the weights that sampled each token (the
+  version current at the decode call that produced it); -1 past each length."""
   inserts: np.ndarray
-  """[prompts] int32: how many times each prompt was put into a slot (always 1)."""
+  """[prompts] int32: how many times each prompt was put into a slot (1, plus one per
+  preemption)."""
   prefill_calls: int
+  prefill_rows: int
+  """Sequences prefilled (with shared prefixes, one per distinct prompt and replica)."""
   decode_calls: int
   """`generate_steps` calls: the host round trips between refills."""
+  host_transfers: int
+  """Uploads and reads between host and devices, one per call."""
+  generated_tokens: int
+  max_live: int
+  """Most requests decoding at once."""
+  max_pages_in_use: int
+  """Most KV pages held at once (the dense engine: its whole cache, in pages)."""
+  preemptions: int
   decode_steps_by_batch: dict[int, int]
   """Decode steps run at each decode batch size (compacted tail sizes included)."""
 
@@ -82,20 +96,30 @@ def generate(
   logprobs = np.zeros((num, width), np.float32)
   out_lengths = np.zeros(num, np.int32)
   stopped = np.zeros(num, bool)
+  versions = np.full((num, width), -1, np.int32)
   for done in stream:
     tokens[done.indices] = done.tokens
     logprobs[done.indices] = done.logprobs
     out_lengths[done.indices] = done.lengths
     stopped[done.indices] = done.stopped
+    versions[done.indices] = done.versions
   mask = np.arange(width)[None, :] < out_lengths[:, None]
+  stats = stream.stats
   return GenerateOutput(
     tokens=tokens,
     logprobs=logprobs,
     lengths=out_lengths,
     mask=mask,
     stopped=stopped,
-    inserts=stream.stats.inserts,
-    prefill_calls=stream.stats.prefill_calls,
-    decode_calls=stream.stats.decode_calls,
-    decode_steps_by_batch=dict(stream.stats.decode_steps_by_batch),
+    versions=versions,
+    inserts=stats.inserts,
+    prefill_calls=stats.prefill_calls,
+    prefill_rows=stats.prefill_rows,
+    decode_calls=stats.decode_calls,
+    host_transfers=stats.host_transfers,
+    generated_tokens=stats.generated_tokens,
+    max_live=stats.max_live,
+    max_pages_in_use=stats.max_pages_in_use,
+    preemptions=stats.preemptions,
+    decode_steps_by_batch=dict(stats.decode_steps_by_batch),
   )

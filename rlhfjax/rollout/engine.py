@@ -21,6 +21,15 @@ limits are data, so they never recompile; neither does `update_params`.
 Layout: the generation rules of `rlhfjax.mesh.rules` (tensor parallel over heads, KV heads,
 MLP and vocab; decode slots over 'data'). Prefill batches smaller than the 'data' axis are
 replicated over it.
+
+Two KV caches, one API. The paged engine (`EngineConfig.paged`, the default) keeps keys and
+values in a pool of fixed-size pages per 'data' replica (`rlhfjax.rollout.paged_decode`):
+`generate` and `RolloutStream` admit requests by free pages, share the pages of identical
+prompts and refill slots on device (`rlhfjax.rollout.paging` schedules them); the slot API
+gives every slot a fixed row of pages, a dense cache's memory. `paged=False` is the dense
+cache `[l, b, s, k, n]` (`rlhfjax.rollout.decode`), the reference the paged engine is tested
+against. In the paged engine the prefill fills the KV of a prompt's first `L - 1` tokens and the
+first decode step samples its first token; in the dense one the prefill samples it.
 """
 
 from __future__ import annotations
@@ -37,9 +46,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlhfjax import distributed, models
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import meshes, rules, sharing, transfer
+from rlhfjax.models.transformer import PAGED_KERNELS
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
-from rlhfjax.rollout import batching, compaction, decode
+from rlhfjax.rollout import batching, compaction, decode, paged_engine
 from rlhfjax.rollout.decode import DecodeState
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 
@@ -65,7 +75,29 @@ class EngineConfig:
   tail_threshold: float = 0.0
   """Tail compaction: once no prompt is queued and at most this fraction of `num_slots` is
   still running, the running rows move into a smaller decode batch on fewer 'data' replicas
-  (`rlhfjax.rollout.compaction`). 0 turns it off."""
+  (`rlhfjax.rollout.compaction`). 0 turns it off. Dense engine only (`paged=False`): the paged
+  engine refills its slots on device and frees finished rows' pages instead."""
+  paged: bool | None = None
+  """Keep the KV cache in pages (`rlhfjax.rollout.paged_decode`); False: one dense row of
+  `cache_length` slots per decode slot. None (the default) resolves to True, or to False when
+  `tail_threshold > 0` asks for tail compaction, which only the dense engine does."""
+  page_size: int = 16
+  """Tokens per page."""
+  num_pages: int | None = None
+  """Pages of the pool, over all 'data' replicas, one reserved page per replica included;
+  None: the dense cache's memory, `num_slots * pages_per_sequence` plus the reserved pages. A
+  smaller pool holds fewer full-length sequences; admission by pages and preemption keep any
+  pool that holds one full sequence per replica working."""
+  share_prefixes: bool = True
+  """Requests with the same prompt (a group's samples) prefill it once and share its pages."""
+  decode_chunk: int = 64
+  """Most decode steps of one device call while requests wait for a slot or pages: pages for
+  the response are reserved a chunk at a time."""
+  paged_attention: str = "auto"
+  """Attention over pages: 'gather' (the rows' pages gathered, then XLA's attention; any
+  backend), 'pallas_gpu' or 'pallas_tpu' (JAX's Pallas paged-attention kernels for decode;
+  'pallas_gpu' runs in Pallas' interpret mode off a GPU) or 'auto': the kernel of the mesh's
+  platform on GPU or TPU when the model has no sliding window, else 'gather'."""
 
   def __post_init__(self):
     if self.num_slots < 1:
@@ -93,11 +125,39 @@ class EngineConfig:
     object.__setattr__(self, "prefill_batch_sizes", sizes)
     if not 0.0 <= self.tail_threshold < 1.0:
       raise ValueError(f"EngineConfig.tail_threshold must be in [0, 1), got {self.tail_threshold}")
+    if self.paged is None:
+      object.__setattr__(self, "paged", self.tail_threshold == 0)
+    if self.paged and self.tail_threshold > 0:
+      raise ValueError(
+        "EngineConfig.tail_threshold > 0 needs paged=False: tail compaction moves dense cache rows"
+      )
+    if self.page_size < 1:
+      raise ValueError(f"EngineConfig.page_size must be >= 1, got {self.page_size}")
+    if self.num_pages is not None and self.num_pages < 2:
+      raise ValueError(f"EngineConfig.num_pages must be >= 2 or None, got {self.num_pages}")
+    if self.decode_chunk < 1:
+      raise ValueError(f"EngineConfig.decode_chunk must be >= 1, got {self.decode_chunk}")
+    if self.paged_attention not in ("auto", *PAGED_KERNELS):
+      raise ValueError(
+        f"EngineConfig.paged_attention must be one of {('auto', *PAGED_KERNELS)}, "
+        f"got {self.paged_attention!r}"
+      )
 
   @property
   def cache_length(self) -> int:
     """Slots per row of the KV cache: the largest prompt bucket plus the response capacity."""
     return self.prompt_buckets[-1] + self.max_new_tokens
+
+  @property
+  def pages_per_sequence(self) -> int:
+    """Width of a page table: the pages of one `cache_length` sequence."""
+    return -(-self.cache_length // self.page_size)
+
+  def pages_total(self, replicas: int) -> int:
+    """Pages of the pool over `replicas` 'data' replicas (`num_pages`, or the dense cache's)."""
+    if self.num_pages is not None:
+      return self.num_pages
+    return self.num_slots * self.pages_per_sequence + replicas
 
   def bucket(self, prompt_length: int) -> int:
     """The smallest prompt bucket that holds `prompt_length` tokens."""
@@ -196,15 +256,32 @@ class Engine:
           "engine's mesh does"
         )
       self.param_shardings = param_shardings
-    self.state_shardings = self.state_shardings_for(config.num_slots)
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
     self._owns_params = False
     self._source: Callable[[], Any] | None = None
+    self.params_version = 0
+    """Incremented by every `update_params` and `read_params_from`: the weights' version."""
+    self.host_transfers = 0
+    """Host transfers made so far (uploads and reads, one per call)."""
     self.compactor = compaction.Compactor(self)
     """The tail compaction programs (built and compiled on first use, once per size)."""
+    self.paged: paged_engine.PagedPrograms | None = None
+    """The paged programs (`EngineConfig.paged`), else None."""
+    if config.paged:
+      self.paged = paged_engine.PagedPrograms(self)
+      self.state_shardings = self.paged.state_shardings
+      self.prefix_shardings = dict(self.paged.prefix_shardings)
+    else:
+      self._build_dense()
+    if params is not None:
+      self.update_params(params)
 
-    r, cfg = config.max_new_tokens, model_config
+  def _build_dense(self) -> None:
+    """The dense engine's programs."""
+    config = self.config
+    self.state_shardings = self.state_shardings_for(config.num_slots)
+    r, cfg = config.max_new_tokens, self.model_config
     self._init_state = jax.jit(
       self.traces.wrap(
         "init_decode_state",
@@ -239,8 +316,6 @@ class Engine:
         out_shardings=self.state_shardings,
         donate_argnums=1,
       )
-    if params is not None:
-      self.update_params(params)
 
   @classmethod
   def for_role(
@@ -316,6 +391,7 @@ class Engine:
     `read_params_from`.
     """
     self._source = None
+    self.params_version += 1
     expected = self.abstract_params
     try:
       pairs = jax.tree.map(lambda x, e: (x, e), params, expected)
@@ -358,12 +434,15 @@ class Engine:
     previous weights never leaves the engine with deleted buffers. `update_params` ends it.
     """
     self._params, self._owns_params, self._source = None, False, source
+    self.params_version += 1
 
   # -------------------------------------------------------------------------------------------
   # The slot API.
 
   def init_decode_state(self) -> DecodeState:
     """A decode batch with every slot free, allocated on the mesh."""
+    if self.paged is not None:
+      return self.paged.init_state()
     return self._init_state()
 
   def prefill(
@@ -374,7 +453,8 @@ class Engine:
     seed: int = 0,
     request_ids: Sequence[int] | None = None,
   ) -> Prefix:
-    """Prefills prompts (at most the largest prefill batch size) and samples their first token.
+    """Prefills prompts (at most the largest prefill batch size); the dense engine also samples
+    their first token (the paged one samples it in the first decode step).
 
     Args:
       prompts: Token ids, one non-empty list per prompt.
@@ -405,12 +485,15 @@ class Engine:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
 
     cfg = self.config
+    fields = _settings_arrays(settings, rows, cfg, self.model_config.eos_token_ids)
+    if self.paged is not None:
+      state, bucket = self.paged.prefill(self.params, prompts, fields, seed, request_ids, rows)
+      return Prefix(state=state, num_prompts=num, bucket=bucket)
     tokens = np.full((rows, bucket), cfg.pad_token_id, np.int32)
     lengths = np.ones(rows, np.int32)  # padding rows: one pad token, never inserted
     for i, p in enumerate(prompts):
       tokens[i, bucket - len(p) :] = p
       lengths[i] = len(p)
-    fields = _settings_arrays(settings, rows, cfg, self.model_config.eos_token_ids)
     ids = np.zeros(rows, np.int32)
     ids[:num] = request_ids
     host = decode.Requests(
@@ -421,6 +504,7 @@ class Engine:
       **fields,
     )
     requests = jax.device_put(host, self._request_shardings[rows])
+    self.host_transfers += 1
     return Prefix(state=self._prefill[rows](self.params, requests), num_prompts=num, bucket=bucket)
 
   def insert(self, prefix: Prefix, state: DecodeState, slots: Sequence[int]) -> DecodeState:
@@ -433,9 +517,12 @@ class Engine:
       raise ValueError(f"{len(slots)} slots for a prefix of {prefix.num_prompts} prompts")
     if len(set(slots)) != len(slots) or not all(0 <= s < self.config.num_slots for s in slots):
       raise ValueError(f"slots must be distinct and in [0, {self.config.num_slots}), got {slots}")
+    if self.paged is not None:
+      return self.paged.insert(prefix.state, state, slots)
     rows = prefix.state.num_slots
     slots_c = np.full(rows, -1, np.int32)
     slots_c[: len(slots)] = slots
+    self.host_transfers += 1
     return self._insert[rows](prefix.state, state, jax.device_put(slots_c, self._replicated))
 
   def generate_steps(
@@ -454,10 +541,19 @@ class Engine:
     """
     max_steps = self.config.max_new_tokens if max_steps is None else int(max_steps)
     until_free = self.config.num_slots if until_free is None else int(until_free)
+    if self.paged is not None:
+      return self.paged.generate_steps(self.params, state, max_steps, until_free)
+    self.host_transfers += 1
     steps_limit, free_limit = jax.device_put(
       (np.int32(max_steps), np.int32(until_free)), self._replicated
     )
     return self._generate_steps(self.params, state, steps_limit, free_limit)
+
+  def settings_arrays(self, settings: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
+    """Per-request arrays of `settings` (`max_new_b`, `stop_bm`, `temperature_b`, `top_k_b`,
+    `top_p_b`), checked against the engine's capacities."""
+    cfg = self.config
+    return _settings_arrays(settings, len(settings), cfg, self.model_config.eos_token_ids)
 
   def warmup(self) -> dict[str, int]:
     """Compiles every program the engine can need, so no later call compiles.
@@ -466,6 +562,9 @@ class Engine:
     zero-step decode, and with tail compaction on, a compaction to every allowed size and a
     zero-step decode there. Returns `compilations`.
     """
+    if self.paged is not None:
+      self.paged.warmup(self.params)
+      return self.compilations
     setting = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=())
     state = self.init_decode_state()
     for rows in self.config.prefill_batch_sizes:
@@ -482,6 +581,17 @@ class Engine:
 
   def read(self, state: DecodeState) -> SlotView:
     """Copies the slots' progress and responses to the host (waits for the device)."""
+    if self.paged is not None:
+      got = self.paged.read_slots(state)
+      return SlotView(
+        done=got["done_b"],
+        stopped=got["stopped_b"],
+        num_generated=got["num_generated_b"],
+        tokens=got["out_tokens_or"],
+        logprobs=got["out_logprobs_or"],
+        last_tokens=got["tokens_b"],
+      )
+    self.host_transfers += 1
     got = distributed.to_host(
       (
         state.done_b,

@@ -16,6 +16,18 @@ again each time they fit the next smaller size.
 Each request's PRNG key is `fold_in(key(seed), index in the input)`, so a prompt's response
 depends on the seed and its own index only: not on the slot count, on the other prompts, on
 when it is handed out or on compaction.
+
+With the paged engine (`EngineConfig.paged`) the loop is `rlhfjax.rollout.paging.Scheduler`'s:
+before each decode call it reserves pages for the running requests (preempting the youngest
+when the pool runs short), admits waiting prompts while pages and queue room allow (identical
+prompts prefilled once, sharing their pages) and hands the decode call a queue of prefilled
+requests, which take slots on device as others finish; after the call the finished requests
+come out and their pages go back to the pool.
+
+Each generated token records the version of the weights that sampled it
+(`Engine.params_version` at the decode call, or the prefill, that produced it): weights
+swapped between two decode calls of a stream apply from the next call on, the running requests
+keeping their KV cache.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlhfjax.rollout import paging
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +60,9 @@ class Finished:
   """[k] int32 response lengths, a final stop token included."""
   stopped: np.ndarray
   """[k] bool: the response ended with a stop token (else it hit its token limit)."""
+  versions: np.ndarray | None = None
+  """[k, r] int32 `Engine.params_version` of the weights that sampled each token, -1 past each
+  length (a `RolloutStream` always sets it; None from producers that do not track it)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,10 +70,23 @@ class StreamStats:
   """What a stream did so far (updated as it runs)."""
 
   inserts: np.ndarray
-  """[prompts] int32: how many times each prompt was put into a slot (always 1)."""
+  """[prompts] int32: how many times each prompt was put into a slot (1, plus one per
+  preemption)."""
   prefill_calls: int = 0
+  prefill_rows: int = 0
+  """Sequences prefilled: with shared prefixes, one per distinct prompt (and replica)."""
   decode_calls: int = 0
   """Device decode calls: the host round trips."""
+  host_transfers: int = 0
+  """Host transfers the stream made: uploads (`jax.device_put`) and reads, one per call."""
+  generated_tokens: int = 0
+  """Response tokens handed out."""
+  max_live: int = 0
+  """Most requests decoding at once."""
+  max_pages_in_use: int = 0
+  """Most KV pages held at once (the dense engine: its whole cache, in pages)."""
+  preemptions: int = 0
+  """Requests evicted for lack of pages (recomputed later)."""
   decode_steps_by_batch: dict[int, int] = dataclasses.field(default_factory=dict)
   """Decode steps run at each decode batch size (the full batch, then compacted sizes)."""
   compactions: list[int] = dataclasses.field(default_factory=list)
@@ -166,6 +195,8 @@ class RolloutStream:
     threshold = cfg.tail_threshold if tail_threshold is None else float(tail_threshold)
     if not 0.0 <= threshold < 1.0:
       raise ValueError(f"tail_threshold must be in [0, 1), got {threshold}")
+    if cfg.paged and threshold > 0:
+      raise ValueError("tail_threshold > 0 needs the dense engine (EngineConfig.paged=False)")
     self._engine = engine
     self._settings = settings
     self._seed = seed
@@ -176,12 +207,78 @@ class RolloutStream:
     self.width = max(limits)
     """Columns of every `Finished.tokens`: the largest `max_new_tokens` asked for."""
     self.stats = StreamStats(inserts=np.zeros(num, np.int32))
+    self.scheduler: paging.Scheduler | None = None
+    """The paged engine's scheduler (its pages and requests), once iteration started."""
 
   def __iter__(self) -> Iterator[Finished]:
     if self._started:
       raise RuntimeError("a RolloutStream is iterated once")
     self._started = True
-    return self._run()
+    return self._run_paged() if self._engine.paged is not None else self._run()
+
+  def _finished(self, rows: list[tuple[int, list, list, list, bool]]) -> Finished:
+    """`Finished` of `(index, tokens, logprobs, versions, stopped)` rows."""
+    width, pad = self.width, self._engine.config.pad_token_id
+    k = len(rows)
+    tokens = np.full((k, width), pad, np.int32)
+    logprobs = np.zeros((k, width), np.float32)
+    versions = np.full((k, width), -1, np.int32)
+    for i, (_, t, lp, v, _) in enumerate(rows):
+      tokens[i, : len(t)], logprobs[i, : len(lp)], versions[i, : len(v)] = t, lp, v
+    lengths = np.asarray([len(r[1]) for r in rows], np.int32)
+    self.stats.generated_tokens += int(lengths.sum())
+    return Finished(
+      indices=np.asarray([r[0] for r in rows]),
+      tokens=tokens,
+      logprobs=logprobs,
+      lengths=lengths,
+      stopped=np.asarray([r[4] for r in rows], bool),
+      versions=versions,
+    )
+
+  def _run_paged(self) -> Iterator[Finished]:
+    engine, cfg, stats = self._engine, self._engine.config, self.stats
+    paged = engine.paged
+    transfers = engine.host_transfers
+    sched = self.scheduler = paging.Scheduler(
+      self._prompts,
+      engine.settings_arrays(self._settings),
+      seed=self._seed,
+      replicas=paged.replicas,
+      slots=paged.slots_per_replica,
+      pages=paged.pages,
+      page_size=cfg.page_size,
+      width=paged.width,
+      decode_chunk=cfg.decode_chunk,
+      share_prefixes=cfg.share_prefixes,
+      min_yield=self._min_yield,
+    )
+    state = engine.init_decode_state()
+    while (round_ := sched.plan()) is not None:
+      params = engine.params
+      by_bucket = collections.defaultdict(list)
+      for item in sorted(round_.prefills, key=lambda it: len(it.tokens)):
+        by_bucket[paged.bucket(len(item.tokens))].append(item)
+      for items in by_bucket.values():
+        for chunk in _chunks(items, cfg.prefill_batch_sizes):
+          state = paged.prefill_pages(params, state, chunk)
+          stats.prefill_calls += 1
+      version = engine.params_version
+      state, steps = paged.decode(params, state, round_)
+      got = paged.read_round(state, steps)
+      stats.decode_calls += 1
+      stats.decode_steps_by_batch[cfg.num_slots] = stats.decode_steps_by_batch.get(
+        cfg.num_slots, 0
+      ) + int(got.pop("steps"))
+      stats.max_live = max(stats.max_live, int(got.pop("live_max")))
+      done = sched.finish(**got, version=version)
+      counters = sched.counters
+      stats.prefill_rows, stats.preemptions = counters.prefill_rows, counters.preemptions
+      stats.max_pages_in_use = counters.max_pages_in_use
+      stats.inserts[:] = [r.admissions for r in sched.requests]
+      stats.host_transfers = engine.host_transfers - transfers
+      if done:
+        yield self._finished([(r.index, r.tokens, r.logprobs, r.versions, r.stopped) for r in done])
 
   def _stop_at(self, size: int, active: int, queued: bool, compacted: bool) -> int:
     """Free slots at which the next decode call returns."""
@@ -197,10 +294,14 @@ class RolloutStream:
   def _run(self) -> Iterator[Finished]:
     engine, cfg, stats = self._engine, self._engine.config, self.stats
     compactor = engine.compactor
+    transfers = engine.host_transfers
     pending = collections.deque(range(self.num_prompts))
     size = cfg.num_slots
     slot_request = [-1] * size
+    versions = np.full((self.num_prompts, self.width), -1, np.int32)
+    reported = np.zeros(self.num_prompts, np.int32)  # tokens whose version is recorded
     compacted = False
+    stats.max_pages_in_use = cfg.num_slots * cfg.pages_per_sequence  # the whole dense cache
     state = engine.init_decode_state()
     while True:
       free = [s for s, r in enumerate(slot_request) if r < 0]
@@ -217,12 +318,15 @@ class RolloutStream:
           )
           state = engine.insert(prefix, state, slots)
           stats.prefill_calls += 1
+          stats.prefill_rows += len(chunk)
           for s, i in zip(slots, chunk, strict=True):
             slot_request[s] = i
             stats.inserts[i] += 1
+            versions[i, 0], reported[i] = engine.params_version, 1  # the prefill's token
       active = [s for s, r in enumerate(slot_request) if r >= 0]
       if not active:
         return
+      stats.max_live = max(stats.max_live, len(active))
       in_tail = compacted or len(active) <= self._threshold * cfg.num_slots
       if not pending and self._threshold > 0 and in_tail:
         while size // 2 in compactor.sizes and len(active) <= size // 2:
@@ -233,25 +337,35 @@ class RolloutStream:
           compacted = True
           stats.compactions.append(size)
       until_free = self._stop_at(size, len(active), bool(pending), compacted)
+      version = engine.params_version
       if size == cfg.num_slots:
         state, steps = engine.generate_steps(state, until_free=until_free)
       else:
         state, steps = compactor.generate_steps(size, state, cfg.max_new_tokens, until_free)
       stats.decode_calls += 1
       view = engine.read(state)
+      engine.host_transfers += 1  # the step count, read below
       stats.decode_steps_by_batch[size] = stats.decode_steps_by_batch.get(size, 0) + int(steps)
+      for s in active:
+        i, n = slot_request[s], int(view.num_generated[s])
+        versions[i, reported[i] : n] = version
+        reported[i] = n
+      stats.host_transfers = engine.host_transfers - transfers
       done = [s for s in active if view.done[s]]
       if not done:
         continue
-      indices = np.asarray([slot_request[s] for s in done])
+      rows = []
       for s in done:
+        i, n = slot_request[s], int(view.num_generated[s])
+        width = min(n, self.width)
+        rows.append(
+          (
+            i,
+            view.tokens[s, :width].tolist(),
+            view.logprobs[s, :width].tolist(),
+            versions[i, :width].tolist(),
+            bool(view.stopped[s]),
+          )
+        )
         slot_request[s] = -1
-      lengths = view.num_generated[done].astype(np.int32)
-      keep = np.arange(self.width)[None, :] < lengths[:, None]
-      yield Finished(
-        indices=indices,
-        tokens=np.where(keep, view.tokens[done, : self.width], cfg.pad_token_id).astype(np.int32),
-        logprobs=np.where(keep, view.logprobs[done, : self.width], 0.0).astype(np.float32),
-        lengths=lengths,
-        stopped=view.stopped[done].astype(bool),
-      )
+      yield self._finished(rows)

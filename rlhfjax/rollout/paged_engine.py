@@ -1,0 +1,353 @@
+"""The paged engine's compiled programs and the host calls that drive them.
+
+`rlhfjax.rollout.engine.Engine` holds one of these when `EngineConfig.paged` is on; the maths is
+`rlhfjax.rollout.paged_decode`'s, the scheduling `rlhfjax.rollout.paging`'s.
+
+Compiled programs, each jitted once with explicit shardings (the same names as the dense
+engine's): `prefill` and `insert` per (prefill batch size, bucket), one `generate_steps` and
+one `init_decode_state`. Page tables, queues and limits are data. A preempted request that has
+generated tokens re-prefills prompt + tokens: in its prompt bucket when they fit, else in one
+bucket of `cache_length` tokens, compiled on first use.
+
+Every host transfer (an upload with `jax.device_put`, a read with `to_host`) is counted on the
+engine (`Engine.host_transfers`), one per call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlhfjax import distributed
+from rlhfjax.mesh import rules
+from rlhfjax.placement.spec import Layout
+from rlhfjax.rollout import paged_decode, paging
+from rlhfjax.rollout.paged_decode import PagedState, Plan, Queue
+
+if TYPE_CHECKING:
+  from rlhfjax.rollout.engine import Engine
+
+
+def resolve_kernel(choice: str, platform: str, sliding_window: int | None, head_dim: int) -> str:
+  """The paged attention `EngineConfig.paged_attention` resolves to on `platform`.
+
+  'auto' takes a Pallas kernel on GPU or TPU when the model has no sliding window (the kernels
+  have none) and the head dim is a multiple of 16 (their matmul tiles), else 'gather'."""
+  if choice != "auto":
+    return choice
+  if sliding_window is not None or head_dim % 16:
+    return "gather"
+  return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "gather")
+
+
+class PagedPrograms:
+  """The paged engine's programs on the engine's mesh, and the host calls around them."""
+
+  def __init__(self, engine: Engine):
+    cfg, model = engine.config, engine.model_config
+    mesh = engine.mesh
+    self._engine = engine
+    self.replicas = dict(mesh.shape).get("data", 1)
+    self.slots_per_replica = cfg.num_slots // self.replicas
+    total = cfg.pages_total(self.replicas)
+    w = cfg.pages_per_sequence
+    if total % self.replicas:
+      raise ValueError(
+        f"EngineConfig.num_pages={total} must be a multiple of the mesh's 'data' axis "
+        f"({self.replicas})"
+      )
+    self.pages = total // self.replicas
+    if self.pages < w + 1:  # (a request alone in its replica always fits: see `paging`)
+      raise ValueError(
+        f"EngineConfig.num_pages={total} gives {self.pages} pages per 'data' replica; each needs "
+        f"at least {w + 1} (a full sequence of {w} and the reserved page)"
+      )
+    self.width = w
+    self.out_rows = 2 * self.slots_per_replica + 1
+    self.kernel = resolve_kernel(
+      cfg.paged_attention,
+      mesh.devices.flat[0].platform,
+      model.sliding_window,
+      model.head_dim,
+    )
+    if self.kernel != "gather" and model.sliding_window is not None:
+      raise ValueError(
+        f"EngineConfig.paged_attention={self.kernel!r} has no sliding window: use 'gather'"
+      )
+    self.slot_table = paging.slot_pages(cfg.num_slots, self.replicas, self.pages, w)
+    """The slot API's page tables: slot `j` of a replica owns a dense row's pages."""
+
+    state_axes, _, plan_axes, requests_axes, prefix_axes = paged_decode.logical_axes()
+    self._replicated = NamedSharding(mesh, PartitionSpec())
+    state_shapes = jax.eval_shape(self._empty_state)
+    self.state_shardings = rules.named_shardings(state_axes, state_shapes, mesh, Layout.GENERATION)
+    self.plan_shardings = rules.named_shardings(
+      plan_axes, jax.eval_shape(lambda: self._host_plan(np.zeros((), np.int32))), mesh, "generation"
+    )
+    traces = engine.traces
+    self._init_state = jax.jit(
+      traces.wrap("init_decode_state", self._empty_state), out_shardings=self.state_shardings
+    )
+    self._generate_steps = jax.jit(
+      traces.wrap(
+        "generate_steps",
+        rules.constrained(
+          functools.partial(paged_decode.generate_steps, model, self.kernel),
+          Layout.GENERATION,
+          mesh,
+        ),
+      ),
+      in_shardings=(engine.param_shardings, self.state_shardings, self.plan_shardings),
+      out_shardings=(self.state_shardings, self._replicated),
+      donate_argnums=1,
+    )
+    self._prefill, self._insert = {}, {}
+    self.requests_shardings, self.prefix_shardings = {}, {}
+    p = cfg.prompt_buckets[-1]
+    for m in cfg.prefill_batch_sizes:
+      requests = paged_decode.Requests(
+        **{
+          name: (m, p) if name in ("tokens_bp", "stop_bm") else (m,)
+          for name in paged_decode.Requests.__dataclass_fields__
+        }
+      )
+      self.requests_shardings[m] = rules.named_shardings(
+        requests_axes, requests, mesh, Layout.GENERATION
+      )
+      prefix_shapes = jax.eval_shape(
+        functools.partial(paged_decode.prefill, model),
+        engine.abstract_params,
+        jax.tree.map(
+          lambda s: jax.ShapeDtypeStruct(s, np.int32),
+          requests,
+          is_leaf=lambda x: isinstance(x, tuple),
+        ),
+      )
+      self.prefix_shardings[m] = rules.named_shardings(
+        prefix_axes, prefix_shapes, mesh, Layout.GENERATION
+      )
+      self._prefill[m] = jax.jit(
+        traces.wrap("prefill", functools.partial(paged_decode.prefill, model)),
+        in_shardings=(engine.param_shardings, self.requests_shardings[m]),
+        out_shardings=self.prefix_shardings[m],
+      )
+      self._insert[m] = jax.jit(
+        traces.wrap("insert", paged_decode.insert),
+        in_shardings=(self.prefix_shardings[m], self.state_shardings) + (self._replicated,) * 3,
+        out_shardings=self.state_shardings,
+        donate_argnums=1,
+      )
+    self._slot_plan: Plan | None = None
+
+  def _empty_state(self) -> PagedState:
+    cfg = self._engine.config
+    return paged_decode.empty_state(
+      self._engine.model_config,
+      num_slots=cfg.num_slots,
+      replicas=self.replicas,
+      pages=self.pages,
+      page_size=cfg.page_size,
+      width=self.width,
+      out_rows=self.replicas * self.out_rows,
+      max_new_tokens=cfg.max_new_tokens,
+      max_stop_tokens=cfg.max_stop_tokens,
+      table_bw=self.slot_table,
+    )
+
+  def _host_plan(self, limit: np.ndarray) -> Plan:
+    """The slot API's plan (its fixed page tables, no queue) as host arrays."""
+    cfg = self._engine.config
+    return paged_decode.idle_plan(self.slot_table, self.replicas, cfg.max_stop_tokens, limit)
+
+  def _put(self, tree: Any, shardings: Any) -> Any:
+    self._engine.host_transfers += 1
+    return jax.device_put(tree, shardings)
+
+  def _read(self, tree: Any) -> Any:
+    self._engine.host_transfers += 1
+    return distributed.to_host(tree)
+
+  # -------------------------------------------------------------------------------------------
+  # The slot API: every slot owns a dense row's pages.
+
+  def init_state(self) -> PagedState:
+    return self._init_state()
+
+  def prefill(
+    self,
+    params: Any,
+    prompts: Sequence[np.ndarray],
+    fields: dict[str, np.ndarray],
+    seed: int,
+    request_ids: Sequence[int],
+    rows: int,
+  ) -> tuple[paged_decode.Prefix, int]:
+    """Prefills `prompts` (checked by the engine) in a batch of `rows`; returns the prefix and
+    its bucket."""
+    cfg = self._engine.config
+    bucket = self.bucket(max(max(len(p) - 1 for p in prompts), 1))
+    tokens = np.full((rows, bucket), cfg.pad_token_id, np.int32)
+    lengths, last = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, : len(p) - 1] = p[:-1]
+      lengths[i], last[i] = len(p) - 1, p[-1]
+    ids = np.zeros(rows, np.int32)
+    ids[: len(request_ids)] = request_ids
+    host = paged_decode.Requests(
+      tokens_bp=tokens,
+      lengths_b=lengths,
+      last_b=last,
+      seed_b=np.full(rows, seed, np.int32),
+      request_id_b=ids,
+      **fields,
+    )
+    requests = self._put(host, self.requests_shardings[rows])
+    return self._prefill[rows](params, requests), bucket
+
+  def insert(self, prefix: paged_decode.Prefix, state: PagedState, slots: list[int]) -> PagedState:
+    rows = prefix.num_slots
+    v = self._pages_of(prefix.cache["k"].shape[2])
+    if (self.slot_table[slots] == 0).any():
+      raise ValueError(
+        "the slot API gives every slot a dense row of pages: EngineConfig.num_pages is too "
+        "small for it (generate and RolloutStream admit by pages instead)"
+      )
+    pages, replica, slot = (
+      np.zeros((rows, v), np.int32),
+      np.zeros(rows, np.int32),
+      np.full(rows, -1, np.int32),
+    )
+    for i, s in enumerate(slots):
+      pages[i], replica[i], slot[i] = self.slot_table[s, :v], s // self.slots_per_replica, s
+    args = self._put((pages, replica, slot), self._replicated)
+    return self._insert[rows](prefix, state, *args)
+
+  def generate_steps(
+    self, params: Any, state: PagedState, max_steps: int, until_free: int
+  ) -> tuple[PagedState, jax.Array]:
+    if self._slot_plan is None:
+      self._slot_plan = self._put(self._host_plan(np.int32(0)), self.plan_shardings)
+    limits = self._put(
+      (np.int32(max_steps), np.int32(until_free), np.int32(paging._NEVER)), self._replicated
+    )
+    plan = Plan(
+      **{
+        name: getattr(self._slot_plan, name) for name in ("table_bw", "evict_b", "count_d", "queue")
+      },
+      max_steps=limits[0],
+      until_free=limits[1],
+      until_finished=limits[2],
+    )
+    return self._generate_steps(params, state, plan)
+
+  def read_slots(self, state: PagedState) -> dict[str, np.ndarray]:
+    got = self._read(
+      {
+        name: getattr(state, name)
+        for name in (
+          "done_b",
+          "stopped_b",
+          "num_generated_b",
+          "out_tokens_or",
+          "out_logprobs_or",
+          "tokens_b",
+          "row_b",
+        )
+      }
+    )
+    rows = self._global_rows(got["row_b"])
+    got["out_tokens_or"] = got["out_tokens_or"][rows]
+    got["out_logprobs_or"] = got["out_logprobs_or"][rows]
+    return got
+
+  def _global_rows(self, row_b: np.ndarray) -> np.ndarray:
+    return np.arange(len(row_b)) // self.slots_per_replica * self.out_rows + row_b
+
+  # -------------------------------------------------------------------------------------------
+  # The paged stream's calls.
+
+  def bucket(self, length: int) -> int:
+    """The prefill bucket of `length` tokens: a prompt bucket, or the cache length beyond."""
+    cfg = self._engine.config
+    return cfg.bucket(length) if length <= cfg.prompt_buckets[-1] else cfg.cache_length
+
+  def _pages_of(self, bucket: int) -> int:
+    return -(-bucket // self._engine.config.page_size)
+
+  def prefill_pages(
+    self, params: Any, state: PagedState, items: Sequence[paging.PrefillItem]
+  ) -> PagedState:
+    """Prefills `items` (one bucket, at most the largest prefill batch) into their pages."""
+    cfg = self._engine.config
+    rows = next(m for m in cfg.prefill_batch_sizes if m >= len(items))
+    bucket = self.bucket(max(len(it.tokens) for it in items))
+    tokens = np.full((rows, bucket), cfg.pad_token_id, np.int32)
+    lengths = np.zeros(rows, np.int32)
+    pages = np.zeros((rows, self._pages_of(bucket)), np.int32)
+    replica = np.zeros(rows, np.int32)
+    for i, it in enumerate(items):
+      tokens[i, : len(it.tokens)], lengths[i] = it.tokens, len(it.tokens)
+      pages[i, : len(it.pages)], replica[i] = it.pages, it.replica
+    zeros = np.zeros(rows, np.int32)
+    host = paged_decode.Requests(
+      tokens_bp=tokens,
+      lengths_b=lengths,
+      last_b=zeros,
+      max_new_b=zeros,
+      stop_bm=np.full((rows, cfg.max_stop_tokens), -1, np.int32),
+      temperature_b=zeros.astype(np.float32),
+      top_k_b=zeros,
+      top_p_b=np.ones(rows, np.float32),
+      seed_b=zeros,
+      request_id_b=zeros,
+    )
+    requests = self._put(host, self.requests_shardings[rows])
+    prefix = self._prefill[rows](params, requests)
+    args = self._put((pages, replica, np.full(rows, -1, np.int32)), self._replicated)
+    return self._insert[rows](prefix, state, *args)
+
+  def decode(
+    self, params: Any, state: PagedState, round_: paging.Round
+  ) -> tuple[PagedState, jax.Array]:
+    """One decode call as `round_` plans it."""
+    host = Plan(
+      table_bw=round_.table_bw,
+      evict_b=round_.evict_b,
+      count_d=round_.count_d,
+      queue=Queue(**round_.queue),
+      max_steps=np.int32(round_.max_steps),
+      until_free=np.int32(round_.until_free),
+      until_finished=np.int32(round_.until_finished),
+    )
+    return self._generate_steps(params, state, self._put(host, self.plan_shardings))
+
+  def read_round(self, state: PagedState, steps: jax.Array) -> dict[str, np.ndarray]:
+    """What the scheduler needs of a decode call's results, and its step count (one read)."""
+    names = (
+      "row_b",
+      "done_b",
+      "taken_d",
+      "out_num_o",
+      "out_done_o",
+      "out_stopped_o",
+      "out_tokens_or",
+      "out_logprobs_or",
+      "live_max",
+    )
+    return self._read({name: getattr(state, name) for name in names} | {"steps": steps})
+
+  def warmup(self, params: Any) -> None:
+    """Compiles every prefill and insert (writing only the reserved pages) and the decode loop."""
+    cfg = self._engine.config
+    state = self.init_state()
+    for rows in cfg.prefill_batch_sizes:
+      for bucket in cfg.prompt_buckets:
+        item = paging.PrefillItem(tokens=np.zeros(bucket, np.int32), pages=[], replica=0)
+        state = self.prefill_pages(params, state, [item] * rows)
+    state, _ = self.generate_steps(params, state, 0, cfg.num_slots)
+    jax.block_until_ready(state)

@@ -1,0 +1,435 @@
+"""The paged rollout engine against the dense one: outputs, pages, sharing, admission, layout."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfjax import models, rollout
+from rlhfjax.config.model import get_model_config
+from rlhfjax.models import transformer
+from rlhfjax.placement.spec import RoleSpec
+from rlhfjax.rollout import paged_decode, paging
+from rlhfjax.rollout.lengths import tail_lengths
+
+CONFIG = get_model_config("tiny")
+# 4 slots, rows of 16 + 8 = 24 tokens: 6 pages of 4 (several pages per prompt), and reserving
+# pages 3 decode steps at a time, so prompts cross page boundaries and rows re-reserve often.
+PAGED = rollout.EngineConfig(
+  num_slots=4,
+  prompt_buckets=(8, 16),
+  max_new_tokens=8,
+  prefill_batch_sizes=(1, 4),
+  page_size=4,
+  decode_chunk=3,
+)
+DENSE = dataclasses.replace(PAGED, paged=False)
+LENGTHS = (1, 2, 3, 5, 8, 9, 12, 15, 16, 4, 7)  # a 1-token prompt to a full bucket
+# fp32 log-probs of a ~6-nat scale through a few dozen roundings: the paged engine's attention
+# sums over another number of masked keys in another order than the dense one's.
+ATOL = 1e-5
+
+
+def _role(devices, data=1, tensor=1):
+  return RoleSpec.generation(devices, data=data, tensor=tensor)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return models.init_params(CONFIG, "lm", jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def dense(params):
+  return rollout.Engine.for_role(CONFIG, DENSE, _role([0]), params)
+
+
+@pytest.fixture(scope="module")
+def paged(params):
+  return rollout.Engine.for_role(CONFIG, PAGED, _role([1]), params)
+
+
+@pytest.fixture(scope="module")
+def paged_2x2(params):
+  """data=2 x tensor=2 on devices 4-7."""
+  return rollout.Engine.for_role(CONFIG, PAGED, _role([4, 5, 6, 7], 2, 2), params)
+
+
+def _prompts(seed, lengths=LENGTHS):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
+
+
+def _settings(dense, prompts, temperature=0.0, **kw):
+  """Very different answer lengths: a third stop on a token the dense engine's greedy answer
+  holds (`stop_token_ids`), the rest stop at per-request token limits from 1 to 8."""
+  greedy = dense.generate(prompts).tokens
+  out = []
+  for i, ref in enumerate(greedy):
+    if i % 3 == 0:
+      stops = (int(ref[i % 5]), 3)
+      out.append(rollout.SamplingParams(temperature=temperature, stop_token_ids=stops, **kw))
+    else:
+      limit = 1 + i % 8
+      out.append(rollout.SamplingParams(temperature=temperature, max_new_tokens=limit, **kw))
+  return out
+
+
+def _assert_same(got, want):
+  for field in ("tokens", "lengths", "mask", "stopped"):
+    np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL, rtol=0)
+
+
+def _stream(engine, prompts, **kw):
+  """Runs a stream to the end; returns it and its output in input order."""
+  stream = rollout.RolloutStream(engine, prompts, **kw)
+  groups = list(stream)
+  order = np.concatenate([g.indices for g in groups])
+  assert sorted(order.tolist()) == list(range(len(prompts)))
+  return stream, groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged equals dense.
+
+
+@pytest.mark.parametrize(
+  "setting",
+  [
+    dict(temperature=0.0),
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=7),
+    dict(temperature=1.2, top_p=0.8),
+  ],
+  ids=["greedy", "t1", "top_k", "top_p"],
+)
+def test_paged_equals_dense_with_refill_and_very_different_lengths(dense, paged, setting):
+  prompts = _prompts(0)
+  settings = _settings(dense, prompts, **setting)
+  want = dense.generate(prompts, sampling=settings, seed=5)
+  got = paged.generate(prompts, sampling=settings, seed=5)
+  _assert_same(got, want)
+  assert len(set(want.lengths.tolist())) >= 5  # answers of very different lengths
+  assert got.inserts.tolist() == [1] * len(prompts) and got.preemptions == 0
+  assert got.max_live == PAGED.num_slots  # 11 prompts through 4 slots: refilled
+  assert got.generated_tokens == want.generated_tokens == want.lengths.sum()
+  assert got.prefill_rows == len(prompts) - 1  # the 1-token prompt has nothing to prefill
+
+
+def test_slots_refilled_on_device_need_fewer_host_round_trips(params, dense):
+  """With whole decode chunks (the default 64 steps) the queue refills slots inside the
+  compiled loop: fewer decode calls and transfers than the dense engine's host refills."""
+  engine = rollout.Engine.for_role(
+    CONFIG, dataclasses.replace(PAGED, decode_chunk=64), _role([3]), params
+  )
+  prompts = _prompts(0)
+  settings = _settings(dense, prompts)
+  want = dense.generate(prompts, sampling=settings)
+  got = engine.generate(prompts, sampling=settings)
+  _assert_same(got, want)
+  assert got.decode_calls < want.decode_calls, (got.decode_calls, want.decode_calls)
+  assert got.host_transfers < want.host_transfers
+
+
+def test_data2_tensor2_mesh_equals_one_device_dense(dense, paged_2x2):
+  prompts = _prompts(1)
+  for setting in (rollout.GREEDY, rollout.SamplingParams(temperature=1.0, top_p=0.9)):
+    want = dense.generate(prompts, sampling=setting, seed=2)
+    got = paged_2x2.generate(prompts, sampling=setting, seed=2)
+    _assert_same(got, want)
+
+
+def test_pool_is_split_over_data_and_tensor_and_decode_gathers_no_pages(paged_2x2):
+  engine = paged_2x2
+  state = engine.init_decode_state()
+  pool = state.cache["k"]  # [data replicas, l, kv heads, pages per replica, page, n]
+  d, t = 2, 2
+  assert pool.shape[0] == d and pool.shape[2] == CONFIG.num_kv_heads
+  assert pool.sharding.spec[0] == "data" and pool.sharding.spec[2] == "tensor"
+  shards = pool.addressable_shards
+  assert {s.device.id for s in shards} == {4, 5, 6, 7}
+  per_device = pool.size // (d * t)
+  assert all(s.data.size == per_device for s in shards)
+  assert len({(s.index[0].start, s.index[2].start) for s in shards}) == d * t  # all distinct
+  plan = jax.device_put(engine.paged._host_plan(np.int32(1)), engine.paged.plan_shardings)
+  hlo = engine.paged._generate_steps.lower(engine.params, state, plan).compile().as_text()
+  gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+  sizes = [int(np.prod([int(x) for x in shape.split(",") if x])) for shape in gathers]
+  # Only small gathers (the sampler's argmax over vocab shards), nothing of a pool's size.
+  assert all(size < per_device for size in sizes), sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix sharing.
+
+
+def test_group_samples_prefill_a_prompt_once_and_share_its_pages(params, dense):
+  unique = _prompts(2, (13, 9, 16, 6, 11))
+  prompts = [p for p in unique for _ in range(4)]  # a GRPO batch: each prompt 4 times
+  prompts = prompts[::2] + prompts[1::2]  # wherever they sit in the input
+  # Room for the whole batch at once (16 slots + a queue of 16), whole answers reserved at
+  # admission: nothing is preempted, and a prompt is never dropped and prefilled again.
+  config = dataclasses.replace(PAGED, num_slots=16, prefill_batch_sizes=None, decode_chunk=8)
+  shared = rollout.Engine.for_role(CONFIG, config, _role([2]), params)
+  alone = rollout.Engine.for_role(
+    CONFIG, dataclasses.replace(config, share_prefixes=False), _role([3]), params
+  )
+  setting = rollout.SamplingParams(temperature=1.0, stop_token_ids=())
+  got = shared.generate(prompts, sampling=setting, seed=9)
+  ref = alone.generate(prompts, sampling=setting, seed=9)
+  want = dense.generate(prompts, sampling=setting, seed=9)
+  _assert_same(got, ref)
+  _assert_same(got, want)
+  assert (got.tokens[0] != got.tokens[4]).any()  # the samples of a group differ
+  assert got.prefill_rows == len(unique) and ref.prefill_rows == len(prompts)
+  assert got.max_pages_in_use < ref.max_pages_in_use
+
+
+# ---------------------------------------------------------------------------------------------
+# Admission by pages, preemption, pages returned.
+
+
+def test_small_pool_runs_more_live_rows_than_dense_in_the_same_memory(params):
+  """A long-tailed mix: most answers are short, a few run to the cache's capacity. In the
+  memory of 4 dense rows the paged engine keeps many more requests decoding at once."""
+  base = dict(prompt_buckets=(8,), max_new_tokens=24)
+  dense_cfg = rollout.EngineConfig(num_slots=4, paged=False, prefill_batch_sizes=(1, 4), **base)
+  w = -(-dense_cfg.cache_length // 4)
+  paged_cfg = rollout.EngineConfig(
+    num_slots=16,
+    page_size=4,
+    num_pages=4 * w + 1,
+    decode_chunk=4,
+    prefill_batch_sizes=(1, 4, 16),
+    **base,
+  )
+  dense4 = rollout.Engine.for_role(CONFIG, dense_cfg, _role([0]), params)
+  paged16 = rollout.Engine.for_role(CONFIG, paged_cfg, _role([2]), params)
+  lengths = tail_lengths(32, mean=5.0, max_len=24, tail_fraction=0.1, tail_ratio=6.0, seed=0)
+  prompts = _prompts(3, [int(n) for n in np.random.default_rng(4).integers(2, 9, 32)])
+  settings = [
+    rollout.SamplingParams(temperature=0.0, max_new_tokens=int(n), stop_token_ids=())
+    for n in lengths
+  ]
+  want = dense4.generate(prompts, sampling=settings)
+  stream, groups = _stream(paged16, prompts, sampling=settings, min_yield=16)
+  for g in groups:
+    np.testing.assert_array_equal(g.tokens, want.tokens[g.indices])
+    np.testing.assert_allclose(g.logprobs, want.logprobs[g.indices], atol=ATOL, rtol=0)
+  got = stream.stats
+  assert lengths.max() == 24 and np.median(lengths) <= 5
+  assert want.max_live == 4
+  assert got.max_live >= 2 * want.max_live, got.max_live
+  assert got.max_pages_in_use <= paged_cfg.num_pages - 1
+  assert stream.scheduler.all_pages_free
+
+
+def test_preemption_recomputes_and_keeps_greedy_tokens(params, dense):
+  """A pool of one full row plus 2 pages: running rows outgrow it, the youngest are evicted,
+  re-prefilled with the tokens they had and continue as if never stopped."""
+  w = PAGED.pages_per_sequence
+  tiny = dataclasses.replace(PAGED, num_pages=w + 3)
+  engine = rollout.Engine.for_role(CONFIG, tiny, _role([3]), params)
+  prompts = _prompts(5, (15, 12, 16, 9, 13, 3, 4, 16))
+  setting = rollout.SamplingParams(temperature=0.0, stop_token_ids=())
+  want = dense.generate(prompts, sampling=setting)
+  stream, groups = _stream(engine, prompts, sampling=setting)
+  assert stream.stats.preemptions > 0 and max(stream.stats.inserts) > 1
+  assert stream.scheduler.counters.recomputed_tokens > 0  # evicted mid-answer
+  for g in groups:
+    np.testing.assert_array_equal(g.tokens, want.tokens[g.indices])
+    np.testing.assert_allclose(g.logprobs, want.logprobs[g.indices], atol=ATOL, rtol=0)
+  assert stream.scheduler.all_pages_free
+  # A 16-token prompt + its tokens outgrew the prompt buckets: re-prefilled in one bucket of
+  # the cache length, a third prefill shape; still one decode program.
+  assert engine.compilations["prefill"] == 3 and engine.compilations["generate_steps"] == 1
+
+
+def test_every_page_is_returned_and_programs_compile_once(paged, dense):
+  prompts = _prompts(6)
+  settings = _settings(dense, prompts, temperature=1.0)
+  before = paged.warmup()
+  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, "generate_steps": 1}
+  for seed in range(2):
+    stream, _ = _stream(paged, prompts, sampling=settings, seed=seed, min_yield=1)
+    assert stream.scheduler.all_pages_free
+    assert all((pool.refs[1:] == 0).all() for pool in stream.scheduler.pools)
+  assert paged.compilations == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights that change mid-stream.
+
+
+def test_weights_swapped_between_decode_calls_apply_from_the_next_call(params):
+  config = dataclasses.replace(PAGED, decode_chunk=2)
+  engine = rollout.Engine.for_role(CONFIG, config, _role([0]), params)
+  prompts = _prompts(7, (5, 9, 3, 12))
+  setting = [
+    rollout.SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=())
+    for n in (3, 8, 6, 8)
+  ]
+  old = engine.generate(prompts, sampling=setting)
+  v0 = engine.params_version
+  assert (old.versions[old.mask] == v0).all() and (old.versions[~old.mask] == -1).all()
+  new_params = models.init_params(CONFIG, "lm", jax.random.key(9))
+  stream = rollout.RolloutStream(engine, prompts, sampling=setting)
+  tokens, versions = {}, {}
+  try:
+    for group in stream:  # every call decodes at most 2 steps: swap after the first output
+      if engine.params_version == v0:
+        engine.update_params(new_params)
+      for j, i in enumerate(group.indices):
+        tokens[int(i)], versions[int(i)] = group.tokens[j], group.versions[j]
+  finally:
+    engine.update_params(params)
+  assert engine.params_version == v0 + 2
+  switched = 0
+  for i in range(len(prompts)):
+    v = versions[i][: old.lengths[i]]
+    assert set(v.tolist()) <= {v0, v0 + 1} and (np.diff(v) >= 0).all()
+    before = int((v == v0).sum())
+    switched += before < len(v)
+    # Tokens sampled before the swap are the old weights' greedy tokens.
+    np.testing.assert_array_equal(tokens[i][:before], old.tokens[i][:before])
+  assert switched > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The slot API, kernels, config.
+
+
+def test_slot_api_gives_each_slot_a_dense_rows_pages(paged, dense):
+  prompts = _prompts(8, (4, 11, 1))
+  setting = rollout.SamplingParams(temperature=0.0, max_new_tokens=3)
+  views = []
+  for engine in (dense, paged):
+    state = engine.init_decode_state()
+    state = engine.insert(engine.prefill(prompts, setting), state, [3, 1, 0])
+    state, _ = engine.generate_steps(state)
+    views.append(engine.read(state))
+  want, got = views
+  for s in (3, 1, 0):
+    assert got.tokens[s, :3].tolist() == want.tokens[s, :3].tolist()
+    np.testing.assert_allclose(got.logprobs[s, :3], want.logprobs[s, :3], atol=ATOL, rtol=0)
+  assert got.done.all() and got.num_generated[[3, 1, 0]].tolist() == [3, 3, 3]
+  # The paged prefill samples nothing: the first decode step draws the first token.
+  state = paged.insert(paged.prefill(prompts[:1], setting), paged.init_decode_state(), [2])
+  state, steps = paged.generate_steps(state, max_steps=1)
+  view = paged.read(state)
+  assert int(steps) == 1 and view.num_generated[2] == 1 and view.tokens[2, 0] == want.tokens[3, 0]
+  table = paging.slot_pages(4, 1, 25, 6)
+  assert table[1].tolist() == list(range(7, 13)) and table.max() == 24
+
+
+def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path():
+  """JAX's Pallas GPU paged-attention kernel, run by Pallas' interpreter on the CPU, against
+  the gather + XLA attention path, on a pool with two replicas."""
+  rng = np.random.default_rng(0)
+  layers, d, k, pages, e, n, h = 2, 2, 2, 9, 4, 16, 4
+  pool = lambda: jnp.asarray(rng.normal(size=(layers, d, k, pages, e, n)), jnp.float32)
+  table = jnp.asarray(rng.permutation(np.arange(1, pages))[:8].reshape(2, 4).repeat(2, 0))
+  index = jnp.asarray([0, 5, 11, 15])
+  q = jnp.asarray(rng.normal(size=(4, 1, h, n)), jnp.float32)
+  cfg = CONFIG.replace(attention="xla")
+  mask = jnp.arange(4 * e)[None, None, :] <= index[:, None, None]
+  k_pool, v_pool = pool(), pool()
+  outs = {
+    kernel: transformer.paged_attend(
+      cfg, q, transformer.PagedKV(k_pool, v_pool, table, kernel), jnp.int32(1), mask, index
+    )
+    for kernel in ("gather", "pallas_gpu")
+  }
+  np.testing.assert_allclose(outs["pallas_gpu"], outs["gather"], atol=1e-5, rtol=0)
+
+
+def test_pallas_gpu_kernel_runs_the_engine_per_shard_on_a_data_tensor_mesh():
+  """The engine with 'pallas_gpu' (interpret mode here, under `jax.shard_map` over data=2 x
+  tensor=2) samples what the gather path samples."""
+  cfg = CONFIG.replace(head_dim=16)
+  params = models.init_params(cfg, "lm", jax.random.key(4))
+  prompts = _prompts(9, (3, 16, 7, 1, 12))
+  setting = rollout.SamplingParams(temperature=1.0, max_new_tokens=5)
+  outs = [
+    rollout.Engine.for_role(
+      cfg, dataclasses.replace(PAGED, paged_attention=kernel), _role([4, 5, 6, 7], 2, 2), params
+    ).generate(prompts, sampling=setting, seed=3)
+    for kernel in ("gather", "pallas_gpu")
+  ]
+  _assert_same(outs[1], outs[0])
+
+
+def test_bad_paged_configs_raise_one_line_errors(params):
+  for field, bad in (("page_size", 0), ("decode_chunk", 0), ("num_pages", 1)):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+      dataclasses.replace(PAGED, **{field: bad})
+  with pytest.raises(ValueError, match="EngineConfig.paged_attention"):
+    dataclasses.replace(PAGED, paged_attention="flash")
+  with pytest.raises(ValueError, match="EngineConfig.num_pages=6 gives 6 pages per 'data'"):
+    rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, num_pages=6), _role([0]))
+  with pytest.raises(ValueError, match="multiple of the mesh's 'data' axis"):
+    rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, num_pages=21), _role([0, 1], 2))
+  with pytest.raises(ValueError, match="sliding window"):
+    rollout.Engine.for_role(
+      CONFIG.replace(sliding_window=4),
+      dataclasses.replace(PAGED, paged_attention="pallas_gpu"),
+      _role([0]),
+    )
+  small = rollout.Engine.for_role(
+    CONFIG, dataclasses.replace(PAGED, num_pages=10), _role([0]), params
+  )
+  with pytest.raises(ValueError, match="slot API gives every slot a dense row of pages"):
+    small.insert(small.prefill([[1, 2]]), small.init_decode_state(), [3])
+
+
+def test_page_pool_counts_references():
+  pool = paging.PagePool(5)
+  a = pool.alloc(3)
+  assert 0 not in a and pool.num_free == 1 and pool.in_use == 3
+  pool.retain(a[:1])
+  pool.release(a)
+  assert pool.num_free == 3 and pool.refs[a[0]] == 1
+  with pytest.raises(RuntimeError, match="released more often"):
+    pool.release(a[1:2])
+  with pytest.raises(RuntimeError, match="pages asked"):
+    pool.alloc(4)
+
+
+def test_decode_call_writes_the_pool_in_place():
+  """Like tests/test_decode_cache.py for the pool: donated, aliased, never copied whole."""
+  layers, b, length, e = 5, 4, 512, 16
+  w = length // e
+  pages = b * w + 1
+  cfg = get_model_config("tiny", num_layers=layers, attention="xla")
+  table = paging.slot_pages(b, 1, pages, w)
+  state = jax.eval_shape(
+    lambda: paged_decode.empty_state(
+      cfg,
+      num_slots=b,
+      replicas=1,
+      pages=pages,
+      page_size=e,
+      width=w,
+      out_rows=2 * b + 1,
+      max_new_tokens=16,
+      max_stop_tokens=4,
+      table_bw=table,
+    )
+  )
+  plan = jax.eval_shape(lambda: paged_decode.idle_plan(table, 1, 4, np.int32(1)))
+  step = jax.jit(functools.partial(paged_decode.generate_steps, cfg, "gather"), donate_argnums=1)
+  compiled = step.lower(models.abstract_params(cfg, "lm"), state, plan).compile(
+    compiler_options={"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+  )
+  pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache))
+  stats = compiled.memory_analysis()
+  assert stats.alias_size_in_bytes >= pool_bytes
+  assert stats.temp_size_in_bytes < pool_bytes / 2, (stats.temp_size_in_bytes, pool_bytes)
+  whole = f"f32[1,{layers},{cfg.num_kv_heads},{pages},{e},{cfg.head_dim}]"
+  ops = re.findall(rf"= {re.escape(whole)}\{{[0-9,]*\}} ([a-z\-]+)\(", compiled.as_text())
+  assert ops and not {"copy", "dynamic-update-slice", "broadcast", "transpose"} & set(ops), ops
