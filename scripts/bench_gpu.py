@@ -1,4 +1,5 @@
-r"""Single-GPU efficiency of a 1B PPO actor: train-step MFU and decode bandwidth, JSON lines.
+r"""Single-GPU efficiency of a 1B PPO actor: train-step MFU and decode bandwidth (the dense and
+the paged engine, batch 64 and 256), JSON lines.
 
   python scripts/bench_gpu.py [--batch=8 --seq_len=2048 --decode_batch=64 --cache_len=2048]
 
@@ -20,7 +21,7 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per train step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence (a quarter prompt).")
 _REMAT = flags.DEFINE_list("remat", ["full"], "Remat policies to time.")
 _CHUNK = flags.DEFINE_integer("chunk", 1024, "Log-prob chunk (0: whole logits).")
-_DECODE_BATCH = flags.DEFINE_list("decode_batch", ["64"], "Decode slots.")
+_DECODE_BATCH = flags.DEFINE_list("decode_batch", ["64", "256"], "Decode slots.")
 _CACHE_LEN = flags.DEFINE_integer("cache_len", 2048, "KV cache length of a decode slot.")
 _CHECK = flags.DEFINE_bool("check", True, "Compare attention kernels with the einsum path.")
 
@@ -37,6 +38,8 @@ def main(argv):
   rollout = get_model_config(_SIZE.value, param_dtype="bfloat16")
   for batch in map(int, _DECODE_BATCH.value):
     row = step_bench.decode_step(rollout, batch, _CACHE_LEN.value)
+    print(json.dumps({"size": _SIZE.value, **row}), flush=True)
+    row = step_bench.paged_decode_step(rollout, batch, _CACHE_LEN.value)
     print(json.dumps({"size": _SIZE.value, **row}), flush=True)
 
 

@@ -525,10 +525,12 @@ def test_memory_of_tiny_roles_matches_hand_computation():
   assert estimates[Role.REWARD].params == math.ceil(value * fp32 / 8)
   assert estimates[Role.REWARD].logits == 0  # a value head has no vocabulary
   rollout = estimates[Role.ROLLOUT]
-  # Generation layout, data=4 x tensor=2: params split over tensor only; 16 / 4 sequences of
-  # 128 tokens, K and V of 3 layers x 2 kv heads x 12 dims in fp32, kv heads split over 2.
+  # Generation layout, data=4 x tensor=2: params split over tensor only; a page pool per
+  # replica for 16 / 4 sequences of 128 tokens in pages of 16, plus the reserved page; K and V
+  # of 3 layers x 2 kv heads x 12 dims in fp32, kv heads split over 2.
   assert rollout.params == lm * fp32 // 2
-  assert rollout.kv_cache == (16 // 4) * 128 * (2 * 3 * 2 * 12 * fp32) // 2
+  pages = (16 // 4) * (128 // 16) + 1
+  assert rollout.kv_cache == pages * 16 * (2 * 3 * 2 * 12 * fp32) // 2
   assert rollout.optimizer == rollout.grads == 0
   # Co-located: no transfer buffer; decode logits of 4 slots x vocab, fp32, twice, over tensor.
   assert rollout.transfer == 0

@@ -139,7 +139,8 @@ def run(
       np.array_equal(a[:n], b[:n])
       for a, b, n in zip(out.tokens, reference.tokens, reference.lengths, strict=True)
     ]
-    pool = engine.kv_cache_bytes() if hasattr(engine, "kv_cache_bytes") else None
+    cache = jax.eval_shape(engine.init_decode_state).cache
+    kv_cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
     records.append(
       {
         "bench": "rollout_engines",
@@ -153,7 +154,7 @@ def run(
         "num_slots": engine_cfg.num_slots,
         "kv_budget_tokens": budget.dense_slots
         * (workload.max_prompt_len + workload.max_new_tokens),
-        "kv_cache_mib": round((pool or 0) / 2**20, 2) if pool else None,
+        "kv_cache_mib": round(kv_cache / 2**20, 3),
         "kv_bytes_per_token": kv_bytes,
         "max_live_sequences": int(out.max_live),
         "tokens_per_s": round(generated / seconds, 1),

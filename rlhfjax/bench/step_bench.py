@@ -9,6 +9,10 @@
 * `decode_step`: `rollout.decode.generate_steps` over a full batch of slots with bf16 weights;
   the bytes one step must read are all weights plus the KV cache it attends over (every slot
   of each row's cache, since attention runs over the cache's whole length).
+* `paged_decode_step`: the paged engine (`rlhfjax.rollout.paged_decode`) over a full batch of
+  slots, each with a prompt of `cache_len - steps` tokens; the bytes a step must read are all
+  weights plus the live KV (each row's tokens so far: the paged kernels stop at each row's
+  length), so `bandwidth_fraction` is what a memory-bound decode reaches of the HBM peak.
 * `attention_check`: logits and gradients of each attention kernel against the einsum path.
 """
 
@@ -25,8 +29,15 @@ import numpy as np
 
 from rlhfjax import models
 from rlhfjax.config import OptimizerConfig
-from rlhfjax.config.model import ModelConfig, get_model_config, param_count
+from rlhfjax.config.model import (
+  ModelConfig,
+  get_model_config,
+  kv_cache_bytes_per_token,
+  param_count,
+)
 from rlhfjax.rollout import decode
+from rlhfjax.rollout.engine import Engine, EngineConfig
+from rlhfjax.rollout.sampling import SamplingParams
 from rlhfjax.training import steps
 from rlhfjax.training.optimizer import make_optimizer
 from rlhfjax.training.state import init_train_state
@@ -121,6 +132,62 @@ def decode_step(
     "bench": "decode_step",
     "batch": batch,
     "cache_len": cache_len,
+    "step_ms": round(seconds * 1e3, 3),
+    "tokens_per_s": round(batch / seconds, 1),
+    "gb_read_per_step": round(read / 1e9, 3),
+    "bandwidth_fraction": round(read / seconds / H100_HBM_BYTES_PER_S, 4),
+  }
+
+
+def paged_decode_step(
+  config: ModelConfig,
+  batch: int,
+  cache_len: int,
+  steps_per_call: int = 64,
+  repeats: int = 5,
+  page_size: int = 16,
+  kernel: str = "auto",
+) -> dict[str, Any]:
+  """Time decode steps of the paged engine with every slot busy (see the module docstring)."""
+  prompt_len = cache_len - steps_per_call * (repeats + 2)
+  if prompt_len < 2:
+    raise ValueError(f"cache_len={cache_len} leaves no prompt for {repeats + 2} timed calls")
+  device = jax.devices()[0]
+  mesh = jax.sharding.Mesh(np.array([device]).reshape(1, 1), ("data", "tensor"))
+  engine_cfg = EngineConfig(
+    num_slots=batch,
+    prompt_buckets=(prompt_len,),
+    max_new_tokens=cache_len - prompt_len,
+    prefill_batch_sizes=(1, batch),
+    paged=True,
+    page_size=page_size,
+    paged_attention=kernel,
+  )
+  params = models.init_params(config, "lm", jax.random.key(0))
+  engine = Engine(config, engine_cfg, mesh, params)
+  prompts = np.random.default_rng(0).integers(1, config.vocab_size, (batch, prompt_len))
+  sampling = SamplingParams(temperature=1.0, stop_token_ids=())
+  state = engine.insert(
+    engine.prefill(list(prompts), sampling), engine.init_decode_state(), range(batch)
+  )
+  times = []
+  for call in range(repeats + 1):  # the first call compiles
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    state, steps = engine.generate_steps(state, max_steps=steps_per_call)
+    jax.block_until_ready(state)
+    if call:
+      times.append((time.perf_counter() - start) / int(steps))
+  seconds = float(np.median(times))
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  context = prompt_len + steps_per_call * (repeats / 2 + 1)  # tokens per row, mid-measurement
+  read = weight_bytes + kv_cache_bytes_per_token(config) * batch * context
+  return {
+    "bench": "paged_decode_step",
+    "batch": batch,
+    "cache_len": cache_len,
+    "page_size": page_size,
+    "kernel": engine.paged.kernel,
     "step_ms": round(seconds * 1e3, 3),
     "tokens_per_s": round(batch / seconds, 1),
     "gb_read_per_step": round(read / 1e9, 3),

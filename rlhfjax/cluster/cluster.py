@@ -30,7 +30,7 @@ from rlhfjax import models
 from rlhfjax.cluster import dispatch, residency
 from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
-from rlhfjax.config import ExperimentConfig
+from rlhfjax.config import ExperimentConfig, RolloutSection
 from rlhfjax.mesh import rules, sharing, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
@@ -67,6 +67,23 @@ def initial_rngs(seed: int) -> dict[Role, jax.Array]:
   the critic's and the reward model's, all from `seed`."""
   actor, critic, reward = jax.random.split(jax.random.key(seed), 3)
   return {Role.ACTOR: actor, Role.REFERENCE: actor, Role.CRITIC: critic, Role.REWARD: reward}
+
+
+def engine_config(rollout: RolloutSection, pad_id: int, replicas: int) -> EngineConfig:
+  """The rollout engine's static shapes from the config's rollout section, on a mesh with
+  `replicas` 'data' replicas (the page pool is `rollout.kv_pages(replicas)` pages)."""
+  return EngineConfig(
+    num_slots=rollout.num_slots,
+    prompt_buckets=(rollout.max_prompt_len,),
+    max_new_tokens=rollout.max_new_tokens,
+    pad_token_id=pad_id,
+    tail_threshold=rollout.tail_threshold,
+    paged=rollout.paged,
+    page_size=rollout.page_size,
+    num_pages=rollout.kv_pages(replicas) if rollout.paged else None,
+    share_prefixes=rollout.share_prefixes,
+    decode_chunk=rollout.decode_chunk,
+  )
 
 
 class Cluster:
@@ -175,19 +192,7 @@ class Cluster:
     if self._rollout_from is not None:
       rollout = self.cfg.rollout
       rt, source = self.roles[Role.ROLLOUT], self._rollout_from
-      replicas = dict(rt.mesh.shape).get("data", 1)
-      engine_cfg = EngineConfig(
-        num_slots=rollout.num_slots,
-        prompt_buckets=(rollout.max_prompt_len,),
-        max_new_tokens=rollout.max_new_tokens,
-        pad_token_id=self._pad_id,
-        tail_threshold=rollout.tail_threshold,
-        paged=rollout.paged,
-        page_size=rollout.page_size,
-        num_pages=rollout.kv_pages(replicas) if rollout.paged else None,
-        share_prefixes=rollout.share_prefixes,
-        decode_chunk=rollout.decode_chunk,
-      )
+      engine_cfg = engine_config(rollout, self._pad_id, dict(rt.mesh.shape).get("data", 1))
       self._cast = None
       if self.rollout_reads_source:
         # Co-located in the same layout and dtype: the engine reads the source's arrays
