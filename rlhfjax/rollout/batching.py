@@ -9,7 +9,7 @@ short response never waits for the longest in its batch, and the device runs one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,9 @@ class GenerateOutput:
   """[prompts] bool: the response ended with a stop token (else it hit `max_new_tokens`)."""
   inserts: np.ndarray
   """[prompts] int32: how many times each prompt was put into a slot (always 1)."""
+  versions: np.ndarray
+  """[prompts, r] int32: the engine's `params_version` at the call that produced each token
+  (weights swapped in by `on_decode_call` between decode calls); -1 past each length."""
   prefill_calls: int
   decode_calls: int
   """`generate_steps` calls: the host round trips between refills."""
@@ -57,6 +60,7 @@ def generate(
   sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
   seed: int = 0,
   padding_side: str = "left",
+  on_decode_call: Callable[[], None] | None = None,
 ) -> GenerateOutput:
   """Generates a response to every prompt, refilling decode slots as sequences finish.
 
@@ -76,17 +80,20 @@ def generate(
     seed=seed,
     padding_side=padding_side,
     min_yield=engine.config.num_slots,
+    on_decode_call=on_decode_call,
   )
   num, width = stream.num_prompts, stream.width
   tokens = np.full((num, width), engine.config.pad_token_id, np.int32)
   logprobs = np.zeros((num, width), np.float32)
   out_lengths = np.zeros(num, np.int32)
   stopped = np.zeros(num, bool)
+  versions = np.full((num, width), -1, np.int32)
   for done in stream:
     tokens[done.indices] = done.tokens
     logprobs[done.indices] = done.logprobs
     out_lengths[done.indices] = done.lengths
     stopped[done.indices] = done.stopped
+    versions[done.indices] = done.versions
   mask = np.arange(width)[None, :] < out_lengths[:, None]
   return GenerateOutput(
     tokens=tokens,
@@ -95,6 +102,7 @@ def generate(
     mask=mask,
     stopped=stopped,
     inserts=stream.stats.inserts,
+    versions=versions,
     prefill_calls=stream.stats.prefill_calls,
     decode_calls=stream.stats.decode_calls,
     decode_steps_by_batch=dict(stream.stats.decode_steps_by_batch),

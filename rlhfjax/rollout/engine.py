@@ -201,6 +201,9 @@ class Engine:
     self._params = None
     self._owns_params = False
     self._source: Callable[[], Any] | None = None
+    self.params_version = 0
+    """How many times `update_params` swapped weights in: which weights a token came from
+    (`GenerateOutput.versions`)."""
     self.compactor = compaction.Compactor(self)
     """The tail compaction programs (built and compiled on first use, once per size)."""
 
@@ -348,6 +351,7 @@ class Engine:
     # Arrays the transfer left in place may carry an equivalent but different sharding object
     # (say a single-device one); relabel them so every call hits the same compiled program.
     self._params = jax.tree.map(_relabel, params, self.param_shardings)
+    self.params_version += 1
     return moved
 
   def read_params_from(self, source: Callable[[], Any]) -> None:
@@ -509,13 +513,20 @@ class Engine:
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     seed: int = 0,
     padding_side: str = "left",
+    on_decode_call: Callable[[], None] | None = None,
   ) -> batching.GenerateOutput:
     """Generates a response to every prompt with continuous batching over the slots.
 
     See `rlhfjax.rollout.batching.generate`; the output is in input order.
     """
     return batching.generate(
-      self, prompts, lengths, sampling=sampling, seed=seed, padding_side=padding_side
+      self,
+      prompts,
+      lengths,
+      sampling=sampling,
+      seed=seed,
+      padding_side=padding_side,
+      on_decode_call=on_decode_call,
     )
 
 

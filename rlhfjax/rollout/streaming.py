@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +47,9 @@ class Finished:
   """[k] int32 response lengths, a final stop token included."""
   stopped: np.ndarray
   """[k] bool: the response ended with a stop token (else it hit its token limit)."""
+  versions: np.ndarray | None = None
+  """[k, r] int32: the engine's `params_version` at the call (prefill or decode) that produced
+  each token, -1 past each length; None from a producer that does not record them."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -123,6 +126,7 @@ class RolloutStream:
     padding_side: str = "left",
     min_yield: int = 1,
     tail_threshold: float | None = None,
+    on_decode_call: Callable[[], None] | None = None,
   ):
     """Checks the requests; nothing runs until iteration.
 
@@ -139,6 +143,10 @@ class RolloutStream:
         host round trips as possible.
       tail_threshold: Fraction of the slots below which the tail is compacted; None: the
         engine's `EngineConfig.tail_threshold`; 0: never.
+      on_decode_call: Called (on the iterating thread) before each device decode call: the
+        point where new weights may be swapped in (`Engine.update_params`) while rows are
+        mid-answer; they keep their KV cache, and each token's `Finished.versions` entry says
+        which weights produced it.
     """
     cfg = engine.config
     self._prompts = as_prompt_list(prompts, lengths, padding_side)
@@ -171,6 +179,7 @@ class RolloutStream:
     self._seed = seed
     self._min_yield = min_yield
     self._threshold = threshold
+    self._on_decode_call = on_decode_call
     self._started = False
     self.num_prompts = num
     self.width = max(limits)
@@ -202,6 +211,8 @@ class RolloutStream:
     slot_request = [-1] * size
     compacted = False
     state = engine.init_decode_state()
+    versions_nr = np.full((self.num_prompts, self.width), -1, np.int32)
+    produced_n = np.zeros(self.num_prompts, np.int64)  # tokens whose version is recorded
     while True:
       free = [s for s, r in enumerate(slot_request) if r < 0]
       if pending and free:
@@ -217,6 +228,8 @@ class RolloutStream:
           )
           state = engine.insert(prefix, state, slots)
           stats.prefill_calls += 1
+          versions_nr[chunk, 0] = engine.params_version  # the prefill samples the first token
+          produced_n[chunk] = 1
           for s, i in zip(slots, chunk, strict=True):
             slot_request[s] = i
             stats.inserts[i] += 1
@@ -233,6 +246,9 @@ class RolloutStream:
           compacted = True
           stats.compactions.append(size)
       until_free = self._stop_at(size, len(active), bool(pending), compacted)
+      if self._on_decode_call is not None:
+        self._on_decode_call()
+      version = engine.params_version
       if size == cfg.num_slots:
         state, steps = engine.generate_steps(state, until_free=until_free)
       else:
@@ -240,6 +256,10 @@ class RolloutStream:
       stats.decode_calls += 1
       view = engine.read(state)
       stats.decode_steps_by_batch[size] = stats.decode_steps_by_batch.get(size, 0) + int(steps)
+      for s in active:
+        i, n = slot_request[s], int(view.num_generated[s])
+        versions_nr[i, produced_n[i] : n] = version
+        produced_n[i] = n
       done = [s for s in active if view.done[s]]
       if not done:
         continue
@@ -254,4 +274,5 @@ class RolloutStream:
         logprobs=np.where(keep, view.logprobs[done, : self.width], 0.0).astype(np.float32),
         lengths=lengths,
         stopped=view.stopped[done].astype(bool),
+        versions=np.where(keep, versions_nr[indices], -1).astype(np.int32),
       )
