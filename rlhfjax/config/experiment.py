@@ -486,8 +486,20 @@ class PPOSection:
   kl_target: float = 6.0
   kl_horizon: int = 10_000
   async_rollout: bool = False
-  """Generate the next batch while this one trains (one step off-policy, importance-corrected).
-  Needs a rollout on its own devices (disaggregated)."""
+  """Generate the next batch while this one trains (one step off-policy, importance-corrected),
+  the weights synced between batches: deterministic, and a resume repeats the run exactly.
+  Needs a rollout on its own devices (disaggregated). See `max_staleness` for syncs that land
+  mid-batch."""
+  max_staleness: int = 0
+  """Interruptible generation with bounded staleness (AReaL's partial rollout, verl's
+  `staleness_threshold`): generation runs up to this many batches ahead on the rollout's own
+  devices (disaggregated), and each weight sync lands as soon as its update is done, between
+  two decode calls, while rows are mid-answer; they go on under the new weights, every token
+  keeping the log-prob of the weights that sampled it (the importance correction's behaviour
+  log-prob). No token of a trained batch is more than this many policy versions (iterations)
+  older than the weights it trains. 0: synchronous. Not combined with `async_rollout` (its
+  deterministic one-batch-ahead form); runs are not bitwise reproducible (timing decides where
+  syncs land)."""
   max_skipped_updates: int = 3
   """Stop the run, with a message, after this many updates in a row were skipped for a
   non-finite loss or gradients (each skip is counted in the metrics as `update/skipped`)."""
@@ -519,6 +531,7 @@ class PPOSection:
       group_size=ranges.COUNT,
       max_skipped_updates=ranges.COUNT,
       max_tokens_per_micro_batch=ranges.NON_NEGATIVE,
+      max_staleness=ranges.NON_NEGATIVE,
       clip_eps=ranges.POSITIVE,
       value_clip_eps=ranges.POSITIVE,
       entropy_coef=ranges.NON_NEGATIVE,
@@ -528,6 +541,12 @@ class PPOSection:
       kl_target=ranges.POSITIVE,
       kl_horizon=ranges.COUNT,
     )
+    if self.async_rollout and self.max_staleness:
+      raise ConfigError(
+        f"'ppo.async_rollout' (one batch ahead, synced between batches) and "
+        f"'ppo.max_staleness'={self.max_staleness} (syncs mid-batch) are two ways to generate "
+        "ahead: set one"
+      )
 
   @property
   def batch(self) -> BatchShape:

@@ -14,7 +14,10 @@ the metric scalars.
 
 With `ppo.async_rollout`, the next batch is generated (by the weights of the last sync) while
 this one is scored and trained on: one step off-policy, corrected by the importance ratio to
-the rollout policy's log-probs.
+the rollout policy's log-probs. With `ppo.max_staleness` = k, a worker thread generates up to
+k batches ahead and each sync lands mid-batch, between two decode calls
+(`rlhfjax.flows.partial`): every token keeps the log-prob of the weights that sampled it, and
+none is more than k iterations old when trained.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
 from rlhfjax.costmodel import pricing
 from rlhfjax.data.records import PromptBatch
-from rlhfjax.flows import experience, packed, scoring, stages
+from rlhfjax.flows import experience, packed, partial, scoring, stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
@@ -128,23 +131,28 @@ class PPOFlow:
         f"be >= 2, got {ppo.group_size}"
       )
     check_batch(cfg, ppo.group_size, ppo.mini_batches, ppo.micro_batches)
-    if ppo.dynamic_sampling_rounds and ppo.async_rollout:
-      raise ConfigError("'ppo.dynamic_sampling_rounds' needs a synchronous rollout")
+    ahead = "ppo.async_rollout" if ppo.async_rollout else "ppo.max_staleness"
+    if ppo.dynamic_sampling_rounds and (ppo.async_rollout or ppo.max_staleness):
+      raise ConfigError(f"'ppo.dynamic_sampling_rounds' needs a synchronous rollout, not '{ahead}'")
     if ppo.overlong_buffer >= cfg.rollout.max_new_tokens:
       raise ConfigError(
         f"'ppo.overlong_buffer'={ppo.overlong_buffer} must be below "
         f"'rollout.max_new_tokens'={cfg.rollout.max_new_tokens}"
       )
-    if cfg.rollout.fused_scoring and (ppo.async_rollout or ppo.dynamic_sampling_rounds):
+    if cfg.rollout.fused_scoring and (
+      ppo.async_rollout or ppo.max_staleness or ppo.dynamic_sampling_rounds
+    ):
       raise ConfigError(
         "'rollout.fused_scoring' scores each batch while it generates, with the actor's "
-        "weights of this iteration: it does not combine with 'ppo.async_rollout' or "
-        "'ppo.dynamic_sampling_rounds'"
+        "weights of this iteration: it does not combine with 'ppo.async_rollout', "
+        "'ppo.max_staleness' or 'ppo.dynamic_sampling_rounds'"
       )
-    if ppo.async_rollout and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
+    self.off_policy = ppo.async_rollout or ppo.max_staleness > 0
+    """Batches are generated ahead, by older weights: the actor's loss weighs each token by
+    the importance ratio to its behaviour log-prob (the rollout's)."""
+    if self.off_policy and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
       raise ValueError(
-        "ppo.async_rollout needs the rollout on its own devices "
-        "(placement.strategy='disaggregated')"
+        f"{ahead} needs the rollout on its own devices (placement.strategy='disaggregated')"
       )
     self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
     self._update_keys = (("actor", "update"),) + (
@@ -175,11 +183,17 @@ class PPOFlow:
     self._compile()
     self.kl_state = alg.KLControllerState(coef=ppo.kl_coef)
     self.skipped_in_row = 0
-    self.pending_prompts: PromptBatch | None = None
-    """Prompts (and records) of the batch generated ahead (async rollout), saved with a
-    checkpoint."""
+    self.pending_prompts: list[PromptBatch] = []
+    """Prompts (and records) of the batches drawn but not trained yet, in order: those
+    generated ahead (`ppo.async_rollout`, `ppo.max_staleness`), saved with a checkpoint and
+    generated again on resume."""
     self._pool = concurrent.futures.ThreadPoolExecutor(1) if ppo.async_rollout else None
     self._pending: concurrent.futures.Future | None = None
+    self.partial = partial.PartialRollout(ctx, ppo.max_staleness) if ppo.max_staleness else None
+    """The generation worker of `ppo.max_staleness` (None: the rollout runs on this thread)."""
+    self.versions_bt: np.ndarray | None = None
+    """With `ppo.max_staleness`: the policy version of each response token of the batch the
+    last iteration trained on (`partial.Generated.versions_bt`)."""
 
   def _compile(self) -> None:
     ctx, cfg, ppo, cluster = self.ctx, self.ctx.cfg, self.ctx.cfg.ppo, self.ctx.cluster
@@ -227,7 +241,7 @@ class PPOFlow:
     )
     shapes = {"tokens": (b, s), "attention_mask": (b, s), "response_mask": (b, t)}
     actor_shapes = {**shapes, "old_logprobs": (b, t), "advantages": (b, t)}
-    if ppo.async_rollout:
+    if self.off_policy:
       actor_shapes["behaviour_logprobs"] = (b, t)
     if ppo.kl_loss_coef:
       actor_shapes["ref_logprobs"] = (b, t)
@@ -291,16 +305,16 @@ class PPOFlow:
     return {}
 
   def meta(self) -> dict[str, Any]:
+    pending = [batch.to_json() for batch in self.pending_prompts]
     return {
       "kl_coef": float(self.kl_state.coef),
-      "pending_prompts": (None if self.pending_prompts is None else self.pending_prompts.to_json()),
+      "pending_prompts": pending or None,
       "skipped_in_row": self.skipped_in_row,
     }
 
   def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
     self.kl_state = alg.KLControllerState(coef=float(meta["kl_coef"]))
-    pending = meta.get("pending_prompts")
-    self.pending_prompts = None if pending is None else PromptBatch.from_json(pending)
+    self.pending_prompts = partial.pending_from_json(meta.get("pending_prompts"))
     self.skipped_in_row = int(meta.get("skipped_in_row", 0))
     if items.get("rollout") is not None:
       self.ctx.cluster.engine.update_params(items["rollout"])
@@ -308,6 +322,8 @@ class PPOFlow:
   def close(self) -> None:
     if self._pool is not None:
       self._pool.shutdown(wait=True, cancel_futures=True)
+    if self.partial is not None:
+      self.partial.close()
 
   # -------------------------------------------------------------------------------------------
   # One iteration.
@@ -318,9 +334,14 @@ class PPOFlow:
     start = cluster.timeline.now()
     sampled: dict[str, float] = {}
     scores = None
-    if self._pending is None:
-      prompts = self.pending_prompts or stages.grouped_prompts(ctx, cfg.ppo.group_size)
-      self.pending_prompts = None
+    if self.partial is not None:
+      seqs, sampled = self._take_partial(iteration)
+    elif self._pending is None:
+      prompts = (
+        self.pending_prompts.pop(0)
+        if self.pending_prompts
+        else stages.grouped_prompts(ctx, cfg.ppo.group_size)
+      )
       if cfg.rollout.fused_scoring:
         seqs, scores = self._generate_and_score(iteration, prompts)
       else:
@@ -329,6 +350,7 @@ class PPOFlow:
         seqs, sampled = self._dynamic_sampling(iteration, seqs)
     else:
       seqs = self._pending.result()
+      self.pending_prompts.pop(0)
     bytes_synced = 0
     if self._pool is not None:
       # The weights of the last update go to the rollout mesh before the next batch starts.
@@ -336,14 +358,18 @@ class PPOFlow:
         bytes_synced = cluster.sync(iteration)
       self._pending = None
       if iteration + 1 < cfg.total_steps:
-        self.pending_prompts = stages.grouped_prompts(ctx, cfg.ppo.group_size)
+        if not self.pending_prompts:
+          self.pending_prompts.append(stages.grouped_prompts(ctx, cfg.ppo.group_size))
         self._pending = self._pool.submit(
-          stages.generate_stage, ctx, iteration + 1, self.pending_prompts
+          stages.generate_stage, ctx, iteration + 1, self.pending_prompts[0]
         )
     exp = self._score(iteration, seqs, scores)
     exp, stats = self._compute_advantages(iteration, exp)
     update_metrics = self._update(iteration, exp, seqs)
-    if self._pool is None:
+    if self.partial is not None:
+      # The next update donates the weights the sync reads: wait until it has been done.
+      bytes_synced = self.partial.sync(iteration + 1, iteration)
+    elif self._pool is None:
       bytes_synced = cluster.sync(iteration)
     elapsed = cluster.timeline.now() - start
     stats = cluster.fetch(stats)
@@ -360,6 +386,34 @@ class PPOFlow:
       horizon=ppo.kl_horizon,
     )
     return row
+
+  def _take_partial(self, iteration: int) -> tuple[Sequences, dict[str, float]]:
+    """Batch `iteration` from the worker (`ppo.max_staleness`), once batch `iteration + k` is
+    submitted (batches `iteration .. iteration + k` on the first call), with its staleness
+    metrics. `pending_prompts[n]` holds the prompts of batch `iteration + n`."""
+    ctx, cfg, worker = self.ctx, self.ctx.cfg, self.partial
+    k = worker.max_staleness
+    first = iteration + k
+    if not worker.started:
+      worker.start(iteration)  # the engine holds the actor's weights of this iteration
+      first = iteration
+    for batch in range(first, min(iteration + k, cfg.total_steps - 1) + 1):
+      n = batch - iteration
+      if n == len(self.pending_prompts):
+        self.pending_prompts.append(stages.grouped_prompts(ctx, cfg.ppo.group_size))
+      worker.submit(batch, self.pending_prompts[n])
+    got = worker.take(iteration)
+    self.pending_prompts.pop(0)
+    self.versions_bt = got.versions_bt
+    versions = got.versions_bt[got.versions_bt >= 0]
+    if versions.size and not iteration - k <= versions.min() <= versions.max() <= iteration:
+      raise RuntimeError(
+        f"batch {iteration} holds tokens of policy versions {versions.min()} to "
+        f"{versions.max()}, outside [{iteration - k}, {iteration}] (ppo.max_staleness={k})"
+      )
+    metrics = partial.staleness_metrics(iteration, got.versions_bt)
+    metrics["rollout/syncs_mid_batch"] = float(got.syncs_mid_batch)
+    return got.seqs, metrics
 
   def _dynamic_sampling(self, iteration: int, seqs: Sequences):
     """DAPO's dynamic sampling: keeps the groups whose scores differ and generates more groups
@@ -469,7 +523,7 @@ class PPOFlow:
     ppo = self.ctx.cfg.ppo
     actor = {"tokens": exp.tokens_bs, "old_logprobs": exp.old_logprobs_bt}
     actor["advantages"] = exp.advantages_bt
-    if ppo.async_rollout:
+    if self.off_policy:
       actor["behaviour_logprobs"] = exp.rollout_logprobs_bt
     if ppo.kl_loss_coef:
       actor["ref_logprobs"] = exp.ref_logprobs_bt

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from rlhfjax import models
 from rlhfjax.cluster.cluster import Cluster
@@ -72,18 +74,40 @@ def rollout_seed(cfg: ExperimentConfig, iteration: int) -> int:
 
 
 def generate(
-  ctx: FlowContext, prompts: PromptBatch | list[list[int]], params: SamplingParams, seed: int
+  ctx: FlowContext,
+  prompts: PromptBatch | list[list[int]],
+  params: SamplingParams,
+  seed: int,
+  *,
+  on_decode_call: Callable[[], None] | None = None,
 ) -> Sequences:
   """Responses from the rollout engine laid out as sequences (host token ids), each row with
   its prompt's record.
 
   The engine's continuous batching admits prompts and returns finished responses through the
-  host: the one named host transfer of generation."""
+  host: the one named host transfer of generation. `on_decode_call` runs before each device
+  decode call (`rlhfjax.rollout.streaming.RolloutStream`)."""
+  return generate_with_versions(ctx, prompts, params, seed, on_decode_call=on_decode_call)[0]
+
+
+def generate_with_versions(
+  ctx: FlowContext,
+  prompts: PromptBatch | list[list[int]],
+  params: SamplingParams,
+  seed: int,
+  *,
+  on_decode_call: Callable[[], None] | None = None,
+) -> tuple[Sequences, np.ndarray]:
+  """`generate`, and the engine's `params_version` of each response token as `[b, t]` int32
+  laid out as `Sequences.response_mask_bt` (-1 off the responses): which weights sampled it
+  when `on_decode_call` swaps weights in while rows are mid-answer."""
   cfg = ctx.cfg
   prompts = PromptBatch.of(prompts)
   with ctx.cluster.host("generate"):
-    out = ctx.cluster.engine.generate(prompts.tokens, sampling=params, seed=seed)
-  return experience.assemble(
+    out = ctx.cluster.engine.generate(
+      prompts.tokens, sampling=params, seed=seed, on_decode_call=on_decode_call
+    )
+  seqs = experience.assemble(
     prompts.tokens,
     out.tokens,
     out.lengths,
@@ -93,6 +117,10 @@ def generate(
     pad_id=ctx.tokenizer.pad_id,
     records=prompts.records,
   )
+  versions_bt = np.full(seqs.response_mask_bt.shape, -1, np.int32)  # -1 past each length
+  width = min(versions_bt.shape[1], out.versions.shape[1])
+  versions_bt[:, :width] = out.versions[:, :width]
+  return seqs, versions_bt
 
 
 def generate_stage(
@@ -100,12 +128,27 @@ def generate_stage(
 ) -> Sequences:
   """`generate` at the rollout's settings, recorded on the timeline (`attempt` > 0: another
   batch of the same iteration, with its own randomness)."""
+  return generate_stage_with_versions(ctx, iteration, prompts, attempt)[0]
+
+
+def generate_stage_with_versions(
+  ctx: FlowContext,
+  iteration: int,
+  prompts: PromptBatch | list[list[int]],
+  attempt: int = 0,
+  *,
+  on_decode_call: Callable[[], None] | None = None,
+) -> tuple[Sequences, np.ndarray]:
+  """`generate_stage` through `generate_with_versions`: the batch and each response token's
+  engine `params_version`."""
   cluster = ctx.cluster
   with cluster.timeline.stage(
     iteration, "rollout", "generate", cluster.roles[Role.ROLLOUT].devices
   ):
     seed = (rollout_seed(ctx.cfg, iteration) + 104_729 * attempt) % 2**31
-    return generate(ctx, prompts, sampling(ctx.cfg, ctx.tokenizer), seed)
+    return generate_with_versions(
+      ctx, prompts, sampling(ctx.cfg, ctx.tokenizer), seed, on_decode_call=on_decode_call
+    )
 
 
 def grouped_prompts(ctx: FlowContext, group_size: int) -> PromptBatch:

@@ -9,7 +9,7 @@ short response never waits for the longest in its batch, and the device runs one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,6 +71,7 @@ def generate(
   sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
   seed: int = 0,
   padding_side: str = "left",
+  on_decode_call: Callable[[], None] | None = None,
 ) -> GenerateOutput:
   """Generates a response to every prompt, refilling decode slots as sequences finish.
 
@@ -90,6 +91,7 @@ def generate(
     seed=seed,
     padding_side=padding_side,
     min_yield=engine.config.num_slots,
+    on_decode_call=on_decode_call,
   )
   num, width = stream.num_prompts, stream.width
   tokens = np.full((num, width), engine.config.pad_token_id, np.int32)

@@ -619,13 +619,20 @@ class Engine:
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     seed: int = 0,
     padding_side: str = "left",
+    on_decode_call: Callable[[], None] | None = None,
   ) -> batching.GenerateOutput:
     """Generates a response to every prompt with continuous batching over the slots.
 
     See `rlhfjax.rollout.batching.generate`; the output is in input order.
     """
     return batching.generate(
-      self, prompts, lengths, sampling=sampling, seed=seed, padding_side=padding_side
+      self,
+      prompts,
+      lengths,
+      sampling=sampling,
+      seed=seed,
+      padding_side=padding_side,
+      on_decode_call=on_decode_call,
     )
 
 

@@ -186,6 +186,7 @@ class Scheduler:
     decode_chunk: int,
     share_prefixes: bool,
     min_yield: int,
+    chunked: bool = False,
   ):
     """Args:
     prompts: Token ids of each request.
@@ -197,6 +198,8 @@ class Scheduler:
     decode_chunk: Most decode steps per call while requests wait.
     share_prefixes: Share identical prompts' pages.
     min_yield: Once nothing waits, a call returns when this many more requests finished.
+    chunked: Keep every call at most `decode_chunk` steps, also once nothing waits (the
+      caller may swap weights between calls).
     """
     self._settings = settings
     self._seed = seed
@@ -204,6 +207,7 @@ class Scheduler:
     self.queue_rows = 2 * slots
     self.out_rows = 2 * slots + 1
     self._chunk = decode_chunk
+    self._chunked = chunked
     self._share = share_prefixes
     self._min_yield = min_yield
     self.requests = [
@@ -366,7 +370,7 @@ class Scheduler:
       return None
     waiting = bool(self.pending) or any(self.queued)
     horizon = self._chunk
-    if not waiting:  # finish in one call if the pages allow it
+    if not waiting and not self._chunked:  # finish in one call if the pages allow it
       remaining = max(r.max_new - len(r.tokens) for r in running)
       need = collections.Counter()
       for r in running:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -152,6 +152,7 @@ class RolloutStream:
     padding_side: str = "left",
     min_yield: int = 1,
     tail_threshold: float | None = None,
+    on_decode_call: Callable[[], None] | None = None,
   ):
     """Checks the requests; nothing runs until iteration.
 
@@ -168,6 +169,12 @@ class RolloutStream:
         host round trips as possible.
       tail_threshold: Fraction of the slots below which the tail is compacted; None: the
         engine's `EngineConfig.tail_threshold`; 0: never.
+      on_decode_call: Called (on the iterating thread) before each device decode call (and
+        the paged engine's prefills for it): the point where new weights may be swapped in
+        (`Engine.update_params`) while rows are mid-answer; they keep their KV cache, and each
+        token's `Finished.versions` entry says which weights produced it. With it, the paged
+        engine's calls stay `EngineConfig.decode_chunk` steps long to the end, so a swap never
+        waits for more than one chunk.
     """
     cfg = engine.config
     self._prompts = as_prompt_list(prompts, lengths, padding_side)
@@ -202,6 +209,7 @@ class RolloutStream:
     self._seed = seed
     self._min_yield = min_yield
     self._threshold = threshold
+    self._on_decode_call = on_decode_call
     self._started = False
     self.num_prompts = num
     self.width = max(limits)
@@ -252,9 +260,12 @@ class RolloutStream:
       decode_chunk=cfg.decode_chunk,
       share_prefixes=cfg.share_prefixes,
       min_yield=self._min_yield,
+      chunked=self._on_decode_call is not None,
     )
     state = engine.init_decode_state()
     while (round_ := sched.plan()) is not None:
+      if self._on_decode_call is not None:
+        self._on_decode_call()
       params = engine.params
       by_bucket = collections.defaultdict(list)
       for item in sorted(round_.prefills, key=lambda it: len(it.tokens)):
@@ -337,6 +348,8 @@ class RolloutStream:
           compacted = True
           stats.compactions.append(size)
       until_free = self._stop_at(size, len(active), bool(pending), compacted)
+      if self._on_decode_call is not None:
+        self._on_decode_call()
       version = engine.params_version
       if size == cfg.num_slots:
         state, steps = engine.generate_steps(state, until_free=until_free)
