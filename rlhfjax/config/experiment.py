@@ -513,6 +513,12 @@ class PPOSection:
   `rollout.max_seq_len` tokens; as many steps per mini-batch as its samples need). 0: the padded
   micro-batch's tokens, `rollout.batch_size / (mini_batches x micro_batches)` x `max_seq_len`."""
 
+  @property
+  def generates_ahead(self) -> bool:
+    """Whether the rollout generates while the update trains (`async_rollout` or
+    `max_staleness`)."""
+    return self.async_rollout or self.max_staleness > 0
+
   def __post_init__(self):
     _check_choice("ppo.advantage", self.advantage, choices.ADVANTAGE_ESTIMATORS)
     _check_choice("ppo.kl_estimator", self.kl_estimator, choices.KL_ESTIMATORS)

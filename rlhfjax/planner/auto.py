@@ -150,7 +150,7 @@ def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, l
   """
   hw, eff = load_planner_inputs(config.placement)
   plans = search.search(
-    workload_of(config), hw, eff, num_devices, async_rollout=config.ppo.async_rollout
+    workload_of(config), hw, eff, num_devices, async_rollout=config.ppo.generates_ahead
   )
   usable = []
   for plan in plans:
@@ -197,7 +197,7 @@ def predict(
     hw,
     eff,
     micro_batch=0,
-    async_rollout=config.ppo.async_rollout,
+    async_rollout=config.ppo.generates_ahead,
     label=label or spec.strategy,
   )
 
