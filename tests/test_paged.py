@@ -157,11 +157,14 @@ def test_pool_is_split_over_data_and_tensor_and_decode_gathers_no_pages(paged_2x
   assert all(s.data.size == per_device for s in shards)
   assert len({(s.index[0].start, s.index[2].start) for s in shards}) == d * t  # all distinct
   plan = jax.device_put(engine.paged._host_plan(np.int32(1)), engine.paged.plan_shardings)
-  hlo = engine.paged._generate_steps.lower(engine.params, state, plan).compile().as_text()
-  gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
-  sizes = [int(np.prod([int(x) for x in shape.split(",") if x])) for shape in gathers]
-  # Only small gathers (the sampler's argmax over vocab shards), nothing of a pool's size.
-  assert all(size < per_device for size in sizes), sizes
+  assert set(engine.paged._generate_steps) == {(4, 6), (4, 3), (2, 6), (2, 3)}
+  for (size, _), program in engine.paged._generate_steps.items():
+    slots = jnp.tile(jnp.arange(size // d, dtype=jnp.int32), d)
+    hlo = program.lower(engine.params, state, plan, slots).compile().as_text()
+    gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+    sizes = [int(np.prod([int(x) for x in shape.split(",") if x])) for shape in gathers]
+    # Only small gathers (the sampler's argmax over vocab shards), nothing of a pool's size.
+    assert all(size < per_device for size in sizes), sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +232,43 @@ def test_small_pool_runs_more_live_rows_than_dense_in_the_same_memory(params):
   assert stream.scheduler.all_pages_free
 
 
+def test_live_batch_follows_the_live_rows_down_the_tail(params):
+  """Once the queue is empty the decode calls run ever smaller live batches (and narrower page
+  tables) as the long tail's rows finish; the outputs are those of calls that always run every
+  slot at the full width, and each program compiles once."""
+  config = rollout.EngineConfig(
+    num_slots=16,
+    prompt_buckets=(8,),
+    max_new_tokens=24,
+    page_size=4,
+    decode_chunk=4,
+    prefill_batch_sizes=(1, 4, 16),
+  )
+  lengths = tail_lengths(32, mean=5.0, max_len=24, tail_fraction=0.1, tail_ratio=6.0, seed=1)
+  prompts = _prompts(10, [int(n) for n in np.random.default_rng(5).integers(2, 9, 32)])
+  settings = [
+    rollout.SamplingParams(temperature=1.0, max_new_tokens=int(n), stop_token_ids=())
+    for n in lengths
+  ]
+  shrinking = rollout.Engine.for_role(CONFIG, config, _role([2]), params)
+  fixed = rollout.Engine.for_role(CONFIG, config, _role([3]), params)
+  fixed.paged.batch_sizes, fixed.paged.widths = (16,), (fixed.paged.width,)
+  got = shrinking.generate(prompts, sampling=settings, seed=4)
+  want = fixed.generate(prompts, sampling=settings, seed=4)
+  _assert_same(got, want)
+  assert shrinking.paged.batch_sizes == (16, 8, 4, 2, 1)
+  assert set(want.decode_steps_by_batch) == {16}
+  steps = got.decode_steps_by_batch
+  assert min(steps) <= 2 and steps[min(steps)] > 0, steps  # the last rows decode alone
+  assert sum(steps.values()) == want.decode_steps_by_batch[16]  # the same steps, fewer rows
+  assert sum(n * k for k, n in steps.items()) < 16 * want.decode_steps_by_batch[16] / 2
+  assert shrinking.compilations["generate_steps"] <= len(shrinking.paged._generate_steps)
+  before = dict(shrinking.compilations)
+  again = shrinking.generate(prompts, sampling=settings, seed=4)
+  _assert_same(again, got)
+  assert shrinking.compilations == before
+
+
 def test_preemption_recomputes_and_keeps_greedy_tokens(params, dense):
   """A pool of one full row plus 2 pages: running rows outgrow it, the youngest are evicted,
   re-prefilled with the tokens they had and continue as if never stopped."""
@@ -246,15 +286,20 @@ def test_preemption_recomputes_and_keeps_greedy_tokens(params, dense):
     np.testing.assert_allclose(g.logprobs, want.logprobs[g.indices], atol=ATOL, rtol=0)
   assert stream.scheduler.all_pages_free
   # A 16-token prompt + its tokens outgrew the prompt buckets: re-prefilled in one bucket of
-  # the cache length, a third prefill shape; still one decode program.
-  assert engine.compilations["prefill"] == 3 and engine.compilations["generate_steps"] == 1
+  # the cache length, a third prefill shape; the decode programs are the live-batch sizes and
+  # widths the stream used, each compiled once (at most all of them).
+  assert engine.compilations["prefill"] == 3
+  assert 1 < engine.compilations["generate_steps"] <= len(engine.paged._generate_steps)
 
 
 def test_every_page_is_returned_and_programs_compile_once(paged, dense):
   prompts = _prompts(6)
   settings = _settings(dense, prompts, temperature=1.0)
   before = paged.warmup()
-  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, "generate_steps": 1}
+  # Live batches of 4, 2 and 1 slots, page tables of 6 and 3 pages (16 + 8 tokens in pages of
+  # 4; the floor: an 8-token bucket and a 3-step chunk).
+  assert paged.paged.batch_sizes == (4, 2, 1) and paged.paged.widths == (6, 3)
+  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, "generate_steps": 6}
   for seed in range(2):
     stream, _ = _stream(paged, prompts, sampling=settings, seed=seed, min_yield=1)
     assert stream.scheduler.all_pages_free
@@ -400,8 +445,11 @@ def test_page_pool_counts_references():
     pool.alloc(4)
 
 
-def test_decode_call_writes_the_pool_in_place():
-  """Like tests/test_decode_cache.py for the pool: donated, aliased, never copied whole."""
+@pytest.mark.parametrize("live", [None, (2, 16)], ids=["all_slots", "live_batch"])
+def test_decode_call_writes_the_pool_in_place(live):
+  """Like tests/test_decode_cache.py for the pool: donated, aliased, never copied whole (also
+  by a live batch of half the slots and half the table width, whose rows are gathered from the
+  state and scattered back)."""
   layers, b, length, e = 5, 4, 512, 16
   w = length // e
   pages = b * w + 1
@@ -422,8 +470,12 @@ def test_decode_call_writes_the_pool_in_place():
     )
   )
   plan = jax.eval_shape(lambda: paged_decode.idle_plan(table, 1, 4, np.int32(1)))
-  step = jax.jit(functools.partial(paged_decode.generate_steps, cfg, "gather"), donate_argnums=1)
-  compiled = step.lower(models.abstract_params(cfg, "lm"), state, plan).compile(
+  size, width = live or (b, w)
+  step = jax.jit(
+    functools.partial(paged_decode.generate_steps, cfg, "gather", width=width), donate_argnums=1
+  )
+  slots = jax.ShapeDtypeStruct((size,), jnp.int32)
+  compiled = step.lower(models.abstract_params(cfg, "lm"), state, plan, slots).compile(
     compiler_options={"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
   )
   pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache))

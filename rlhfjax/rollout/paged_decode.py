@@ -125,6 +125,9 @@ class Plan:
   """Return once this many slots are free and no queued request is left to take them."""
   until_finished: jax.Array
   """Return once this many requests finished during the call."""
+  shrink: jax.Array
+  """Return once the live rows fit a live batch half the call's size (in every replica), so
+  that the next call runs the smaller program (the host sets it when nothing waits)."""
 
 
 @jax.tree_util.register_dataclass
@@ -205,6 +208,7 @@ def logical_axes() -> tuple[PagedState, Queue, Plan, Requests, Prefix]:
     max_steps=scalar,
     until_free=scalar,
     until_finished=scalar,
+    shrink=scalar,
   )
   requests = Requests(
     **{f.name: row for f in dataclasses.fields(Requests)} | dict(tokens_bp=row2, stop_bm=row2)
@@ -270,7 +274,7 @@ def slot_tokens(state: PagedState) -> jax.Array:
 
 def idle_plan(table_bw: np.ndarray, replicas: int, max_stop_tokens: int, limit: np.ndarray) -> Plan:
   """A plan with page tables `table_bw`, an empty queue (of the `2 * b` entries every plan
-  has), no eviction and every limit `limit`, as host arrays."""
+  has), no eviction, every limit `limit` and no shrinking, as host arrays."""
   b, w = table_bw.shape
   q = 2 * b
   ints = lambda *shape: np.zeros(shape, np.int32)
@@ -291,6 +295,7 @@ def idle_plan(table_bw: np.ndarray, replicas: int, max_stop_tokens: int, limit: 
     max_steps=limit,
     until_free=limit,
     until_finished=limit,
+    shrink=np.zeros((), bool),
   )
 
 
@@ -570,29 +575,103 @@ def decode_step(
   return state, jnp.sum(newly_done_b).astype(jnp.int32)
 
 
+_SLOT_FIELDS = tuple(
+  f.name for f in dataclasses.fields(PagedState) if f.name.endswith(("_b", "_bm", "_bw", "_bx"))
+)
+"""The fields of `PagedState` with one row per decode slot."""
+
+
+def _live_batch(state: PagedState, slots_s: jax.Array, width: int) -> PagedState:
+  """The state of the `s` slots `slots_s` (slot ids local to their replica, `s / d` per
+  replica, replica-major) with page tables `width` wide: their rows of the per-slot fields,
+  gathered within each replica; the pools and output rows are the same arrays."""
+  replicas = state.taken_d.shape[0]
+  slots_dc = _by_replica(slots_s, replicas)
+  take = lambda x: _flat(jax.vmap(lambda x_c, i_c: x_c[i_c])(_by_replica(x, replicas), slots_dc))
+  rows = {name: take(getattr(state, name)) for name in _SLOT_FIELDS}
+  rows["table_bw"] = rows["table_bw"][:, :width]
+  return dataclasses.replace(state, **rows)
+
+
+def _scatter_back(full: PagedState, live: PagedState, slots_s: jax.Array) -> PagedState:
+  """`full` with the live batch's rows written back to their slots (page tables zero past the
+  live batch's width: the host sized it to cover every page a row holds) and the live batch's
+  pools, outputs and counters."""
+  replicas = full.taken_d.shape[0]
+  slots_dc = _by_replica(slots_s, replicas)
+  w = full.table_bw.shape[1]
+
+  def put(old, new):
+    if new.shape[1:] != old.shape[1:]:  # the page table
+      new = jnp.pad(new, ((0, 0), (0, w - new.shape[1])))
+    one = lambda o_c, i_c, n_c: o_c.at[i_c].set(n_c)
+    return _flat(jax.vmap(one)(_by_replica(old, replicas), slots_dc, _by_replica(new, replicas)))
+
+  rows = {name: put(getattr(full, name), getattr(live, name)) for name in _SLOT_FIELDS}
+  return dataclasses.replace(live, **rows)
+
+
+def _fits_half(state: PagedState) -> jax.Array:
+  """True when every replica's live rows fit half its rows of the batch (False when half the
+  batch is no live-batch size: an odd number of rows per replica)."""
+  replicas = state.taken_d.shape[0]
+  per = state.num_slots // replicas
+  if per % 2:
+    return jnp.zeros((), bool)
+  live_d = jnp.sum(~_by_replica(state.done_b, replicas), axis=1)
+  return jnp.max(live_d) <= per // 2
+
+
 def generate_steps(
-  config: ModelConfig, kernel: str, params: Any, state: PagedState, plan: Plan
+  config: ModelConfig,
+  kernel: str,
+  params: Any,
+  state: PagedState,
+  plan: Plan,
+  slots_s: jax.Array | None = None,
+  *,
+  width: int | None = None,
 ) -> tuple[PagedState, jax.Array]:
   """Applies `plan`, then decode steps with on-device refill until `plan.max_steps` ran, at
-  least `plan.until_free` slots are free with nothing queued for them, or
-  `plan.until_finished` requests finished. Returns the state and the number of steps."""
-  state = _refill(_begin(state, plan), plan)
+  least `plan.until_free` slots are free with nothing queued for them, `plan.until_finished`
+  requests finished, or (with `plan.shrink`) the live rows fit half the live batch. Returns
+  the state and the number of steps.
+
+  The steps run on the live batch `slots_s` (local slot ids, replica-major; None: every slot)
+  with page tables `width` wide (None: the full width): a step costs its rows and its table
+  width, not the engine's. The host picks slots holding every live row and room for the
+  queued requests, and a width covering every page those rows and the queue's hold."""
+  b, w = state.num_slots, state.table_bw.shape[1]
+  full = _begin(state, plan)
+  if slots_s is None:
+    replicas = full.taken_d.shape[0]
+    slots_s = jnp.tile(jnp.arange(b // replicas, dtype=jnp.int32), replicas)
+  width = w if width is None else width
+  narrow = lambda table: table[:, :width]
+  plan = dataclasses.replace(
+    plan,
+    table_bw=narrow(plan.table_bw),
+    queue=dataclasses.replace(plan.queue, table_qw=narrow(plan.queue.table_qw)),
+  )
+  live = _refill(_live_batch(full, slots_s, width), plan)
+  idle = b - slots_s.shape[0]  # slots outside the live batch: free
 
   def cond(carry):
     step, finished, st = carry
     return (
       (step < plan.max_steps)
-      & (jnp.sum(st.done_b) < plan.until_free)
+      & (jnp.sum(st.done_b) + idle < plan.until_free)
       & (finished < plan.until_finished)
+      & ~(plan.shrink & _fits_half(st))
     )
 
   def body(carry):
     step, finished, st = carry
-    live = jnp.sum(~st.done_b).astype(jnp.int32)
-    st = dataclasses.replace(st, live_max=jnp.maximum(st.live_max, live))
+    count = jnp.sum(~st.done_b).astype(jnp.int32)
+    st = dataclasses.replace(st, live_max=jnp.maximum(st.live_max, count))
     st, newly = decode_step(config, kernel, params, st)
     return step + 1, finished + newly, _refill(st, plan)
 
   zero = jnp.zeros((), jnp.int32)
-  steps, _, state = jax.lax.while_loop(cond, body, (zero, zero, state))
-  return state, steps
+  steps, _, live = jax.lax.while_loop(cond, body, (zero, zero, live))
+  return _scatter_back(full, live, slots_s), steps

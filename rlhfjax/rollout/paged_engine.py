@@ -4,10 +4,13 @@
 `rlhfjax.rollout.paged_decode`'s, the scheduling `rlhfjax.rollout.paging`'s.
 
 Compiled programs, each jitted once with explicit shardings (the same names as the dense
-engine's): `prefill` and `insert` per (prefill batch size, bucket), one `generate_steps` and
-one `init_decode_state`. Page tables, queues and limits are data. A preempted request that has
-generated tokens re-prefills prompt + tokens: in its prompt bucket when they fit, else in one
-bucket of `cache_length` tokens, compiled on first use.
+engine's): `prefill` and `insert` per (prefill batch size, bucket), one `init_decode_state`
+and one `generate_steps` per (live-batch size, page-table width): a decode call runs only the
+slots the host names (its live rows and room for its queue; `paging.live_batch_sizes`) with
+page tables as wide as their pages (`paging.table_widths`), so a step costs the live rows and
+their lengths, not the engine's slots and capacity. Page tables, queues and limits are data.
+A preempted request that has generated tokens re-prefills prompt + tokens: in its prompt bucket
+when they fit, else in one bucket of `cache_length` tokens, compiled on first use.
 
 Every host transfer (an upload with `jax.device_put`, a read with `to_host`) is counted on the
 engine (`Engine.host_transfers`), one per call.
@@ -93,19 +96,34 @@ class PagedPrograms:
     self._init_state = jax.jit(
       traces.wrap("init_decode_state", self._empty_state), out_shardings=self.state_shardings
     )
-    self._generate_steps = jax.jit(
-      traces.wrap(
-        "generate_steps",
-        rules.constrained(
-          functools.partial(paged_decode.generate_steps, model, self.kernel),
-          Layout.GENERATION,
-          mesh,
-        ),
-      ),
-      in_shardings=(engine.param_shardings, self.state_shardings, self.plan_shardings),
-      out_shardings=(self.state_shardings, self._replicated),
-      donate_argnums=1,
+    self.batch_sizes = paging.live_batch_sizes(cfg.num_slots, self.replicas)
+    self.widths = paging.table_widths(w, self._width_floor())
+    self._slots_sharding = rules.named_shardings(
+      ("batch",), jax.ShapeDtypeStruct((self.replicas,), np.int32), mesh, Layout.GENERATION
     )
+    self._generate_steps = {
+      (size, width): jax.jit(
+        traces.wrap(
+          "generate_steps",
+          rules.constrained(
+            functools.partial(paged_decode.generate_steps, model, self.kernel, width=width),
+            Layout.GENERATION,
+            mesh,
+          ),
+        ),
+        in_shardings=(
+          engine.param_shardings,
+          self.state_shardings,
+          self.plan_shardings,
+          self._slots_sharding,
+        ),
+        out_shardings=(self.state_shardings, self._replicated),
+        donate_argnums=1,
+      )
+      for size in self.batch_sizes
+      for width in self.widths
+    }
+    """The decode programs by (live-batch size, page-table width)."""
     self._prefill, self._insert = {}, {}
     self.requests_shardings, self.prefix_shardings = {}, {}
     p = cfg.prompt_buckets[-1]
@@ -143,6 +161,12 @@ class PagedPrograms:
         donate_argnums=1,
       )
     self._slot_plan: Plan | None = None
+
+  def _width_floor(self) -> int:
+    """The narrowest page table compiled: the pages of a smallest-bucket prompt and one
+    decode chunk (narrower tables would save little and add programs)."""
+    cfg = self._engine.config
+    return self._pages_of(cfg.prompt_buckets[0] + min(cfg.decode_chunk, cfg.max_new_tokens))
 
   def _empty_state(self) -> PagedState:
     cfg = self._engine.config
@@ -232,18 +256,32 @@ class PagedPrograms:
   ) -> tuple[PagedState, jax.Array]:
     if self._slot_plan is None:
       self._slot_plan = self._put(self._host_plan(np.int32(0)), self.plan_shardings)
-    limits = self._put(
-      (np.int32(max_steps), np.int32(until_free), np.int32(paging._NEVER)), self._replicated
+    return self._slot_call(params, state, max_steps, until_free, self.batch_sizes[0], self.width)
+
+  def _slot_call(
+    self, params: Any, state: PagedState, max_steps: int, until_free: int, size: int, width: int
+  ) -> tuple[PagedState, jax.Array]:
+    """A decode call with the slot API's plan on the live batch of the first `size` slots."""
+    if self._slot_plan is None:
+      self._slot_plan = self._put(self._host_plan(np.int32(0)), self.plan_shardings)
+    slots = np.tile(np.arange(size // self.replicas, dtype=np.int32), self.replicas)
+    limits, slots = self._put(
+      (
+        (np.int32(max_steps), np.int32(until_free), np.int32(paging._NEVER)),
+        slots,
+      ),
+      (self._replicated, self._slots_sharding),
     )
     plan = Plan(
       **{
-        name: getattr(self._slot_plan, name) for name in ("table_bw", "evict_b", "count_d", "queue")
+        name: getattr(self._slot_plan, name)
+        for name in ("table_bw", "evict_b", "count_d", "queue", "shrink")
       },
       max_steps=limits[0],
       until_free=limits[1],
       until_finished=limits[2],
     )
-    return self._generate_steps(params, state, plan)
+    return self._generate_steps[size, width](params, state, plan, slots)
 
   def read_slots(self, state: PagedState) -> dict[str, np.ndarray]:
     got = self._read(
@@ -323,8 +361,10 @@ class PagedPrograms:
       max_steps=np.int32(round_.max_steps),
       until_free=np.int32(round_.until_free),
       until_finished=np.int32(round_.until_finished),
+      shrink=np.bool_(round_.shrink),
     )
-    return self._generate_steps(params, state, self._put(host, self.plan_shardings))
+    plan, slots = self._put((host, round_.slots_s), (self.plan_shardings, self._slots_sharding))
+    return self._generate_steps[len(round_.slots_s), round_.width](params, state, plan, slots)
 
   def read_round(self, state: PagedState, steps: jax.Array) -> dict[str, np.ndarray]:
     """What the scheduler needs of a decode call's results, and its step count (one read)."""
@@ -342,12 +382,14 @@ class PagedPrograms:
     return self._read({name: getattr(state, name) for name in names} | {"steps": steps})
 
   def warmup(self, params: Any) -> None:
-    """Compiles every prefill and insert (writing only the reserved pages) and the decode loop."""
+    """Compiles every prefill and insert (writing only the reserved pages) and every decode
+    program (zero steps)."""
     cfg = self._engine.config
     state = self.init_state()
     for rows in cfg.prefill_batch_sizes:
       for bucket in cfg.prompt_buckets:
         item = paging.PrefillItem(tokens=np.zeros(bucket, np.int32), pages=[], replica=0)
         state = self.prefill_pages(params, state, [item] * rows)
-    state, _ = self.generate_steps(params, state, 0, cfg.num_slots)
+    for size, width in self._generate_steps:
+      state, _ = self._slot_call(params, state, 0, cfg.num_slots, size, width)
     jax.block_until_ready(state)

@@ -78,6 +78,26 @@ class PagePool:
         self._free.append(p)
 
 
+def live_batch_sizes(num_slots: int, replicas: int) -> tuple[int, ...]:
+  """Live-batch sizes a decode call may run, largest first: `num_slots`, then halves while
+  each replica keeps a whole number of rows (`rlhfjax.rollout.compaction.allowed_sizes`, kept
+  to multiples of the 'data' axis)."""
+  sizes, m = [num_slots], num_slots
+  while m % 2 == 0 and (m // 2) % replicas == 0:
+    m //= 2
+    sizes.append(m)
+  return tuple(sizes)
+
+
+def table_widths(width: int, floor: int) -> tuple[int, ...]:
+  """Page-table widths a decode call may run, largest first: `width`, then halves (rounded up)
+  while they stay at least `floor` pages."""
+  widths = [width]
+  while -(-widths[-1] // 2) >= max(floor, 1) and widths[-1] > 1:
+    widths.append(-(-widths[-1] // 2))
+  return tuple(widths)
+
+
 def slot_pages(num_slots: int, replicas: int, pages: int, width: int) -> np.ndarray:
   """`[b, w]` page tables giving slot `j` of a replica pages `1 + j*w ... (j+1)*w` (0 where the
   pool is too small): the fixed layout of the slot API, a dense cache's memory in pages."""
@@ -158,6 +178,14 @@ class Round:
   max_steps: int
   until_free: int
   until_finished: int
+  shrink: bool
+  """Return once the live rows fit half of `slots_s` (nothing waits to take the room, and half
+  is a live-batch size: the sizes halve down to the smallest)."""
+  slots_s: np.ndarray
+  """The live batch: slot ids local to their replica, `len / replicas` per replica,
+  replica-major; the running slots first, then free ones for the queued requests."""
+  width: int
+  """Page-table width of the call: covers every page a running or queued request holds."""
 
 
 @dataclasses.dataclass
@@ -187,6 +215,8 @@ class Scheduler:
     share_prefixes: bool,
     min_yield: int,
     chunked: bool = False,
+    batch_sizes: Sequence[int] | None = None,
+    widths: Sequence[int] | None = None,
   ):
     """Args:
     prompts: Token ids of each request.
@@ -200,6 +230,8 @@ class Scheduler:
     min_yield: Once nothing waits, a call returns when this many more requests finished.
     chunked: Keep every call at most `decode_chunk` steps, also once nothing waits (the
       caller may swap weights between calls).
+    batch_sizes: Live-batch sizes over all replicas (`live_batch_sizes`); None: all slots.
+    widths: Page-table widths (`table_widths`); None: `width` only.
     """
     self._settings = settings
     self._seed = seed
@@ -210,6 +242,8 @@ class Scheduler:
     self._chunked = chunked
     self._share = share_prefixes
     self._min_yield = min_yield
+    self._sizes = sorted(batch_sizes or [replicas * slots])
+    self._widths = sorted(widths or [width])
     self.requests = [
       Request(index=i, prompt=np.asarray(p, np.int32), max_new=int(settings["max_new_b"][i]))
       for i, p in enumerate(prompts)
@@ -435,6 +469,7 @@ class Scheduler:
       max(0, sum(r is None for r in self.slot_of[d]) - len(self.queued[d])) for d in range(d_all)
     )
     pending = bool(self.pending)
+    slots_s, width = self._live_batch()
     return Round(
       prefills=prefills,
       table_bw=table,
@@ -444,7 +479,27 @@ class Scheduler:
       max_steps=horizon,
       until_free=min(idle + 1, b) if pending else b,
       until_finished=_NEVER if pending else self._min_yield,
+      shrink=not pending and len(slots_s) > self._sizes[0],
+      slots_s=slots_s,
+      width=width,
     )
+
+  def _live_batch(self) -> tuple[np.ndarray, int]:
+    """The smallest live batch holding, in every replica, its running requests and those
+    queued for the call, and the narrowest table width covering all their pages."""
+    admitted = [self._admitted(d) for d in range(self.replicas)]
+    most = max(len(a) for a in admitted)
+    per = min(
+      (s // self.replicas for s in self._sizes if s // self.replicas >= most), default=self.slots
+    )
+    slots_s = []
+    for d in range(self.replicas):
+      running = [j for j, r in enumerate(self.slot_of[d]) if r is not None]
+      free = [j for j, r in enumerate(self.slot_of[d]) if r is None]
+      slots_s += (running + free)[:per]
+    pages = max((len(r.table) for a in admitted for r in a), default=0)
+    width = min(w for w in self._widths if w >= pages)
+    return np.asarray(slots_s, np.int32), width
 
   def finish(
     self,

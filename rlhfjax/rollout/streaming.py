@@ -22,7 +22,10 @@ before each decode call it reserves pages for the running requests (preempting t
 when the pool runs short), admits waiting prompts while pages and queue room allow (identical
 prompts prefilled once, sharing their pages) and hands the decode call a queue of prefilled
 requests, which take slots on device as others finish; after the call the finished requests
-come out and their pages go back to the pool.
+come out and their pages go back to the pool. Each call decodes only a live batch, the
+smallest allowed size holding the running and queued requests, with page tables as wide as
+their pages; once nothing waits, a call returns when its live rows fit half its batch, so the
+tail decodes ever smaller batches (the paged counterpart of tail compaction).
 
 Each generated token records the version of the weights that sampled it
 (`Engine.params_version` at the decode call, or the prefill, that produced it): weights
@@ -88,7 +91,8 @@ class StreamStats:
   preemptions: int = 0
   """Requests evicted for lack of pages (recomputed later)."""
   decode_steps_by_batch: dict[int, int] = dataclasses.field(default_factory=dict)
-  """Decode steps run at each decode batch size (the full batch, then compacted sizes)."""
+  """Decode steps run at each decode batch size (the full batch, then compacted sizes; the
+  paged engine: its live-batch sizes)."""
   compactions: list[int] = dataclasses.field(default_factory=list)
   """The sizes the decode batch shrank to, in order."""
 
@@ -261,6 +265,8 @@ class RolloutStream:
       share_prefixes=cfg.share_prefixes,
       min_yield=self._min_yield,
       chunked=self._on_decode_call is not None,
+      batch_sizes=paged.batch_sizes,
+      widths=paged.widths,
     )
     state = engine.init_decode_state()
     while (round_ := sched.plan()) is not None:
@@ -278,9 +284,10 @@ class RolloutStream:
       state, steps = paged.decode(params, state, round_)
       got = paged.read_round(state, steps)
       stats.decode_calls += 1
-      stats.decode_steps_by_batch[cfg.num_slots] = stats.decode_steps_by_batch.get(
-        cfg.num_slots, 0
-      ) + int(got.pop("steps"))
+      size, steps = len(round_.slots_s), int(got.pop("steps"))
+      if steps == 0:  # (the next call would plan the same: no progress)
+        raise RuntimeError(f"a decode call of a live batch of {size} slots ran no step")
+      stats.decode_steps_by_batch[size] = stats.decode_steps_by_batch.get(size, 0) + steps
       stats.max_live = max(stats.max_live, int(got.pop("live_max")))
       done = sched.finish(**got, version=version)
       counters = sched.counters
