@@ -125,9 +125,10 @@ class Plan:
   """Return once this many slots are free and no queued request is left to take them."""
   until_finished: jax.Array
   """Return once this many requests finished during the call."""
-  shrink: jax.Array
-  """Return once the live rows fit a live batch half the call's size (in every replica), so
-  that the next call runs the smaller program (the host sets it when nothing waits)."""
+  shrink_after: jax.Array
+  """Return once the live rows fit a live batch half the call's size (in every replica) and
+  one of them may still run this many steps, so that the next call runs the smaller program
+  (the host sets a decode chunk when nothing waits, else never: a return is a round trip)."""
 
 
 @jax.tree_util.register_dataclass
@@ -208,7 +209,7 @@ def logical_axes() -> tuple[PagedState, Queue, Plan, Requests, Prefix]:
     max_steps=scalar,
     until_free=scalar,
     until_finished=scalar,
-    shrink=scalar,
+    shrink_after=scalar,
   )
   requests = Requests(
     **{f.name: row for f in dataclasses.fields(Requests)} | dict(tokens_bp=row2, stop_bm=row2)
@@ -274,7 +275,7 @@ def slot_tokens(state: PagedState) -> jax.Array:
 
 def idle_plan(table_bw: np.ndarray, replicas: int, max_stop_tokens: int, limit: np.ndarray) -> Plan:
   """A plan with page tables `table_bw`, an empty queue (of the `2 * b` entries every plan
-  has), no eviction, every limit `limit` and no shrinking, as host arrays."""
+  has), no eviction, every limit `limit` and no return to shrink, as host arrays."""
   b, w = table_bw.shape
   q = 2 * b
   ints = lambda *shape: np.zeros(shape, np.int32)
@@ -295,7 +296,7 @@ def idle_plan(table_bw: np.ndarray, replicas: int, max_stop_tokens: int, limit: 
     max_steps=limit,
     until_free=limit,
     until_finished=limit,
-    shrink=np.zeros((), bool),
+    shrink_after=np.int32(np.iinfo(np.int32).max),
   )
 
 
@@ -611,15 +612,18 @@ def _scatter_back(full: PagedState, live: PagedState, slots_s: jax.Array) -> Pag
   return dataclasses.replace(live, **rows)
 
 
-def _fits_half(state: PagedState) -> jax.Array:
-  """True when every replica's live rows fit half its rows of the batch (False when half the
-  batch is no live-batch size: an odd number of rows per replica)."""
+def _worth_halving(state: PagedState, after: jax.Array) -> jax.Array:
+  """True when every replica's live rows fit half its rows of the batch and one of them may
+  still run `after` steps (False when half the batch is no live-batch size: an odd number of
+  rows per replica)."""
   replicas = state.taken_d.shape[0]
   per = state.num_slots // replicas
   if per % 2:
     return jnp.zeros((), bool)
-  live_d = jnp.sum(~_by_replica(state.done_b, replicas), axis=1)
-  return jnp.max(live_d) <= per // 2
+  live_b = ~state.done_b
+  live_d = jnp.sum(_by_replica(live_b, replicas), axis=1)
+  left = jnp.max(jnp.where(live_b, state.max_new_b - state.num_generated_b, 0))
+  return (jnp.max(live_d) <= per // 2) & (left >= after)
 
 
 def generate_steps(
@@ -634,8 +638,8 @@ def generate_steps(
 ) -> tuple[PagedState, jax.Array]:
   """Applies `plan`, then decode steps with on-device refill until `plan.max_steps` ran, at
   least `plan.until_free` slots are free with nothing queued for them, `plan.until_finished`
-  requests finished, or (with `plan.shrink`) the live rows fit half the live batch. Returns
-  the state and the number of steps.
+  requests finished, or the live rows fit half the live batch with `plan.shrink_after` steps
+  still to run. Returns the state and the number of steps.
 
   The steps run on the live batch `slots_s` (local slot ids, replica-major; None: every slot)
   with page tables `width` wide (None: the full width): a step costs its rows and its table
@@ -662,7 +666,7 @@ def generate_steps(
       (step < plan.max_steps)
       & (jnp.sum(st.done_b) + idle < plan.until_free)
       & (finished < plan.until_finished)
-      & ~(plan.shrink & _fits_half(st))
+      & ~_worth_halving(st, plan.shrink_after)
     )
 
   def body(carry):

@@ -275,7 +275,7 @@ class PagedPrograms:
     plan = Plan(
       **{
         name: getattr(self._slot_plan, name)
-        for name in ("table_bw", "evict_b", "count_d", "queue", "shrink")
+        for name in ("table_bw", "evict_b", "count_d", "queue", "shrink_after")
       },
       max_steps=limits[0],
       until_free=limits[1],
@@ -361,7 +361,7 @@ class PagedPrograms:
       max_steps=np.int32(round_.max_steps),
       until_free=np.int32(round_.until_free),
       until_finished=np.int32(round_.until_finished),
-      shrink=np.bool_(round_.shrink),
+      shrink_after=np.int32(round_.shrink_after),
     )
     plan, slots = self._put((host, round_.slots_s), (self.plan_shardings, self._slots_sharding))
     return self._generate_steps[len(round_.slots_s), round_.width](params, state, plan, slots)

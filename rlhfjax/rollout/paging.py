@@ -178,9 +178,10 @@ class Round:
   max_steps: int
   until_free: int
   until_finished: int
-  shrink: bool
-  """Return once the live rows fit half of `slots_s` (nothing waits to take the room, and half
-  is a live-batch size: the sizes halve down to the smallest)."""
+  shrink_after: int
+  """Return once the live rows fit half of `slots_s` and may run this many more steps:
+  `decode_chunk` when nothing waits to take the room and half is a live-batch size, else
+  never. (A return costs a round trip; a smaller batch saves half the rows of the steps left.)"""
   slots_s: np.ndarray
   """The live batch: slot ids local to their replica, `len / replicas` per replica,
   replica-major; the running slots first, then free ones for the queued requests."""
@@ -479,7 +480,7 @@ class Scheduler:
       max_steps=horizon,
       until_free=min(idle + 1, b) if pending else b,
       until_finished=_NEVER if pending else self._min_yield,
-      shrink=not pending and len(slots_s) > self._sizes[0],
+      shrink_after=self._chunk if not pending and len(slots_s) > self._sizes[0] else _NEVER,
       slots_s=slots_s,
       width=width,
     )
