@@ -97,8 +97,8 @@ def test_compacted_tail_gives_the_same_tokens_and_logprobs_and_compiles_once_per
   # Request 3 (13 tokens: 12 decode steps after the dense prefill's first token; 13 in the
   # paged engine, whose first decode step samples it) starts at step 0 and is the last to end;
   # request 6 (11 tokens) ends 2 steps before it, so request 3 runs its last 2 steps alone on 1
-  # slot.
-  assert want.decode_steps_by_batch == {8: 13}
+  # slot. (The paged reference's live batch shrinks too, on its own mesh, as rows finish.)
+  assert sum(want.decode_steps_by_batch.values()) == 13 and 8 in want.decode_steps_by_batch
   assert sum(got.decode_steps_by_batch.values()) == 12
   assert got.decode_steps_by_batch[1] == 2 and set(got.decode_steps_by_batch) == {8, 4, 2, 1}
   streamed = rollout.RolloutStream(compacting, prompts, sampling=SAMPLING, seed=3)
@@ -196,7 +196,7 @@ def test_score_stream_rejects_a_stream_that_repeats_or_misses_samples():
 
 
 def test_tail_threshold_is_validated():
-  assert config.RolloutSection(tail_threshold=0.25).tail_threshold == 0.25
+  assert config.RolloutSection(tail_threshold=0.25, paged=False).tail_threshold == 0.25
   for bad in (1.0, -0.1):
     with pytest.raises(ValueError, match=r"'rollout.tail_threshold' must be in \[0, 1\)"):
       config.RolloutSection(tail_threshold=bad)
