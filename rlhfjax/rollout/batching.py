@@ -2,8 +2,9 @@
 
 It consumes the stream of `rlhfjax.rollout.streaming` (prompts served through the engine's
 decode slots, refilled as sequences finish) and puts the responses back in input order. One
-short response never waits for the longest in its batch, and the device runs one program
-(`generate_steps`) whatever the mix of lengths.
+short response never waits for the longest in its batch, and the device runs the same
+programs (`generate_steps`: the dense engine's one, the paged engine's per live-batch size and
+table width) whatever the mix of lengths.
 """
 
 from __future__ import annotations

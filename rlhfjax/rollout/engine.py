@@ -15,8 +15,9 @@ batching over this API, see `rlhfjax.rollout.batching`) is the call most users w
 
 Compiled programs, each jitted once with explicit in/out shardings on the engine's mesh:
 `prefill` per (prefill batch size, prompt bucket), `insert` per (prefill batch size, bucket),
-one `generate_steps` and one `init_decode_state`. Sampling settings, seeds, stop ids and token
-limits are data, so they never recompile; neither does `update_params`.
+one `generate_steps` (the paged engine: one per live-batch size and page-table width, see
+`rlhfjax.rollout.paged_engine`) and one `init_decode_state`. Sampling settings, seeds, stop ids
+and token limits are data, so they never recompile; neither does `update_params`.
 
 Layout: the generation rules of `rlhfjax.mesh.rules` (tensor parallel over heads, KV heads,
 MLP and vocab; decode slots over 'data'). Prefill batches smaller than the 'data' axis are
