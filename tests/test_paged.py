@@ -34,6 +34,11 @@ LENGTHS = (1, 2, 3, 5, 8, 9, 12, 15, 16, 4, 7)  # a 1-token prompt to a full buc
 ATOL = 1e-5
 
 
+def _decode_programs(engine) -> dict[str, int]:
+  """Compilations of the paged decode loop, by program (one per live-batch size x width)."""
+  return {k: n for k, n in engine.compilations.items() if k.startswith("generate_steps")}
+
+
 def _role(devices, data=1, tensor=1):
   return RoleSpec.generation(devices, data=data, tensor=tensor)
 
@@ -262,7 +267,8 @@ def test_live_batch_follows_the_live_rows_down_the_tail(params):
   assert min(steps) <= 2 and steps[min(steps)] > 0, steps  # the last rows decode alone
   assert sum(steps.values()) == want.decode_steps_by_batch[16]  # the same steps, fewer rows
   assert sum(n * k for k, n in steps.items()) < 16 * want.decode_steps_by_batch[16] / 2
-  assert shrinking.compilations["generate_steps"] <= len(shrinking.paged._generate_steps)
+  decode = _decode_programs(shrinking)
+  assert set(decode.values()) == {1} and len(decode) <= len(shrinking.paged._generate_steps)
   before = dict(shrinking.compilations)
   again = shrinking.generate(prompts, sampling=settings, seed=4)
   _assert_same(again, got)
@@ -289,7 +295,8 @@ def test_preemption_recomputes_and_keeps_greedy_tokens(params, dense):
   # the cache length, a third prefill shape; the decode programs are the live-batch sizes and
   # widths the stream used, each compiled once (at most all of them).
   assert engine.compilations["prefill"] == 3
-  assert 1 < engine.compilations["generate_steps"] <= len(engine.paged._generate_steps)
+  decode = _decode_programs(engine)
+  assert set(decode.values()) == {1} and 1 < len(decode) <= len(engine.paged._generate_steps)
 
 
 def test_every_page_is_returned_and_programs_compile_once(paged, dense):
@@ -299,7 +306,9 @@ def test_every_page_is_returned_and_programs_compile_once(paged, dense):
   # Live batches of 4, 2 and 1 slots, page tables of 6 and 3 pages (16 + 8 tokens in pages of
   # 4; the floor: an 8-token bucket and a 3-step chunk).
   assert paged.paged.batch_sizes == (4, 2, 1) and paged.paged.widths == (6, 3)
-  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, "generate_steps": 6}
+  decode = _decode_programs(paged)
+  assert len(decode) == 6 and set(decode.values()) == {1}
+  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, **decode}
   for seed in range(2):
     stream, _ = _stream(paged, prompts, sampling=settings, seed=seed, min_yield=1)
     assert stream.scheduler.all_pages_free

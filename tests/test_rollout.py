@@ -289,10 +289,10 @@ def test_slot_api_prefill_insert_generate_and_reuse_a_finished_slot(params):
 def test_no_recompilation_across_calls_and_weight_updates(engine, params):
   prompts = _prompts(8)
   before = engine.warmup()  # every prefill batch size x bucket, and the decode loop
-  # The paged decode loop: one program per live-batch size x page-table width.
-  programs = len(engine.paged.batch_sizes) * len(engine.paged.widths)
-  assert programs > 1
-  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, "generate_steps": programs}
+  # The paged decode loop: one program per live-batch size x page-table width, each once.
+  decode = {k: n for k, n in before.items() if k.startswith("generate_steps")}
+  assert len(decode) == len(engine.paged.batch_sizes) * len(engine.paged.widths) > 1
+  assert before == {"init_decode_state": 1, "prefill": 4, "insert": 4, **dict.fromkeys(decode, 1)}
   compiles = []
   listener = lambda name, *_, **__: compiles.append(name)
   new_params = models.init_params(CONFIG, "lm", jax.random.key(2))

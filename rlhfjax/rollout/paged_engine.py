@@ -101,10 +101,15 @@ class PagedPrograms:
     self._slots_sharding = rules.named_shardings(
       ("batch",), jax.ShapeDtypeStruct((self.replicas,), np.int32), mesh, Layout.GENERATION
     )
+    full = (cfg.num_slots, w)
+
+    def name(size: int, width: int) -> str:  # one name per program: each compiles once
+      return "generate_steps" if (size, width) == full else f"generate_steps[{size}x{width}]"
+
     self._generate_steps = {
       (size, width): jax.jit(
         traces.wrap(
-          "generate_steps",
+          name(size, width),
           rules.constrained(
             functools.partial(paged_decode.generate_steps, model, self.kernel, width=width),
             Layout.GENERATION,
