@@ -112,14 +112,14 @@ def test_pending_prompts_and_rows_keep_their_records():
   records = [Record({"answer": str(i)}, f"f.jsonl:{i + 1}") for i in range(3)]
   batch = PromptBatch([[256, 49 + i] for i in range(3)], records).repeat(2)
   assert [r.origin for r in batch.records] == [f"f.jsonl:{i + 1}" for i in (0, 0, 1, 1, 2, 2)]
-  # A checkpoint's meta holds the async rollout's pending batch as JSON.
+  # A checkpoint's meta holds the batches generated ahead (async rollout) as JSON.
   flow = PPOFlow.__new__(PPOFlow)
-  flow.kl_state, flow.skipped_in_row, flow.pending_prompts = None, 0, batch
+  flow.kl_state, flow.skipped_in_row, flow.pending_prompts = None, 0, [batch]
   flow.kl_state = type("KL", (), {"coef": 0.5})()
   meta = json.loads(json.dumps(flow.meta()))
   flow.restore({}, meta)
-  assert flow.pending_prompts.tokens == batch.tokens
-  assert [(dict(r), r.origin) for r in flow.pending_prompts.records] == [
+  assert len(flow.pending_prompts) == 1 and flow.pending_prompts[0].tokens == batch.tokens
+  assert [(dict(r), r.origin) for r in flow.pending_prompts[0].records] == [
     (dict(r), r.origin) for r in batch.records
   ]
   # DAPO's dynamic sampling assembles a batch from rows of several: records follow their rows.
