@@ -58,6 +58,7 @@ from etils import epath
 
 from rlhfjax import errors
 from rlhfjax.config import CheckpointSection
+from rlhfjax.mesh import transfer
 
 COMMIT_MARKER = "commit_success.txt"
 _META, _FINGERPRINTS = "meta", "fingerprints"
@@ -186,12 +187,38 @@ def _fingerprints(tree: Any) -> dict[str, list[int]]:
   """{leaf name: [h1, h2]} of a pytree of arrays (all on one set of devices)."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   paths, leaves = [p for p, _ in flat], [x for _, x in flat]
-  hashes = _fingerprint_all(leaves) if leaves else []
-  # Fully replicated results: any addressable copy is the whole value, on every process.
-  return {
-    _leaf_name(p): [int(v) for v in np.asarray(h.addressable_data(0))]
-    for p, h in zip(paths, hashes, strict=True)
-  }
+  # Read on every process, also where the tree lives on other processes' devices.
+  hashes = transfer.to_host(_fingerprint_all(leaves)) if leaves else []
+  return {_leaf_name(p): [int(v) for v in h] for p, h in zip(paths, hashes, strict=True)}
+
+
+def _spanning_sharding(x: Any) -> jax.sharding.Sharding:
+  """Where a checkpoint holds leaf `x` (an array or abstract array) while it is written or read.
+
+  Its own sharding, unless the job has several processes and `x` lives on the devices of only
+  some of them: orbax writes and reads arrays that span every process (each writes its own
+  shards), so such a leaf is spread over every device of the job, split along its first
+  dimension that divides evenly (replicated if none does). A checkpoint is then read onto any
+  placement and any process layout, and moved from there to the roles' meshes.
+  """
+  sharding = x.sharding
+  if jax.process_count() == 1:
+    return sharding
+  if {d.process_index for d in sharding.device_set} == set(range(jax.process_count())):
+    return sharding
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.array(devices), ("checkpoint",))
+  dims = [None] * len(x.shape)
+  for d, n in enumerate(x.shape):
+    if n % len(devices) == 0:
+      dims[d] = "checkpoint"
+      break
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*dims))
+
+
+def _spanning(tree: Any) -> Any:
+  """`tree` with every leaf on `_spanning_sharding` (moved device to device where needed)."""
+  return transfer.transfer(tree, jax.tree.map(_spanning_sharding, tree))[0]
 
 
 # Finding checkpoints.
@@ -327,11 +354,15 @@ def _restore_item(item_dir: epath.Path, abstract: Any, fingerprints: Mapping[str
     raise CheckpointError(f"incompatible checkpoint: no item directory {item_dir}")
   _check_json_files(item_dir)
   _check_compatible(item_dir, abstract)
+  read_as = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_spanning_sharding(x)), abstract
+  )
   try:
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-      tree = checkpointer.restore(item_dir, args=ocp.args.StandardRestore(abstract))
+      tree = checkpointer.restore(item_dir, args=ocp.args.StandardRestore(read_as))
   except Exception as e:
     raise _corrupt(e, item_dir) from None
+  tree, _ = transfer.transfer(tree, jax.tree.map(lambda x: x.sharding, abstract), donate=True)
   for name, hashes in _fingerprints(tree).items():
     if fingerprints.get(name) != hashes:
       raise CheckpointError(
@@ -380,7 +411,7 @@ class Checkpointer:
     if not self.due(step, force=force):
       return False
     json.dumps(meta)  # fail here, not in a background thread
-    orbax_items = _orbax_items(items)
+    orbax_items = {name: _spanning(tree) for name, tree in _orbax_items(items).items()}
     args = {name: ocp.args.StandardSave(tree) for name, tree in orbax_items.items()}
     fingerprints = {name: _fingerprints(tree) for name, tree in orbax_items.items()}
     fingerprints[_META] = {"sha256": _meta_fingerprint(dict(meta))}

@@ -5,9 +5,11 @@ its backends; on CPU it also picks gloo collectives and the host devices each pr
 (two processes of 4 CPU devices on one machine behave as one job of 8 devices). Afterwards a
 global array can span devices that other processes own:
 
-- `to_host` reads arrays on the host, gathering the ones this process holds only part of;
 - `is_primary` says whether this process writes files (metrics, plots, checkpoint metadata);
-- `check_placement` rejects placements whose cross-mesh moves multi-process runs do not support.
+- `check_placement` rejects placements that leave a process without devices.
+
+Roles may live on any processes (`rlhfjax.mesh.transfer` moves arrays between them and reads
+them on the host).
 
 Every process must run the same computations in the same order on the same host data: seeds,
 prompts and host arrays are the same in every process by construction, and `jax.device_put` of
@@ -17,10 +19,12 @@ a NumPy array to a global sharding checks that they are.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
+import jax._src.distributed
 from jax.experimental import multihost_utils
 
 from rlhfjax import liveness
@@ -163,20 +167,32 @@ def primary_first(fn: Callable[[], T]) -> T:
   return out
 
 
-def to_host(tree: Any) -> Any:
-  """NumPy copies of a pytree of arrays, global ones included.
+_BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+"""How long a process waits for the others at a barrier: unbounded in practice. A process that
+died is noticed by the liveness watch (`distributed.peer_timeout_s`), not by this time-out."""
 
-  An array this process holds only part of (not fully addressable and not replicated) is
-  gathered from every process first: a collective, so every process must call this for the
-  same arrays in the same order. Other arrays are read locally.
+_barrier_lock = threading.Lock()
+_barrier_counts: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def wait_for(processes: Iterable[int], what: str) -> None:
+  """Waits until every process in `processes` has reached this point (a barrier through the
+  coordination service, which waits as long as it takes; this process must be one of them).
+
+  Called before a program whose collectives span processes: gloo gives the processes only 30
+  seconds to meet when it first connects a set of devices, and one process may reach a program
+  minutes before another (say, while that one still generates the batch it waits for). The
+  processes of `processes` must call this the same number of times with the same `what`.
   """
-
-  def gather(x):
-    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-      return multihost_utils.process_allgather(x, tiled=True)
-    return x
-
-  return jax.device_get(jax.tree.map(gather, tree))
+  ids = tuple(sorted(set(processes)))
+  if len(ids) < 2:
+    return
+  with _barrier_lock:
+    n = _barrier_counts.get((what, ids), 0)
+    _barrier_counts[what, ids] = n + 1
+  client = jax._src.distributed.global_state.client  # noqa: SLF001 - JAX has no public handle
+  client.wait_at_barrier(f"rlhfjax:{what}:{','.join(map(str, ids))}:{n}", _BARRIER_TIMEOUT_MS,
+                         list(ids))  # fmt: skip
 
 
 def _span(indices: tuple[int, ...]) -> str:
@@ -185,34 +201,22 @@ def _span(indices: tuple[int, ...]) -> str:
 
 
 def check_placement(spec: PlacementSpec, devices: list[jax.Device] | None = None) -> None:
-  """With more than one process: every role on the same devices, some of them in every process.
+  """With more than one process: every process owns some of the placement's devices.
 
-  Moves between different device sets (for example the weight sync of a disaggregated
-  placement) and the concurrent stages of disjoint device groups are not supported across
-  processes; meshes with different axes or layouts on the same devices are.
+  Roles may sit on any processes: a process runs the programs of the meshes holding its
+  devices (JAX skips the others), and arrays move between processes through
+  `rlhfjax.mesh.transfer`. A process owning none of the devices would only wait.
 
   Raises:
-    DistributedError: Naming the roles, their devices and the processes that own them.
+    DistributedError: Naming the processes left out and the devices used.
   """
   if jax.process_count() == 1:
     return
   devices = jax.devices() if devices is None else devices
-  owners = lambda indices: sorted({devices[i].process_index for i in indices})
-  by_devices: dict[frozenset[int], list[str]] = {}
-  for role, role_spec in spec.roles.items():
-    by_devices.setdefault(frozenset(role_spec.devices), []).append(str(role))
-  if len(by_devices) > 1:
-    groups = "; ".join(
-      f"{', '.join(roles)} on devices {_span(tuple(sorted(d)))} (processes {owners(d)})"
-      for d, roles in by_devices.items()
-    )
+  used = sorted({i for role_spec in spec.roles.values() for i in role_spec.devices})
+  owners = {devices[i].process_index for i in used}
+  if missing := sorted(set(range(jax.process_count())) - owners):
     raise DistributedError(
-      f"multi-process runs need every role on the same devices "
-      f"(placement.strategy='colocated'); placement {spec.strategy!r} has {groups}"
-    )
-  (indices,) = by_devices
-  if missing := sorted(set(range(jax.process_count())) - set(owners(indices))):
-    raise DistributedError(
-      f"processes {missing} own none of the placement's devices "
-      f"{_span(tuple(sorted(indices)))}; use all {len(devices)} devices of the job"
+      f"processes {missing} own none of the placement's devices {_span(tuple(used))}; "
+      f"use all {len(devices)} devices of the job"
     )

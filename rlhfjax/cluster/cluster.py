@@ -297,10 +297,8 @@ class Cluster:
 
   def fetch(self, tree: Any, name: str = "metrics") -> Any:
     """NumPy copies of (small) device arrays: a named host transfer."""
-    from rlhfjax import distributed
-
     with self.host(name):
-      return distributed.to_host(tree)
+      return transfer.to_host(tree)
 
   # -------------------------------------------------------------------------------------------
   # Stages.

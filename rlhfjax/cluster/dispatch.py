@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from rlhfjax import distributed
 from rlhfjax.observe.timeline import Timeline
 
 
@@ -65,6 +66,14 @@ def _under(guards: dict[str, str | None]):
     yield
 
 
+def _processes(devices: Sequence[int]) -> set[int]:
+  """The processes owning these devices (indices into `jax.devices()`)."""
+  if jax.process_count() == 1:
+    return set()
+  every = jax.devices()
+  return {every[i].process_index for i in devices}
+
+
 def run_stages(
   stages: Sequence[Stage],
   timeline: Timeline,
@@ -86,6 +95,7 @@ def run_stages(
         stage = stages[i]
         if before is not None:
           before(i)
+        distributed.wait_for(_processes(stage.devices), f"stage {stage.role}/{stage.name}")
         with timeline.stage(iteration, stage.role, stage.name, stage.devices):
           results[i] = jax.block_until_ready(stage.fn())
         if after is not None:

@@ -32,10 +32,19 @@ Leaves go through these steps in groups (see `_GROUP_BYTES`). Every step is asyn
 
 Arrays already laid out as asked are returned as they are.
 
-Multi-process runs: a global array that spans other processes' devices (not fully addressable)
-moves through a jitted identity with `out_shardings` instead, compiled once per set of target
-shardings: XLA's collectives carry the shards across processes, device to device (with the
-rematerialization cost above). Its source and target must cover the same devices.
+Multi-process runs (arrays that span or live on other processes' devices):
+
+- Same devices at both ends (a relayout of a mesh spanning processes): a jitted identity with
+  `out_shardings`, compiled once per set of target shardings; XLA's collectives carry the shards
+  (with the rematerialization cost above).
+- Different devices (a weight sync or experience moving between groups on different
+  processes): the plan above, each process doing the steps on its own devices, and the pieces
+  that cross processes sent by collective permutes in one program over the devices of both
+  ends (`_exchange`), compiled once per plan. JAX 0.10's cross-host `jax.device_put` needs the
+  same layout at both ends and, on CPU, its socket transfer library, whose batched copies
+  delivered pieces to the wrong arrays when tried (two to one device in one call); the
+  collectives work on every backend. Every process whose devices take part must call
+  `transfer` for the same arrays in the same order (every process runs the same program).
 """
 
 from __future__ import annotations
@@ -50,7 +59,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Sharding
+
+from rlhfjax import distributed
 
 Box = tuple[tuple[int, int], ...]
 """A block of a global array: (start, stop) per dimension."""
@@ -432,14 +444,28 @@ def transfer(
       )
     if not x.sharding.is_equivalent_to(s, x.ndim):
       moving.append(i)
-  global_moves = [i for i in moving if not _addressable(leaves[i], shardings[i])]
-  moving = [i for i in moving if i not in global_moves]
+  kinds = {i: _kind(leaves[i], shardings[i]) for i in moving}
+  elsewhere = [i for i in moving if kinds[i] == "elsewhere"]
+  global_moves = [i for i in moving if kinds[i] == "global"]
+  across = [i for i in moving if kinds[i] == "across"]
+  moving = [i for i in moving if kinds[i] == "local"]
   olds = _disown_aliases(olds, leaves)
   out = list(leaves)
+  for i in elsewhere:  # other processes move it: nothing of it lives here
+    out[i] = jax.make_array_from_single_device_arrays(
+      leaves[i].shape, shardings[i], [], dtype=leaves[i].dtype
+    )
   if global_moves:
+    owners = {d.process_index for i in global_moves for d in shardings[i].device_set}
+    distributed.wait_for(owners, "reshard")
     moved = _reshard(tuple(shardings[i] for i in global_moves))(*(leaves[i] for i in global_moves))
     for i, y in zip(global_moves, moved, strict=True):
       out[i] = y  # fresh buffers: the `into` leaves are freed below
+  if across:
+    moved = _move_across([leaves[i] for i in across], [shardings[i] for i in across])
+    for i, y in zip(across, moved, strict=True):
+      out[i] = y  # fresh buffers: the `into` leaves are freed below
+  global_moves += across + elsewhere
   for group in _groups(moving, leaves, shardings):
     moved = _move([leaves[i] for i in group], [shardings[i] for i in group],
                   [olds[i] for i in group])  # fmt: skip
@@ -520,18 +546,247 @@ def traffic(tree: Any, target_shardings: Any, *, into: bool = False) -> Traffic:
 
 
 def _addressable(x: jax.Array, target: Sharding) -> bool:
-  """Whether this process holds every shard of the move, so `_move` can plan it; else the move
-  is global (multi-process) and both ends must cover the same devices."""
-  if x.is_fully_addressable and target.is_fully_addressable:
-    return True
-  if x.sharding.device_set != target.device_set:
-    src = sorted(d.id for d in x.sharding.device_set)
-    dst = sorted(d.id for d in target.device_set)
-    raise ValueError(
-      f"transfer across processes needs the same devices at both ends; {x.shape} {x.dtype} "
-      f"moves from devices {src} to {dst}"
+  """Whether this process holds every shard of the move, so `_move` can plan it."""
+  return x.is_fully_addressable and target.is_fully_addressable
+
+
+def _kind(x: jax.Array, target: Sharding) -> str:
+  """How `transfer` moves `x`, decided alike on every process: 'local' (every device at both
+  ends is this process's: `_move`), 'elsewhere' (none is: nothing to do here), 'global' (the
+  same devices at both ends, on several processes: `_reshard`) or 'across' (different devices
+  on several processes: `_move_across`)."""
+  owners = {d.process_index for d in x.sharding.device_set | target.device_set}
+  if jax.process_index() not in owners:
+    return "elsewhere"
+  if len(owners) == 1:
+    return "local"
+  return "global" if x.sharding.device_set == target.device_set else "across"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Part:
+  """One piece on its way across processes: leaf `leaf`'s target box `box`, piece `piece`."""
+
+  leaf: int
+  box: int
+  piece: int
+  shape: tuple[int, ...]
+
+
+def _piece_shape(piece: _Piece, shape: tuple[int, ...], src: Sharding) -> tuple[int, ...]:
+  if piece.cut is not None:
+    return tuple(hi - lo for lo, hi in piece.cut)
+  return tuple(src.shard_shape(shape))
+
+
+def _rounds(sizes: dict[tuple[jax.Device, jax.Device, str], int]) -> list[list[tuple]]:
+  """The messages (source device, target device, dtype) grouped into rounds, each a partial
+  permutation of one dtype (a device sends at most one message and receives at most one):
+  largest first, so a round's messages have similar sizes (each is padded to the largest)."""
+  rounds: list[list[tuple]] = []
+  for key in sorted(sizes, key=lambda k: (k[2], -sizes[k])):
+    src, dst, dtype = key
+    for r in rounds:
+      if r[0][2] == dtype and all(src != k[0] and dst != k[1] for k in r):
+        r.append(key)
+        break
+    else:
+      rounds.append([key])
+  return rounds
+
+
+@functools.lru_cache(maxsize=256)
+def _exchange_program(devices: tuple[jax.Device, ...], perms: tuple[tuple[tuple[int, int], ...]]):
+  """One program over `devices` (axis 'x', one row per device) sending round r's rows along
+  `perms[r]` with a collective permute."""
+  mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+  spec = jax.sharding.PartitionSpec("x")
+
+  def body(*rows):
+    return tuple(jax.lax.ppermute(x, "x", perm) for x, perm in zip(rows, perms, strict=True))
+
+  specs = (spec,) * len(perms)
+  program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+  return program, jax.sharding.NamedSharding(mesh, spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packer(device: jax.Device):
+  """Per device: its outgoing pieces of each round, flattened, joined and padded to the
+  round's row (zeros where it sends nothing), placed on `device` even when it sends nothing."""
+
+  def pack(pieces, layout):
+    rows = []
+    for parts, (width, dtype) in zip(pieces, layout, strict=True):
+      flat = [x.reshape(-1) for x in parts] or [jnp.zeros((0,), dtype)]
+      row = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+      rows.append(jnp.pad(row, (0, width - row.shape[0]))[None])
+    return rows
+
+  return jax.jit(pack, static_argnums=1, out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unpack(rows: Sequence[jax.Array], shapes: tuple[tuple[tuple[int, ...], ...], ...]):
+  """Per device: the pieces of each round's row it received (`shapes[r]`, in order)."""
+  out = []
+  for row, parts in zip(rows, shapes, strict=True):
+    start = 0
+    for shape in parts:
+      size = math.prod(shape)
+      out.append(row[0, start : start + size].reshape(shape))
+      start += size
+  return out
+
+
+def _move_across(leaves: list[jax.Array], shardings: list[Sharding]) -> list[jax.Array]:
+  """Moves arrays to shardings on other devices, across processes; see the module docstring.
+
+  Every target device builds its own box (no copies between replicas across processes). Each
+  process cuts the pieces on its own source devices and joins the boxes on its own target
+  devices; pieces whose two devices share a process are copied device to device, the others go
+  through `_exchange`. A process owning none of the devices gets arrays without local shards.
+  """
+  me = jax.process_index()
+  local = lambda d: d.process_index == me
+  plans = [_plan(x.shape, x.sharding, s) for x, s in zip(leaves, shardings, strict=True)]
+  # Step 1: pieces cut on this process's source devices (each piece once, for every replica).
+  shards = [{s.device: s.data for s in x.addressable_shards} for x in leaves]
+  cut_requests, cut_slots, have = [], [], {}
+  for i, plan in enumerate(plans):
+    for j, target in enumerate(plan):
+      for k, piece in enumerate(target.pieces):
+        if not local(piece.src_device):
+          continue
+        if piece.cut is None:
+          have[i, j, k] = shards[i][piece.src_device]
+        else:
+          cut_requests.append((piece.src_device, shards[i][piece.src_device], piece.cut))
+          cut_slots.append((i, j, k))
+  for slot, out in zip(cut_slots, _per_device(cut_requests, _cut_all), strict=True):
+    have[slot] = out
+  # Step 2: every piece to every target device holding its box.
+  got: dict[tuple[int, int, jax.Device], list[Any]] = {}
+  copies, copy_slots = [], []
+  messages: dict[tuple[jax.Device, jax.Device, str], list[_Part]] = {}
+  for i, (plan, x) in enumerate(zip(plans, leaves, strict=True)):
+    for j, target in enumerate(plan):
+      for device in target.devices:
+        got[i, j, device] = [None] * len(target.pieces)
+        for k, piece in enumerate(target.pieces):
+          if piece.src_device.process_index == device.process_index:
+            if local(device):
+              copies.append(have[i, j, k])
+              copy_slots.append((i, j, device, k))
+          else:
+            part = _Part(leaf=i, box=j, piece=k, shape=_piece_shape(piece, x.shape, x.sharding))
+            messages.setdefault((piece.src_device, device, str(x.dtype)), []).append(part)
+  for (i, j, device, k), out in zip(copy_slots, _copy_all(copies, [s[2] for s in copy_slots]),
+                                    strict=True):  # fmt: skip
+    got[i, j, device][k] = out
+  if messages:
+    _exchange(messages, have, got)
+  # Step 3: boxes joined on this process's target devices, arrays assembled.
+  joins, join_slots = [], []
+  for (i, j, device), pieces in got.items():
+    if local(device) and len(pieces) > 1:
+      joins.append((device, pieces, plans[i][j].grid))
+      join_slots.append((i, j, device))
+  for (i, j, device), out in zip(join_slots, _per_device(joins, _join_all), strict=True):
+    got[i, j, device] = [out]
+  out = []
+  for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
+    box_of = {d: j for j, t in enumerate(plans[i]) for d in t.devices}
+    mine = [got[i, box_of[d], d][0] for d in s.addressable_devices_indices_map(x.shape)]
+    out.append(jax.make_array_from_single_device_arrays(x.shape, s, mine, dtype=x.dtype))
+  return out
+
+
+def _exchange(
+  messages: dict[tuple[jax.Device, jax.Device, str], list[_Part]],
+  have: dict[tuple[int, int, int], jax.Array],
+  got: dict[tuple[int, int, jax.Device], list[Any]],
+) -> None:
+  """Sends each message (the pieces one device sends another, of one dtype) with collective
+  permutes, in one program over the devices that send or receive; fills `got` on this
+  process's receiving devices. Every process computes the same rounds from the same plan."""
+  sizes = {key: sum(math.prod(p.shape) for p in parts) for key, parts in messages.items()}
+  rounds = _rounds(sizes)
+  devices = tuple(sorted({d for key in messages for d in key[:2]}, key=lambda d: d.id))
+  me = jax.process_index()
+  mine = [d for d in devices if d.process_index == me]
+  if not mine:
+    return
+  position = {d: n for n, d in enumerate(devices)}
+  perms = tuple(tuple((position[k[0]], position[k[1]]) for k in r) for r in rounds)
+  layout = tuple((max(sizes[k] for k in r), r[0][2]) for r in rounds)
+  program, sharding = _exchange_program(devices, perms)
+  rows_by_device = {}
+  for device in mine:
+    pieces = []
+    for r in rounds:
+      sent = next((k for k in r if k[0] == device), None)
+      parts = messages[sent] if sent else []
+      pieces.append([have[p.leaf, p.box, p.piece] for p in parts])
+    rows_by_device[device] = _packer(device)(pieces, layout)
+  rows = [
+    jax.make_array_from_single_device_arrays(
+      (len(devices), width), sharding, [rows_by_device[d][r] for d in mine]
     )
-  return False
+    for r, (width, _) in enumerate(layout)
+  ]
+  distributed.wait_for({d.process_index for d in devices}, "exchange")
+  received = [{s.device: s.data for s in x.addressable_shards} for x in program(*rows)]
+  for device in mine:
+    keys = [next((k for k in r if k[1] == device), None) for r in rounds]
+    taken = [(r, k) for r, k in enumerate(keys) if k is not None]
+    if not taken:
+      continue
+    shapes = tuple(tuple(p.shape for p in messages[k]) for _, k in taken)
+    pieces = iter(_unpack([received[r][device] for r, _ in taken], shapes))
+    for _, k in taken:
+      for p in messages[k]:
+        got[p.leaf, p.box, device][p.piece] = next(pieces)
+
+
+def to_host(tree: Any) -> Any:
+  """NumPy copies of a pytree of arrays, wherever they live.
+
+  An array this process holds only part of, or none of (it lives on other processes' devices),
+  is read on every process: a collective, so every process must call this for the same arrays
+  in the same order. Arrays on devices of every process are gathered with
+  `multihost_utils.process_allgather`; the others move first (`transfer`) to one device of
+  each process. Fully addressable arrays are read locally.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  gathered = list(leaves)
+  foreign = []
+  for i, x in enumerate(leaves):
+    if not isinstance(x, jax.Array) or jax.process_count() == 1:
+      continue
+    # Decided alike on every process (a collective follows): by the processes x lives on.
+    owners = {d.process_index for d in x.sharding.device_set}
+    if len(owners) < jax.process_count():
+      foreign.append(i)
+    elif not x.is_fully_replicated:
+      distributed.wait_for(owners, "to_host")
+      gathered[i] = multihost_utils.process_allgather(x, tiled=True)
+  if foreign:
+    readable = _one_device_per_process()
+    moved = _move_across([leaves[i] for i in foreign], [readable] * len(foreign))
+    for i, y in zip(foreign, moved, strict=True):
+      gathered[i] = y.addressable_shards[0].data
+  return treedef.unflatten(jax.device_get(gathered))
+
+
+@functools.cache
+def _one_device_per_process() -> Sharding:
+  """Replicated on the first device of every process: every process can read it."""
+  first = {}
+  for device in jax.devices():
+    first.setdefault(device.process_index, device)
+  mesh = jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), ("process",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 @functools.lru_cache(maxsize=64)

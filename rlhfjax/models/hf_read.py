@@ -345,7 +345,7 @@ def _leaf(reader: SafetensorsReader, source: _Source, sharding, dtype) -> jax.Ar
     uses[key] -= 1
     if not uses[key]:
       del pieces[key]
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 
 def set_at(tree: dict, path: tuple[str, ...], value) -> None:

@@ -80,7 +80,7 @@ def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array | None:
     if shard is None or _bounds(shard.index, x.shape) != _bounds(index, x.shape):
       return None
     pieces.append(shard.data)
-  return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces, dtype=x.dtype)
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -132,8 +132,9 @@ class Compactor:
     engine = self._engine
     full = engine.config.num_slots
     data = dict(engine.mesh.shape).get("data", 1)
-    addressable = all(d.process_index == jax.process_index() for d in engine.mesh.devices.flat)
-    replicas = replicas_for(size, full, data) if addressable else data
+    # Decided alike on every process: a mesh spanning processes keeps its replicas.
+    one_process = len({d.process_index for d in engine.mesh.devices.flat}) == 1
+    replicas = replicas_for(size, full, data) if one_process else data
     mesh = sub_mesh(engine.mesh, replicas)
     source_mesh = self.mesh_of(size * 2)
     source_shardings = (

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlhfjax import distributed, models
+from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.models.transformer import PAGED_KERNELS
@@ -593,7 +593,7 @@ class Engine:
         last_tokens=got["tokens_b"],
       )
     self.host_transfers += 1
-    got = distributed.to_host(
+    got = transfer.to_host(
       (
         state.done_b,
         state.stopped_b,
@@ -643,7 +643,10 @@ def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return x
   by_device = {shard.device: shard.data for shard in x.addressable_shards}
   return jax.make_array_from_single_device_arrays(
-    x.shape, sharding, [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)]
+    x.shape,
+    sharding,
+    [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)],
+    dtype=x.dtype,
   )
 
 

@@ -26,8 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlhfjax import distributed
-from rlhfjax.mesh import rules
+from rlhfjax.mesh import rules, transfer
 from rlhfjax.placement.spec import Layout
 from rlhfjax.rollout import paged_decode, paging
 from rlhfjax.rollout.paged_decode import PagedState, Plan, Queue
@@ -199,7 +198,7 @@ class PagedPrograms:
 
   def _read(self, tree: Any) -> Any:
     self._engine.host_transfers += 1
-    return distributed.to_host(tree)
+    return transfer.to_host(tree)
 
   # -------------------------------------------------------------------------------------------
   # The slot API: every slot owns a dense row's pages.
