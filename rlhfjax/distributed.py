@@ -177,7 +177,7 @@ _barrier_counts: dict[tuple[str, tuple[int, ...]], int] = {}
 
 def wait_for(processes: Iterable[int], what: str) -> None:
   """Waits until every process in `processes` has reached this point (a barrier through the
-  coordination service, which waits as long as it takes; this process must be one of them).
+  coordination service, which waits as long as it takes); returns at once on other processes.
 
   Called before a program whose collectives span processes: gloo gives the processes only 30
   seconds to meet when it first connects a set of devices, and one process may reach a program
@@ -185,7 +185,7 @@ def wait_for(processes: Iterable[int], what: str) -> None:
   processes of `processes` must call this the same number of times with the same `what`.
   """
   ids = tuple(sorted(set(processes)))
-  if len(ids) < 2:
+  if len(ids) < 2 or jax.process_index() not in ids:
     return
   with _barrier_lock:
     n = _barrier_counts.get((what, ids), 0)

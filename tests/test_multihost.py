@@ -285,3 +285,77 @@ def test_disaggregated_across_four_processes(tmp_path, reserve_port):
     "single": 0, **{f"process{k}": 0 for k in range(4)}
   }, _tails(results)  # fmt: skip
   _assert_same_numbers(_metrics(tmp_path / "single"), _metrics(tmp_path / "multi"))
+
+
+def _start(args: list[str], log: pathlib.Path) -> subprocess.Popen:
+  with open(log, "w") as out:
+    return subprocess.Popen(
+      [sys.executable, str(_SCRIPT), *args], cwd=_ROOT, env=_env(), stdout=out,
+      stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port):
+  """A disaggregated run across 2 processes: one killed with SIGKILL mid-run stops the other
+  within a bounded time with one line; rerunning both resumes and ends with the numbers of an
+  uninterrupted run. A checkpoint of 1 process x 8 devices resumes as 2 x 4 too."""
+  run = [*_RUN, "--config.checkpoint.every_steps=1", "--config.distributed.peer_timeout_s=10"]
+  run[0] = "--config=configs/ppo_tiny.py:disaggregated"
+  logs = tmp_path / "logs"
+  baseline = _run_all({
+    "single": [*run, f"--workdir={tmp_path / 'single'}"],
+    # The same run saved at step 1 by one process of 8 devices, continued below by two.
+    "first_step": [*run, "--config.total_steps=1", f"--workdir={tmp_path / 'relaid'}"],
+  }, logs)  # fmt: skip
+  assert {name: rc for name, (rc, _) in baseline.items()} == {"single": 0, "first_step": 0}
+  single = _metrics(tmp_path / "single")
+
+  # Killed mid-run: process 1 dies once the checkpoint of step 1 is complete.
+  port = reserve_port()
+  multi = tmp_path / "multi"
+  procs = [_start([*run, f"--workdir={multi}", *_distributed(k, port)], logs / f"killed{k}.log")
+           for k in (0, 1)]  # fmt: skip
+  committed = multi / "checkpoints" / "1" / "commit_success.txt"
+  deadline = time.monotonic() + _TIMEOUT_S
+  try:
+    while not committed.exists() and time.monotonic() < deadline:
+      assert procs[0].poll() is None and procs[1].poll() is None, "a process ended before step 1"
+      time.sleep(0.2)  # polling the file system for the checkpoint; the assertion is the kill
+    assert committed.exists(), "no checkpoint of step 1"
+    procs[1].kill()
+    killed_at = time.monotonic()
+    procs[1].wait()
+    # Process 0 notices within distributed.peer_timeout_s (10 s) and its once-a-second check.
+    rc = procs[0].wait(timeout=10 + 60)
+    waited = time.monotonic() - killed_at
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  text = (logs / "killed0.log").read_text()
+  errors = [x for x in text.splitlines() if x.startswith("error:")]
+  assert rc != 0 and len(errors) == 1 and "process 1 of 2" in errors[0], text[-2000:]
+  assert waited < 10 + 60
+
+  # Both rerun: resumed, then the numbers of the uninterrupted run.
+  port = reserve_port()
+  rerun = _run_all({f"process{k}": [*run, f"--workdir={multi}", *_distributed(k, port)]
+                    for k in (0, 1)}, logs / "rerun")  # fmt: skip
+  assert {name: rc for name, (rc, _) in rerun.items()} == {"process0": 0, "process1": 0}, _tails(
+    rerun
+  )
+  assert "resuming from the checkpoint of step" in rerun["process0"][1]
+  _assert_same_numbers(single, _metrics(multi))
+
+  # The one-process checkpoint of step 1, resumed by two processes of 4 devices.
+  port = reserve_port()
+  relaid = _run_all({f"process{k}": [*run, f"--workdir={tmp_path / 'relaid'}",
+                                     *_distributed(k, port)] for k in (0, 1)},
+                    logs / "relaid")  # fmt: skip
+  assert {name: rc for name, (rc, _) in relaid.items()} == {"process0": 0, "process1": 0}, _tails(
+    relaid
+  )
+  assert "resuming from the checkpoint of step 1" in relaid["process0"][1]
+  _assert_same_numbers(single, _metrics(tmp_path / "relaid"))
