@@ -3,6 +3,11 @@ the paged engine, batch 64 and 256), JSON lines.
 
   python scripts/bench_gpu.py [--batch=8 --seq_len=2048 --decode_batch=64 --cache_len=2048]
 
+First the device's measured copy bandwidth and bf16 matmul rate beside its datasheet peaks,
+which the MFU and bandwidth fractions are taken against (`step_bench.peaks`: H100 or H200).
+The paged rows run each of `--paged_kernels` ('auto': the Pallas kernel on a GPU; 'gather':
+pages gathered into a contiguous cache, then XLA's attention).
+
 The train step keeps fp32 master weights and trains in bf16 with the size's remat, chunked
 log-probs and cuDNN flash attention ('auto' picks it on a GPU); decode runs bf16 weights.
 First prints the attention kernels' agreement with the einsum path (`--check`).
@@ -24,10 +29,18 @@ _CHUNK = flags.DEFINE_integer("chunk", 1024, "Log-prob chunk (0: whole logits)."
 _DECODE_BATCH = flags.DEFINE_list("decode_batch", ["64", "256"], "Decode slots.")
 _CACHE_LEN = flags.DEFINE_integer("cache_len", 2048, "KV cache length of a decode slot.")
 _CHECK = flags.DEFINE_bool("check", True, "Compare attention kernels with the einsum path.")
+_CEILINGS = flags.DEFINE_bool("ceilings", True, "Measure copy bandwidth and bf16 matmul rate.")
+_COPY_MIB = flags.DEFINE_integer("copy_mib", 4096, "Size of the bandwidth probe in MiB.")
+_MATMUL_N = flags.DEFINE_integer("matmul_n", 8192, "Side of the matmul-rate probe.")
+_PAGED_KERNELS = flags.DEFINE_list(
+  "paged_kernels", ["auto", "gather"], "Paged attention kernels to time ('auto', 'gather', ...)."
+)
 
 
 def main(argv):
   del argv
+  if _CEILINGS.value:
+    print(json.dumps(step_bench.ceilings(_COPY_MIB.value << 20, _MATMUL_N.value)), flush=True)
   if _CHECK.value:
     for row in step_bench.attention_check():
       print(json.dumps(row), flush=True)
@@ -39,8 +52,13 @@ def main(argv):
   for batch in map(int, _DECODE_BATCH.value):
     row = step_bench.decode_step(rollout, batch, _CACHE_LEN.value)
     print(json.dumps({"size": _SIZE.value, **row}), flush=True)
-    row = step_bench.paged_decode_step(rollout, batch, _CACHE_LEN.value)
-    print(json.dumps({"size": _SIZE.value, **row}), flush=True)
+    for kernel in _PAGED_KERNELS.value:
+      try:
+        row = step_bench.paged_decode_step(rollout, batch, _CACHE_LEN.value, kernel=kernel)
+      except Exception as e:  # noqa: BLE001 - reported (a kernel that does not build here)
+        error = str(e)[:500]
+        row = {"bench": "paged_decode_step", "batch": batch, "kernel": kernel, "error": error}
+      print(json.dumps({"size": _SIZE.value, **row}), flush=True)
 
 
 if __name__ == "__main__":

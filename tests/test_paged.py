@@ -381,17 +381,21 @@ def test_slot_api_gives_each_slot_a_dense_rows_pages(paged, dense):
   assert table[1].tolist() == list(range(7, 13)) and table.max() == 24
 
 
-def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path():
+@pytest.mark.parametrize("width", [4, 6])
+def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path(width):
   """JAX's Pallas GPU paged-attention kernel, run by Pallas' interpreter on the CPU, against
-  the gather + XLA attention path, on a pool with two replicas."""
+  the gather + XLA attention path, on a pool with two replicas (6 pages a row: 3 key splits of
+  2-page blocks)."""
   rng = np.random.default_rng(0)
-  layers, d, k, pages, e, n, h = 2, 2, 2, 9, 4, 16, 4
+  layers, d, k, e, n, h = 2, 2, 2, 4, 16, 4
+  pages = 2 * width + 1
   pool = lambda: jnp.asarray(rng.normal(size=(layers, d, k, pages, e, n)), jnp.float32)
-  table = jnp.asarray(rng.permutation(np.arange(1, pages))[:8].reshape(2, 4).repeat(2, 0))
-  index = jnp.asarray([0, 5, 11, 15])
+  table = rng.permutation(np.arange(1, pages))[: 2 * width].reshape(2, width).repeat(2, 0)
+  table = jnp.asarray(table)
+  index = jnp.asarray([0, 5, 11, width * e - 1])
   q = jnp.asarray(rng.normal(size=(4, 1, h, n)), jnp.float32)
   cfg = CONFIG.replace(attention="xla")
-  mask = jnp.arange(4 * e)[None, None, :] <= index[:, None, None]
+  mask = jnp.arange(width * e)[None, None, :] <= index[:, None, None]
   k_pool, v_pool = pool(), pool()
   outs = {
     kernel: transformer.paged_attend(
@@ -400,6 +404,15 @@ def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path():
     for kernel in ("gather", "pallas_gpu")
   }
   np.testing.assert_allclose(outs["pallas_gpu"], outs["gather"], atol=1e-5, rtol=0)
+
+
+def test_pallas_gpu_blocks_are_powers_of_two_that_tile_the_row():
+  for width in range(1, 300):
+    splits, per_block = transformer.gpu_kernel_blocks(width)
+    assert per_block in (1, 2, 4, 8) and splits <= 16
+    assert width % (splits * per_block) == 0
+  assert transformer.gpu_kernel_blocks(128) == (16, 8)  # bench_gpu: 2048 tokens, 16 a page
+  assert transformer.gpu_kernel_blocks(36) == (9, 4)
 
 
 def test_pallas_gpu_kernel_runs_the_engine_per_shard_on_a_data_tensor_mesh():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import runpy
 import tempfile
@@ -64,6 +65,8 @@ def config(s: Settings, packing: bool):
   cd = runpy.run_path(os.path.normpath(_GRPO_TINY))["get_config"]("colocated")
   cd.total_steps = s.iterations
   cd.placement.num_devices = s.devices
+  # The config's rollout tensor width (2) must divide the devices: one GPU runs it at 1.
+  cd.placement.rollout_tensor = math.gcd(cd.placement.rollout_tensor, s.devices)
   cd.model.overrides = {
     "hidden_size": s.hidden,
     "num_layers": s.layers,

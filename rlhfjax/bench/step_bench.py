@@ -46,6 +46,45 @@ H100_BF16_FLOPS = 989e12
 """Dense bf16 tensor-core peak of an H100 SXM."""
 H100_HBM_BYTES_PER_S = 3.35e12
 
+DATASHEET_PEAKS = {
+  "NVIDIA H100": (H100_BF16_FLOPS, H100_HBM_BYTES_PER_S),
+  "NVIDIA H200": (H100_BF16_FLOPS, 4.8e12),
+}
+"""(dense bf16 FLOP/s, HBM bytes/s) by the start of `device_kind`, from the SXM datasheets. The
+H200 is an H100 with faster memory: the same matrix rate, 4.8 TB/s."""
+
+
+def peaks(device: jax.Device | None = None) -> tuple[float, float]:
+  """The datasheet peaks of `device` (the default device), or the H100's for a device not in
+  `DATASHEET_PEAKS` (a CPU, say: its fractions then only compare runs)."""
+  kind = (device or jax.devices()[0]).device_kind
+  for prefix, rates in DATASHEET_PEAKS.items():
+    if kind.startswith(prefix):
+      return rates
+  return H100_BF16_FLOPS, H100_HBM_BYTES_PER_S
+
+
+def ceilings(copy_bytes: int = 4 << 30, matmul_n: int = 8192, repeats: int = 10) -> dict[str, Any]:
+  """The default device's measured ceilings beside its datasheet peaks: an in-place pass over
+  `copy_bytes` (bytes read plus written) and an `n x n x n` bf16 matmul on random data (zeros
+  or constants can run faster than real data)."""
+  from rlhfjax.bench.rollout_bench import copy_bandwidth
+
+  keys = jax.random.split(jax.random.key(0))
+  a, b = (jax.random.normal(k, (matmul_n, matmul_n), jnp.bfloat16) for k in keys)
+  matmul = jax.jit(jnp.matmul)
+  seconds = _timed(matmul, a, b, repeats=repeats)
+  flops, hbm = peaks()
+  return {
+    "bench": "ceilings",
+    "device": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "copy_gb_per_s": round(copy_bandwidth(copy_bytes, repeats) / 1e9, 1),
+    "matmul_bf16_tflops": round(2 * matmul_n**3 / seconds / 1e12, 1),
+    "datasheet_hbm_gb_per_s": round(hbm / 1e9, 1),
+    "datasheet_bf16_tflops": round(flops / 1e12, 1),
+  }
+
 
 def _timed(fn, *args, repeats: int) -> float:
   """Median seconds of `fn(*args)` after one warm-up call (which also compiles)."""
@@ -71,7 +110,7 @@ def train_flops(config: ModelConfig, batch: int, seq_len: int) -> float:
 def train_step(
   config: ModelConfig, batch: int, seq_len: int, prompt_len: int, repeats: int = 5
 ) -> dict[str, Any]:
-  """Time the actor step on the default device; MFU against the H100's bf16 peak."""
+  """Time the actor step on the default device; MFU against its datasheet bf16 peak (`peaks`)."""
   tx = make_optimizer(OptimizerConfig(), 1000)
   params = models.init_params(config, "lm", jax.random.key(0))
   state = jax.jit(init_train_state, static_argnums=1)(params, tx)
@@ -109,7 +148,7 @@ def train_step(
     "step_s": round(seconds, 4),
     "tokens_per_s": round(batch * seq_len / seconds, 1),
     "model_tflops_per_step": round(flops / 1e12, 2),
-    "mfu": round(flops / seconds / H100_BF16_FLOPS, 4),
+    "mfu": round(flops / seconds / peaks()[0], 4),
   }
 
 
@@ -135,7 +174,7 @@ def decode_step(
     "step_ms": round(seconds * 1e3, 3),
     "tokens_per_s": round(batch / seconds, 1),
     "gb_read_per_step": round(read / 1e9, 3),
-    "bandwidth_fraction": round(read / seconds / H100_HBM_BYTES_PER_S, 4),
+    "bandwidth_fraction": round(read / seconds / peaks()[1], 4),
   }
 
 
@@ -191,7 +230,7 @@ def paged_decode_step(
     "step_ms": round(seconds * 1e3, 3),
     "tokens_per_s": round(batch / seconds, 1),
     "gb_read_per_step": round(read / 1e9, 3),
-    "bandwidth_fraction": round(read / seconds / H100_HBM_BYTES_PER_S, 4),
+    "bandwidth_fraction": round(read / seconds / peaks()[1], 4),
   }
 
 

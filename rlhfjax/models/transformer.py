@@ -324,13 +324,24 @@ def _kernel_blocks(pages_per_row: int, most: int) -> int:
   return max(d for d in range(1, min(most, pages_per_row) + 1) if pages_per_row % d == 0)
 
 
+def gpu_kernel_blocks(pages_per_row: int) -> tuple[int, int]:
+  """`(k_splits, pages_per_compute_block)` of the Pallas GPU kernel for rows of this many pages.
+
+  Triton takes only arrays of a power-of-two size, so the pages one step loads are the largest
+  power of two dividing the row's pages (at most 8); the key splits (at most 16) divide the rest.
+  A width of 36 pages: 9 splits of 4 pages (12 splits of 3 did not compile on an H200).
+  """
+  per_block = min(pages_per_row & -pages_per_row, 8)
+  return _kernel_blocks(pages_per_row // per_block, 16), per_block
+
+
 def _pallas_paged(kernel: str, q_bhn, k_kPen, v_kPen, table_bw, lengths_b) -> jax.Array:
   """One replica's decode attention through a Pallas paged-attention kernel, `[b, h, n]`."""
   w = table_bw.shape[1]
   if kernel == "pallas_gpu":
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
-    splits = _kernel_blocks(w, 16)
+    splits, per_block = gpu_kernel_blocks(w)
     return gpu_paged.paged_attention(
       q_bhn,
       k_kPen,
@@ -338,7 +349,7 @@ def _pallas_paged(kernel: str, q_bhn, k_kPen, v_kPen, table_bw, lengths_b) -> ja
       table_bw,
       lengths_b,
       block_h=16,
-      pages_per_compute_block=_kernel_blocks(w // splits, 8),
+      pages_per_compute_block=per_block,
       k_splits=splits,
       interpret=jax.default_backend() != "gpu",
     )
