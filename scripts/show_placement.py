@@ -50,6 +50,8 @@ def main(argv: list[str]) -> None:
   print(placement.format_batches(config, train_rows, score_rows, packed=auto.packs(config)))
   print()
   print(placement.option_report(config, spec, train_rows, score_rows))
+  for line in place.tensor_warnings(config, spec):
+    print(f"warning: {line}")
 
 
 if __name__ == "__main__":

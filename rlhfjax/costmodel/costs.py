@@ -48,6 +48,10 @@ class Group:
   devices: int
   tensor: int = 1
   spans_nodes: bool = False
+  tensor_spans_nodes: bool = False
+  """Some tensor-parallel group has devices on different nodes: its all-reduces cross the
+  network (`rlhfjax.placement.hosts`). A group spanning nodes with its tensor groups each
+  inside one node keeps them on the node's links."""
   data: int = 1
   """Data-parallel replicas of a training layout (whole copies of the fsdp x tensor shards)."""
 
@@ -102,12 +106,14 @@ def _ring(bytes_: float, size: int, bw: float) -> float:
 
 
 def _tensor_allreduce(hw, eff, config, group, tokens_per_replica, passes) -> float:
-  """Two all-reduces of the `[tokens, d]` activations per layer per pass (ring: 2x data)."""
+  """Two all-reduces of the `[tokens, d]` activations per layer per pass (ring: 2x data), on
+  the node's links, or the network's when a tensor group spans nodes."""
   if group.tensor <= 1:
     return 0.0
   c = _BYTES[config.dtype]
   bytes_ = 2 * tokens_per_replica * config.hidden_size * c
-  bw = hw.intra_node_bw * eff.collective_bw
+  link = hw.inter_node_bw if group.tensor_spans_nodes else hw.intra_node_bw
+  bw = link * eff.collective_bw
   return passes * 2 * config.num_layers * _ring(bytes_, group.tensor, bw)
 
 

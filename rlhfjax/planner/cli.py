@@ -8,6 +8,7 @@ from rlhfjax.config import OffloadSection
 from rlhfjax.costmodel import efficiency, hardware
 from rlhfjax.costmodel.workload import OFFLOAD_ALL, Workload, resolve_model
 from rlhfjax.flows.registry import pricing_by_name
+from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
 from rlhfjax.planner import report, search
 from rlhfjax.planner.evaluate import Plan
 
@@ -101,7 +102,11 @@ def plan_from_flags(f) -> tuple[list[Plan], str]:
     f"{work.response_len_mean:g}/{work.response_len_max} tokens{_lengths(work, plans[0])}, "
     f"efficiency {eff.generation_engine}; stage seconds per iteration"
   )
-  return plans, title + "\n" + report.format_plans(plans, work, top=f.top)
+  text = title + "\n" + report.format_plans(plans, work, top=f.top)
+  nodes = nodes_of(f.devices, hw.devices_per_node)
+  for line in tensor_across_hosts(plans[0].spec, nodes, unit="node"):
+    text += f"\nwarning: {plans[0].label}: {line}"
+  return plans, text
 
 
 def _prompt(work: Workload) -> str:

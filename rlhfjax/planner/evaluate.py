@@ -24,6 +24,7 @@ from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import GIB, Hardware
 from rlhfjax.costmodel.replay import Replay, StageCost, replay
 from rlhfjax.costmodel.workload import Workload
+from rlhfjax.placement.hosts import nodes_of, tensor_spans_hosts
 from rlhfjax.placement.memory import device_totals, offload_options, sharding_of
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import sync as weight_sync
@@ -228,8 +229,13 @@ def _group(rs: RoleSpec, per_node: int) -> costs.Group:
   spans = min(rs.devices) // per_node != max(rs.devices) // per_node
   # A training layout's `data` replicas hold whole parameter shards (ZeRO-2-like: no gathers).
   data = rs.axis_size("data") if rs.layout == Layout.TRAINING else 1
+  nodes = nodes_of(max(rs.devices) + 1, per_node)
   return costs.Group(
-    devices=len(rs.devices), tensor=rs.axis_size("tensor"), spans_nodes=spans, data=data
+    devices=len(rs.devices),
+    tensor=rs.axis_size("tensor"),
+    spans_nodes=spans,
+    tensor_spans_nodes=bool(tensor_spans_hosts(rs, nodes)),
+    data=data,
   )
 
 

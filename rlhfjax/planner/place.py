@@ -15,6 +15,7 @@ from rlhfjax.config import ExperimentConfig
 from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.flows.registry import roles_of
 from rlhfjax.placement import memory, single_role
+from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
 from rlhfjax.placement.spec import PlacementSpec, RoleSpec
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import (
@@ -54,6 +55,19 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     offload=config.offload,
   )
   return spec
+
+
+def tensor_warnings(config: ExperimentConfig, spec: PlacementSpec) -> list[str]:
+  """One line per role of `spec` whose tensor groups span nodes of the hardware that
+  `placement.hardware` names (its `devices_per_node`); none when the hardware cannot be read
+  ('local' without a calibration file). A live job checks its real hosts instead
+  (`rlhfjax.runner.machines`)."""
+  try:
+    hw, _ = auto.load_planner_inputs(config.placement)
+  except PlacementError:
+    return []
+  nodes = nodes_of(max(spec.devices) + 1, hw.devices_per_node)
+  return tensor_across_hosts(spec, nodes, unit="node")
 
 
 def place(cfg: ExperimentConfig, available_devices: int) -> PlacementSpec:

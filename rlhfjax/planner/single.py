@@ -19,6 +19,7 @@ from rlhfjax.config.model import ModelConfig
 from rlhfjax.costmodel import costs, memory
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import GIB, Hardware
+from rlhfjax.placement.hosts import nodes_of, tensor_spans_hosts
 from rlhfjax.placement.spec import RoleSpec
 
 
@@ -80,8 +81,14 @@ def plan(
   rows = batch_size // micro_batches
   plans = []
   for data, fsdp, tensor in splits(num_devices, config, rows, hw.devices_per_node):
+    split = RoleSpec.training(range(num_devices), data=data, fsdp=fsdp, tensor=tensor)
+    nodes = nodes_of(num_devices, hw.devices_per_node)
     group = costs.Group(
-      devices=num_devices, tensor=tensor, data=data, spans_nodes=num_devices > hw.devices_per_node
+      devices=num_devices,
+      tensor=tensor,
+      data=data,
+      spans_nodes=num_devices > hw.devices_per_node,
+      tensor_spans_nodes=bool(tensor_spans_hosts(split, nodes)),
     )
     step = costs.train_time(
       hw,

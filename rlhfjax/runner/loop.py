@@ -43,6 +43,7 @@ from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.planner.place import place
 from rlhfjax.runner import evaluation as evaluation_lib
 from rlhfjax.runner import identity as identity_lib
+from rlhfjax.runner import machines
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
 _SHOWN = ("reward/mean", "kl/mean", "loss/policy", "train/loss")
@@ -80,6 +81,7 @@ class Runner:
     factory = registry.resolve(cfg.algorithm.name, cfg.algorithm.flow)
     self.placement: PlacementSpec = place(cfg, len(jax.devices()))
     distributed.check_placement(self.placement)
+    machines.warn_tensor_across_hosts(self.placement)
     self.prediction = None
     """With `placement.strategy=auto`, the planner's prediction, drawn beside the timeline."""
     if cfg.placement.strategy == "auto" and len(self.placement.roles) > 1:
