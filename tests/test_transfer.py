@@ -334,3 +334,21 @@ def test_traffic_of_whole_shards_is_one_pass():
   assert t.passes == 1.0
   # Nothing to move: nothing written.
   assert transfer_lib.traffic(src, _shardings(src_spec)).written == 0
+
+
+def test_exchange_rounds_are_partial_permutations_of_one_dtype():
+  # Messages (source, target, dtype) between the devices of two "processes": every device
+  # sends at most one message and receives at most one per round, a round has one dtype, and
+  # every message is sent exactly once, the largest first.
+  rng = np.random.default_rng(0)
+  sizes = {}
+  for _ in range(40):
+    src, dst = int(rng.integers(0, 4)), int(rng.integers(4, 8))
+    sizes[src, dst, str(rng.choice(["float32", "bfloat16"]))] = int(rng.integers(1, 1000))
+  rounds = transfer_lib._rounds(sizes)
+  assert sorted(k for r in rounds for k in r) == sorted(sizes)
+  for r in rounds:
+    assert len({k[0] for k in r}) == len(r) and len({k[1] for k in r}) == len(r)
+    assert len({k[2] for k in r}) == 1
+  firsts = [max(sizes[k] for k in r) for r in rounds if r[0][2] == "float32"]
+  assert firsts == sorted(firsts, reverse=True)
