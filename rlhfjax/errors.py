@@ -68,6 +68,10 @@ def _disk_errno_in_text(error: BaseException) -> str | None:
   return None
 
 
+PEER_LOST = "another process of the job ended or failed"
+"""How the line of a collective whose peer closed its connection starts."""
+
+
 def describe(error: BaseException) -> tuple[str, int]:
   """The one line (without the `error: ` prefix) and the exit status for `error`."""
   errors = chain(error)
@@ -85,7 +89,7 @@ def describe(error: BaseException) -> tuple[str, int]:
   first = errors[0]
   if "Connection closed by peer" in str(first) or "Connection reset by peer" in str(first):
     return (
-      f"another process of the job ended or failed (see its log): {one_line(first)[:300]}",
+      f"{PEER_LOST} (see its log): {one_line(first)[:300]}",
       USER_ERROR,
     )
   if isinstance(first, ValueError | OSError):

@@ -76,7 +76,7 @@ def run(main: Callable[[list[str]], None]) -> None:
         # that they too come to JAX's shutdown barrier, which it then passes through.
         print("error: " + line, file=sys.stderr, flush=True)
         sys.stdout.flush()
-        liveness.report_failure(line)
+        liveness.report_failure(line, leave=not line.startswith(errors.PEER_LOST))
         os._exit(status)
       fail(line, status)
 

@@ -137,10 +137,11 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
   atexit.register(finish)
 
 
-def report_failure(line: str) -> None:
+def report_failure(line: str, leave: bool = True) -> None:
   """Posts this process's error `line` for the job's other processes, then leaves the job with
-  them (`_leave`; see the module docstring). The caller exits next. No-op outside a
-  multi-process job.
+  them (`_leave`; see the module docstring) unless not `leave` (a peer is gone: JAX's shutdown
+  barrier would wait for it until its heartbeat time-out, then abort this process). The caller
+  exits next. No-op outside a multi-process job.
 
   A process blocked in a call that holds Python's lock (the first collective's set-up, gloo's
   context) hears of the failure only when that call returns; the others wait for it at most
@@ -154,7 +155,8 @@ def report_failure(line: str) -> None:
     watch.client.key_value_set(
       f"{_KEY}{watch.me}", _FAILED + errors.one_line(line)[:1000], allow_overwrite=True
     )
-  _leave()
+  if leave:
+    _leave()
 
 
 def _leave() -> None:
