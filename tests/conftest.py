@@ -35,10 +35,10 @@ import pytest  # noqa: E402
 # start first and the many short files fill in at the end; a long file handed out last would
 # keep one worker busy while the other sits idle. Files not listed keep their order after them.
 _LONGEST_FILES = (
+  "test_multihost.py",  # 8 multi-process runs against single ones: about 25 minutes on 2 cores
   "test_verifiable_rewards.py",  # the arithmetic pipeline, the longest single test
   "test_resume_algorithms.py",
   "test_resume.py",
-  "test_multihost.py",
   "test_algorithm_flows.py",
   "test_fused_scoring.py",
   "test_ppo.py",
