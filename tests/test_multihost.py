@@ -231,6 +231,8 @@ def test_only_process_zero_writes_and_prints(runs):
 _PLACED = {
   # variant of configs/ppo_tiny.py: where its groups land with 2 processes of 4 devices
   "disaggregated": "training roles on process 0, rollout on process 1",
+  # Generation of the next batch on process 1 while process 0 trains (two threads each).
+  "disaggregated_async": "as disaggregated, generating one batch ahead",
   "interleaved": "reference on process 0, reward on process 1, the rest on both",
   "explicit": "actor, reference and rollout on process 0, critic and reward on process 1",
 }
