@@ -167,6 +167,12 @@ def primary_first(fn: Callable[[], T]) -> T:
   return out
 
 
+def client() -> Any:
+  """The job's coordination-service client (key-value store, barriers); JAX has no public
+  handle for it."""
+  return jax._src.distributed.global_state.client  # noqa: SLF001
+
+
 _BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 """How long a process waits for the others at a barrier: unbounded in practice. A process that
 died is noticed by the liveness watch (`distributed.peer_timeout_s`), not by this time-out."""
@@ -190,8 +196,7 @@ def wait_for(processes: Iterable[int], what: str) -> None:
   with _barrier_lock:
     n = _barrier_counts.get((what, ids), 0)
     _barrier_counts[what, ids] = n + 1
-  client = jax._src.distributed.global_state.client  # noqa: SLF001 - JAX has no public handle
-  client.wait_at_barrier(f"rlhfjax:{what}:{','.join(map(str, ids))}:{n}", _BARRIER_TIMEOUT_MS,
+  client().wait_at_barrier(f"rlhfjax:{what}:{','.join(map(str, ids))}:{n}", _BARRIER_TIMEOUT_MS,
                          list(ids))  # fmt: skip
 
 

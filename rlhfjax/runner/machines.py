@@ -12,7 +12,6 @@ import socket
 from collections.abc import Sequence
 
 import jax
-import jax._src.distributed
 from absl import logging
 
 from rlhfjax import distributed
@@ -32,7 +31,7 @@ def device_hosts(devices: Sequence[jax.Device] | None = None) -> list[str]:
   me = socket.gethostname()
   if jax.process_count() == 1:
     return [me] * len(devices)
-  client = jax._src.distributed.global_state.client  # noqa: SLF001 - JAX has no public handle
+  client = distributed.client()
   client.key_value_set(f"{_KEY}{jax.process_index()}", me, allow_overwrite=True)
   names = {
     p: client.blocking_key_value_get(f"{_KEY}{p}", _WAIT_MS) for p in range(jax.process_count())
