@@ -26,6 +26,8 @@ LAYERS = (
   "liveness",
   # Every config section and the model's hyper-parameters: no JAX.
   "config",
+  # Pipeline schedules as tables: no JAX.
+  "schedules",
   # Pure building blocks: the transformer, the RL maths, datasets, rewards, what is recorded.
   "models",
   "algorithms",
