@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from rlhfjax import models
@@ -36,7 +37,7 @@ from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.rollout.engine import Engine, EngineConfig
-from rlhfjax.training import steps, weights
+from rlhfjax.training import pipeline, steps, weights
 from rlhfjax.training.state import TrainState
 
 HEADS: dict[Role, str] = {
@@ -254,15 +255,72 @@ class Cluster:
 
   def train_step(self, name: str, role: Role, loss_fn: steps.LossFn) -> Callable:
     """`step(state, batch) -> (state, metrics)`: one optimizer update of trained `role` from a
-    mini-batch of micro-batches (`steps.accumulate_and_apply`), its state donated."""
-    shardings = self.state_shardings[role]
+    mini-batch of micro-batches (`steps.accumulate_and_apply`), its state donated. On a mesh
+    with pipeline stages the micro-batches run through them by `placement.pipeline_schedule`
+    (`rlhfjax.training.pipeline`)."""
+    rt, shardings = self.roles[role], self.state_shardings[role]
+    if pipeline.stages_of(rt.mesh) > 1:
+      pipeline.check_layers(rt.model, pipeline.stages_of(rt.mesh), f"model ({role})")
+      step = functools.partial(
+        pipeline.accumulate_and_apply,
+        loss_fn,
+        self.tx[role],
+        rt.model,
+        self.cfg.placement.pipeline_schedule,
+        rt.mesh,
+      )
+    else:
+      step = functools.partial(steps.accumulate_and_apply, loss_fn, self.tx[role])
     return self.compile(
       name,
-      functools.partial(steps.accumulate_and_apply, loss_fn, self.tx[role]),
+      step,
       in_shardings=(shardings, None),
-      out_shardings=(shardings, self.roles[role].replicated),
+      out_shardings=(shardings, rt.replicated),
       donate_argnums=0,
       role=role,
+    )
+
+  def fused_train_step(
+    self, name: str, roles: tuple[Role, Role], loss_fns: tuple[steps.LossFn, steps.LossFn]
+  ) -> Callable:
+    """`step(states, batches) -> (states, metrics)`: one optimizer update of each of two
+    trained roles in one fused pipeline schedule (`schedules.fused`, RLHFuse's intra-stage
+    fusion) on the first role's mesh, their states donated. The second role's stages run in
+    the reverse device order: its mesh is the first's with the `stage` axis reversed (as the
+    placement strategies lay out a co-located critic), and its state and batches enter and
+    leave as views on the first's mesh (`fused_update_stage`), so no weight moves."""
+    first, second = (self.roles[role] for role in roles)
+    stages = pipeline.stages_of(first.mesh)
+    if stages < 2:
+      raise ValueError(
+        "ppo.fuse_actor_critic fuses two pipelines: set placement.pipeline_stages >= 2"
+      )
+    reversed_devices = np.flip(first.mesh.devices, first.mesh.axis_names.index("stage"))
+    if second.mesh.axis_names != first.mesh.axis_names or not np.array_equal(
+      second.mesh.devices, reversed_devices
+    ):
+      raise ValueError(
+        f"ppo.fuse_actor_critic needs {roles[1]} on {roles[0]}'s devices with the stage axis "
+        f"reversed (got {roles[0]} {first.spec.devices}, {roles[1]} {second.spec.devices})"
+      )
+    for role, rt in zip(roles, (first, second), strict=True):
+      pipeline.check_layers(rt.model, stages, f"model ({role})")
+    models = tuple(
+      pipeline.Model(rt.model, loss) for rt, loss in zip((first, second), loss_fns, strict=True)
+    )
+    shardings = (
+      self.state_shardings[roles[0]],
+      jax.tree.map(lambda sh: sharing.on_mesh(sh, first.mesh), self.state_shardings[roles[1]]),
+    )
+    return self.compile(
+      name,
+      functools.partial(
+        pipeline.fused_accumulate_and_apply, models, tuple(self.tx[r] for r in roles), first.mesh
+      ),
+      in_shardings=(shardings, None),
+      out_shardings=(shardings, (first.replicated, first.replicated)),
+      donate_argnums=0,
+      role=roles[0],
     )
 
   def move(self, role: Role, tree: Any, leading: int = 0) -> Any:
@@ -319,6 +377,24 @@ class Cluster:
       return metrics
 
     return self.stage(role, name, update)
+
+  def fused_update_stage(
+    self, roles: tuple[Role, Role], step: Callable, batches: tuple[Any, Any], name: str = "update"
+  ) -> dispatch.Stage:
+    """A stage of one fused update of two trained roles (a `fused_train_step`), on the first
+    role's devices; its result is both roles' metrics. The second role's state goes in and
+    comes back as a view on the first role's mesh (`rlhfjax.mesh.sharing.view_on`)."""
+    first, second = roles
+
+    def update() -> Any:
+      mesh = self.roles[first].mesh
+      states = (self.states[first], sharing.view_on(self.states[second], mesh))
+      (state_a, state_b), metrics = step(states, batches)
+      self.states[first] = state_a
+      self.states[second] = sharing.view_on(state_b, self.roles[second].mesh)
+      return metrics
+
+    return self.stage(first, name, update)
 
   def stage(self, role: Role | str, name: str, fn: Callable[[], Any]) -> dispatch.Stage:
     """A stage of `role`'s work on its devices (a plain name runs on the host)."""

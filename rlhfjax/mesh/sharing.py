@@ -54,3 +54,30 @@ def same_shardings(a: Any, b: Any, shapes: Any) -> bool:
   if tree_a != tree_b or len(dims) != len(leaves_a):
     return False
   return all(_same_places(x, y, n) for x, y, n in zip(leaves_a, leaves_b, dims, strict=True))
+
+
+def on_mesh(sharding: jax.sharding.NamedSharding, mesh: jax.sharding.Mesh) -> Any:
+  """`sharding`'s spec on `mesh` (another mesh of the same devices, in another order)."""
+  return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def view_on(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """The same device buffers, labelled with the same specs on `mesh`: no byte moves.
+
+  `mesh` holds the arrays' devices in another order, so the view is another array: each device
+  keeps its shard, which now stands at that device's place in `mesh`. A pipelined critic is
+  laid out on the actor's devices with its `stage` axis reversed (its stage j on the actor's
+  stage p - 1 - j); viewed on the actor's mesh, its layer stack reads in reversed blocks, which
+  is what a fused schedule running the critic in the reverse device order needs on every
+  device (`rlhfjax.training.pipeline`). Viewing the result on the critic's mesh undoes it.
+  """
+
+  def one(x: jax.Array) -> jax.Array:
+    target = on_mesh(x.sharding, mesh)
+    if set(target.device_set) != set(x.sharding.device_set):
+      raise ValueError("a view needs the same devices in another order")
+    return jax.make_array_from_single_device_arrays(
+      x.shape, target, [shard.data for shard in x.addressable_shards]
+    )
+
+  return jax.tree.map(one, tree)

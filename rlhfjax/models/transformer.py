@@ -19,9 +19,12 @@ batching slots and sliding windows are all just masks.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -523,6 +526,14 @@ class MLP(nn.Module):
     )
 
 
+LayersFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+"""`(x_btd, positions_bt, mask_bts) -> x_btd`: what runs in place of the layer stack."""
+
+_LAYERS_REPLACED: contextvars.ContextVar[LayersFn | None] = contextvars.ContextVar(
+  "layers_replaced", default=None
+)
+
+
 ACTIVATION_AXES = ("batch", "length", "activation_embed")
 """Logical axes of the residual stream `[b, t, d]`: sharded over the batch only."""
 
@@ -530,7 +541,14 @@ ACTIVATION_AXES = ("batch", "length", "activation_embed")
 def constrain_activations(x_btd: jax.Array) -> jax.Array:
   """Pins the residual stream's layout to `ACTIVATION_AXES` under the caller's
   `nn.logical_axis_rules` and mesh context (a no-op without one). Without it XLA's sharding
-  propagation may follow the FSDP-sharded weights and replicate the batch."""
+  propagation may follow the FSDP-sharded weights and replicate the batch.
+
+  Not inside a pipeline stage (`layers_replaced`): there the stage runs in a branch of the
+  schedule's `lax.switch`, where XLA 0.10.2's partitioner fails on sharding constraints
+  (a failed check in `spmd_partitioner_util.cc`, or an "inconsistent conditional sharding"
+  from the verifier, on a stage x fsdp x tensor mesh), so the layout is left to propagation."""
+  if _LAYERS_REPLACED.get() is not None:
+    return x_btd
   return nn.with_logical_constraint(x_btd, ACTIVATION_AXES)
 
 
@@ -574,6 +592,47 @@ def remat_block(name: str):
   return nn.remat(Block, policy=remat_policy(name), prevent_cse=False)
 
 
+def scanned_blocks(config: ModelConfig, num_layers: int) -> type[nn.Module]:
+  """`num_layers` blocks as one scanned module: parameters stacked `[num_layers, ...]` under the
+  logical axis 'layers'. Called with `((x_btd, cache), positions_bt, mask_bts, layers_l,
+  cache_index_b)`."""
+  return nn.scan(
+    remat_block(config.remat),
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+    length=num_layers,
+    metadata_params={nn.PARTITION_NAME: "layers"},
+  )
+
+
+def apply_layers(
+  config: ModelConfig, layer_params: Params, x_btd, positions_bt, mask_bts
+) -> jax.Array:
+  """The residual stream after the consecutive layers whose stacked parameters are
+  `layer_params` (`params['layers']`, or a pipeline stage's block of it), without a cache."""
+  num_layers = jax.tree.leaves(layer_params)[0].shape[0]
+  (x_btd, _), _ = scanned_blocks(config, num_layers)(config).apply(
+    {"params": layer_params}, (x_btd, None), positions_bt, mask_bts, jnp.arange(num_layers), None
+  )
+  return x_btd
+
+
+@contextlib.contextmanager
+def layers_replaced(fn: LayersFn) -> Iterator[None]:
+  """Inside the block, every `Transformer` traced runs `fn` on its embedded tokens in place of
+  its layer stack, whose parameters it then never reads (full forwards only, no cache).
+
+  This is how a pipeline stage runs any loss function with only its own share of the layers
+  (`rlhfjax.training.pipeline`): the loss, its masks and positions stay the loss's own.
+  """
+  token = _LAYERS_REPLACED.set(fn)
+  try:
+    yield
+  finally:
+    _LAYERS_REPLACED.reset(token)
+
+
 class Transformer(nn.Module):
   """Token embedding, `num_layers` scanned blocks, final norm and an LM or value head.
 
@@ -602,17 +661,16 @@ class Transformer(nn.Module):
       jnp.take(embedding_vd, tokens_bt, axis=0).astype(jnp.dtype(cfg.dtype))
     )
 
-    stack = nn.scan(
-      remat_block(cfg.remat),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
-      length=cfg.num_layers,
-      metadata_params={nn.PARTITION_NAME: "layers"},
-    )
-    (x_btd, new_cache), _ = stack(cfg, name="layers")(
-      (x_btd, cache), positions_bt, mask_bts, jnp.arange(cfg.num_layers), cache_index_b
-    )
+    replaced = _LAYERS_REPLACED.get()
+    if replaced is not None:
+      if cache is not None:
+        raise ValueError("a replaced layer stack runs full forwards only, without a cache")
+      x_btd, new_cache = replaced(x_btd, positions_bt, mask_bts), None
+    else:
+      stack = scanned_blocks(cfg, cfg.num_layers)(cfg, name="layers")
+      (x_btd, new_cache), _ = stack(
+        (x_btd, cache), positions_bt, mask_bts, jnp.arange(cfg.num_layers), cache_index_b
+      )
     x_btd = RMSNorm(
       cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype), name="final_norm"
     )(x_btd)
@@ -802,24 +860,34 @@ def _full_forward(config, params, tokens_bt, attention_mask_bt, head):
   return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
+_jitted_forward = jax.jit(_full_forward, static_argnums=(0, 4))
+
+
+def _forward(config, params, tokens, attention_mask, head):
+  # `jax.jit` caches a trace by its arguments alone, so under `layers_replaced` (whose `fn` is
+  # no argument) the forward is traced in place instead of through the cache.
+  if _LAYERS_REPLACED.get() is not None:
+    return _full_forward(config, params, tokens, attention_mask, head)
+  return _jitted_forward(config, params, tokens, attention_mask, head)
+
+
 def forward_logits(
   config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None
 ) -> jax.Array:
-  """Float32 logits `[b, t, vocab]` for int32 tokens `[b, t]`.
+  """Float32 logits `[b, t, vocab]` for int32 tokens `[b, t]` (compiled once per shape).
 
   `attention_mask` (`[b, t]`, 1 = real token) handles padded batches, left padding included:
   positions restart at 0 on each row's first real token and pads are never attended to.
   """
-  return _full_forward(config, params, tokens, attention_mask, "lm")
+  return _forward(config, params, tokens, attention_mask, "lm")
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def forward_values(
   config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array | None = None
 ) -> jax.Array:
-  """Float32 per-token values `[b, t]` from a value-head model (critic, reward)."""
-  return _full_forward(config, params, tokens, attention_mask, "value")
+  """Float32 per-token values `[b, t]` from a value-head model (critic, reward), compiled once
+  per shape."""
+  return _forward(config, params, tokens, attention_mask, "value")
 
 
 def sequence_reward(values_bt: jax.Array, attention_mask_bt: jax.Array) -> jax.Array:

@@ -1,0 +1,369 @@
+"""Pipeline-parallel train steps: a schedule table (`rlhfjax.schedules`) run over the `stage` axis.
+
+Letters: m micro-batches, b rows of a micro-batch, s sequence length, d hidden, p stages,
+T ticks, A / G activation / gradient slots.
+
+A model's stacked layers `[l, ...]` are split over the `stage` mesh axis in p contiguous
+blocks (the 'layers' rule), so the device at stage position `i` holds the layers of one stage
+of each model; the embedding, final norm and head are held by every stage and used by the
+first and last. One compiled program runs a whole `Schedule`, a `lax.scan` over its ticks
+inside a `shard_map` that is manual over `stage` only, so each stage's compute stays
+auto-sharded over its `data` / `fsdp` / `tensor` devices. Each tick every stage looks up its op
+in the table and runs it (`lax.switch`), then two `ppermute`s move one message up and one
+down the stages: a forward's output to the next stage, a backward's input gradient to the
+previous one. Arrivals wait in buffer slots (`schedules.slots`) until their op runs.
+
+Forward and backward of a stage call the model's own loss function with the layer stack
+replaced by the stage's block (`models.transformer.layers_replaced`): the first stage's block
+reads the embedded tokens, the others read the activation that arrived, and only the last
+stage's loss is used. A backward recomputes its stage's forward from the stored input (the
+stage is rematerialised whole; the model's own remat policy applies inside) and takes the
+vector-Jacobian product with the gradient that arrived, or with the loss on the last stage.
+
+Gradients are summed per stage over the micro-batches in micro-batch order, as
+`steps.accumulate_and_apply`'s scan sums them, then averaged; the parameters outside the layer
+stack are summed over the stages (each stage adds only what it used). A non-finite loss on the
+last stage poisons every stage's gradients, so the optimizer skips the update as unpipelined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from rlhfjax import schedules
+from rlhfjax.config.model import ModelConfig
+from rlhfjax.models import transformer
+from rlhfjax.training import steps
+from rlhfjax.training.state import TrainState
+
+AXIS = "stage"
+
+# Ops a stage runs, by its place in the model's pipeline (the branch of `lax.switch` is
+# 1 + model * len(_OPS) + op; 0 idles).
+_OPS = (
+  "forward_first",
+  "forward_mid",
+  "forward_last",
+  "backward_first",
+  "backward_mid",
+  "backward_last",
+)
+_FIELDS = 8
+"""Columns of the executor's table: branch, micro-batch, activation slot, gradient slot, then
+(kind, slot) of the message from the stage below and of the one from above (kind 0: none,
+1 + 2 * model: an activation, 2 + 2 * model: a gradient)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """One model the schedule trains: its hyper-parameters and the loss of one micro-batch."""
+
+  config: ModelConfig
+  loss_fn: steps.LossFn
+
+
+def stages_of(mesh: Mesh) -> int:
+  """The size of `mesh`'s `stage` axis (1 without one)."""
+  return dict(mesh.shape).get(AXIS, 1)
+
+
+def check_layers(config: ModelConfig, stages: int, what: str = "model") -> None:
+  """Raises ValueError unless the layers split evenly over `stages`."""
+  if config.num_layers % stages:
+    raise ValueError(
+      f"{what}.num_layers={config.num_layers} does not split into "
+      f"placement.pipeline_stages={stages} stages"
+    )
+
+
+def executor_table(schedule: schedules.Schedule) -> np.ndarray:
+  """`[T, p, _FIELDS]` int32: what every stage does and receives at every tick."""
+  p = schedule.stages
+  if p < 2:
+    raise ValueError(f"a pipelined step needs at least 2 stages, got {p}")
+  slots = schedules.slots(schedule)
+  table = np.zeros((schedule.ticks, p, _FIELDS), np.int32)
+  for op in schedule.ops:
+    stage = schedule.stage_of(op.model, op.device)
+    place = "first" if stage == 0 else "last" if stage == p - 1 else "mid"
+    kind = "forward" if op.kind == schedules.FORWARD else "backward"
+    key = (op.model, op.micro, op.device)
+    row = table[op.tick, op.device]
+    row[0] = 1 + op.model * len(_OPS) + _OPS.index(f"{kind}_{place}")
+    row[1] = op.micro
+    row[2] = slots.activation.get(key, 0)
+    row[3] = slots.gradient.get(key, 0)
+    # Where this op's output goes: a forward's to the next stage, a backward's to the previous.
+    if op.kind == schedules.FORWARD and stage < p - 1:
+      to, code = schedule.device_of(op.model, stage + 1), 1 + 2 * op.model
+      slot = slots.activation[(op.model, op.micro, to)]
+    elif op.kind == schedules.BACKWARD and stage > 0:
+      to, code = schedule.device_of(op.model, stage - 1), 2 + 2 * op.model
+      slot = slots.gradient[(op.model, op.micro, to)]
+    else:
+      continue
+    receiver = table[op.tick, to]
+    column = 4 if to == op.device + 1 else 6  # from below (sent up) or from above (sent down)
+    receiver[column], receiver[column + 1] = code, slot
+  return table
+
+
+def _split(params: Any) -> tuple[Any, Any]:
+  """(the stacked layers, everything else) of a model's parameters."""
+  rest = {name: value for name, value in params.items() if name != "layers"}
+  return params["layers"], rest
+
+
+def _param_specs(params: Any) -> Any:
+  """Layers split over the stages along their stacking axis, the rest whole on every stage."""
+  layers, rest = _split(params)
+  specs = jax.tree.map(lambda _: PartitionSpec(), rest)
+  specs["layers"] = jax.tree.map(lambda _: PartitionSpec(AXIS), layers)
+  return specs
+
+
+def _rules_without_stage(flax_rules) -> tuple:
+  """The caller's logical axis rules with the (manual) `stage` axis left out."""
+  return tuple(
+    (name, tuple(a for a in (axes or ()) if a != AXIS) or None) for name, axes in flax_rules
+  )
+
+
+def _stage_forward(model: Model, place: str, rest, block, x_in, micro):
+  """`(output activation, loss, metrics)` of the model's stage holding `block`: the loss
+  function run with its layer stack replaced by the block (see the module docstring)."""
+  out = {}
+
+  def layers(x_btd, positions_bt, mask_bts):
+    x_btd = x_btd if place == "first" else x_in.astype(x_btd.dtype)
+    out["x"] = transformer.apply_layers(model.config, block, x_btd, positions_bt, mask_bts)
+    return out["x"]
+
+  with transformer.layers_replaced(layers):
+    loss, metrics = model.loss_fn(rest, micro)
+  return out["x"], loss, metrics
+
+
+def pipelined_grads(
+  models: Sequence[Model], schedule: schedules.Schedule, mesh: Mesh, params: Sequence, batches
+) -> tuple[tuple, tuple]:
+  """Per model, the mean float32 gradients and metrics over its `[m, ...]` micro-batches, from
+  running `schedule` over `mesh`'s `stage` axis (see the module docstring)."""
+  p, m = schedule.stages, schedule.micro_batches
+  table = jnp.asarray(executor_table(schedule))
+  slots = schedules.slots(schedule)
+  for k, batch in enumerate(batches):
+    if jax.tree.leaves(batch)[0].shape[0] != m:
+      got = jax.tree.leaves(batch)[0].shape[0]
+      raise ValueError(f"model {k}'s batch has {got} micro-batches, the schedule {m}")
+  # Per model, the activation between stages (what the first stage's block outputs) and the
+  # metrics of one micro-batch's loss.
+  shapes, metric_shapes = [], []
+  for model, prm, batch in zip(models, params, batches, strict=True):
+    layers, rest = _split(prm)
+    block = jax.tree.map(lambda x: x[: x.shape[0] // p], layers)
+    micro = jax.tree.map(lambda x: x[0], batch)
+    first = functools.partial(_stage_forward, model, "first")
+    x = jax.eval_shape(lambda r, bl, mi, first=first: first(r, bl, None, mi)[0], rest, block, micro)
+    last = functools.partial(_stage_forward, model, "last")
+    metric_shapes.append(jax.eval_shape(lambda *a, last=last: last(*a)[2], rest, block, x, micro))
+    shapes.append(x)
+  if len({x.shape[:-1] for x in shapes}) > 1 or len({x.dtype for x in shapes}) > 1:
+    raise ValueError(
+      "models fused in one pipeline need the same micro-batch rows, length and compute dtype, "
+      f"got {[(x.shape, str(x.dtype)) for x in shapes]}"
+    )
+  b, s = shapes[0].shape[:2]
+  width, dtype = max(x.shape[-1] for x in shapes), shapes[0].dtype
+  flax_rules = _rules_without_stage(nn.get_logical_axis_rules())
+
+  def body(params, batches):
+    me = jax.lax.axis_index(AXIS)
+    split = [_split(prm) for prm in params]
+
+    def varying(x):
+      return jax.lax.pcast(x, AXIS, to="varying")
+
+    def pad(x):
+      return jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, width - x.shape[-1])))
+
+    def branch(k: int, op: str):
+      model, (block, rest), batch = models[k], split[k], batches[k]
+      place, backward = op.split("_")[1], op.startswith("backward")
+      d = shapes[k].shape[-1]
+
+      def run(micro_i, a_slot, g_slot, acts, grads_in, acc):
+        micro = jax.tree.map(
+          lambda x: jax.lax.dynamic_index_in_dim(x, micro_i, keepdims=False), batch
+        )
+        x_in = acts[k][a_slot]
+        up = down = jnp.zeros((b, s, width), dtype)
+        grads, metrics, finite = acc
+        sent = None
+        if not backward:
+          x, loss, mets = _stage_forward(model, place, rest, block, x_in, micro)
+          if place == "last":
+            metrics = list(metrics)
+            metrics[k] = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics[k], mets)
+            finite = finite & jnp.isfinite(loss)
+          else:
+            sent = x
+        else:
+          if place == "last":
+            _, pull = jax.vjp(
+              lambda r, bl, xi: _stage_forward(model, place, r, bl, xi, micro)[1], rest, block, x_in
+            )
+            d_rest, d_block, d_x = pull(jnp.ones((), jnp.float32))
+          else:
+            g = grads_in[k][g_slot][..., :d]
+            _, pull = jax.vjp(
+              lambda r, bl, xi: _stage_forward(model, place, r, bl, xi, micro)[0], rest, block, x_in
+            )
+            d_rest, d_block, d_x = pull(g.astype(dtype))
+          layers_acc, rest_acc = grads[k]
+          grads = list(grads)
+          grads[k] = (
+            jax.tree.map(jnp.add, layers_acc, d_block),
+            jax.tree.map(jnp.add, rest_acc, d_rest),
+          )
+          if place != "first":
+            sent = d_x
+        if sent is not None:
+          reverse = schedule.directions[k] is schedules.Direction.REVERSE_ORDER
+          goes_up = backward == reverse  # forward order: forwards go up, backwards down
+          if goes_up:
+            up = pad(sent)
+          else:
+            down = pad(sent)
+        return up, down, (tuple(grads), tuple(metrics), finite)
+
+      return run
+
+    def idle(micro_i, a_slot, g_slot, acts, grads_in, acc):
+      zeros = jnp.zeros((b, s, width), dtype)
+      return zeros, zeros, acc
+
+    branches = [idle] + [branch(k, op) for k in range(len(models)) for op in _OPS]
+
+    def tick(carry, row):
+      acts, grads_in, acc = carry
+      entry = row[me]
+      up, down, acc = jax.lax.switch(
+        entry[0], branches, entry[1], entry[2], entry[3], acts, grads_in, acc
+      )
+      from_below = jax.lax.ppermute(up, AXIS, [(i, i + 1) for i in range(p - 1)])
+      from_above = jax.lax.ppermute(down, AXIS, [(i + 1, i) for i in range(p - 1)])
+      acts, grads_in = list(acts), list(grads_in)
+      for message, kind, slot in (
+        (from_below, entry[4], entry[5]),
+        (from_above, entry[6], entry[7]),
+      ):
+        for k in range(len(models)):
+          d = shapes[k].shape[-1]
+          for buffers, code in ((acts, 1 + 2 * k), (grads_in, 2 + 2 * k)):
+            old = buffers[k][slot]
+            buffers[k] = buffers[k].at[slot].set(jnp.where(kind == code, message[..., :d], old))
+      return (tuple(acts), tuple(grads_in), acc), None
+
+    acts = tuple(
+      varying(jnp.zeros((slots.activation_slots[k], b, s, x.shape[-1]), dtype))
+      for k, x in enumerate(shapes)
+    )
+    grads_in = tuple(
+      varying(jnp.zeros((slots.gradient_slots[k], b, s, x.shape[-1]), dtype))
+      for k, x in enumerate(shapes)
+    )
+    grads0 = tuple(
+      (varying(steps.zero_gradients(block)), varying(steps.zero_gradients(rest)))
+      for block, rest in split
+    )
+    metrics0 = tuple(
+      varying(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), mets))
+      for mets in metric_shapes
+    )
+    acc0 = (grads0, metrics0, varying(jnp.array(True)))
+    with nn.logical_axis_rules(flax_rules):
+      (_, _, (grads, metrics, finite)), _ = jax.lax.scan(tick, (acts, grads_in, acc0), table)
+    finite = jax.lax.pmin(finite.astype(jnp.int32), AXIS) > 0
+    poison = jnp.where(finite, 0.0, jnp.nan)
+    out_grads, out_metrics = [], []
+    for (layers_g, rest_g), mets in zip(grads, metrics, strict=True):
+      rest_g = jax.lax.psum(rest_g, AXIS)
+      full = {**rest_g, "layers": layers_g}
+      out_grads.append(jax.tree.map(lambda g: (g + poison) / m, full))
+      out_metrics.append(jax.tree.map(lambda v: jax.lax.psum(v, AXIS) / m, mets))
+    return tuple(out_grads), tuple(out_metrics)
+
+  in_specs = (
+    tuple(_param_specs(prm) for prm in params),
+    jax.tree.map(lambda _: PartitionSpec(), tuple(batches)),
+  )
+  out_specs = (tuple(_param_specs(prm) for prm in params), PartitionSpec())
+  run = jax.shard_map(
+    body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False
+  )
+  return run(tuple(params), tuple(batches))
+
+
+def pipelined_update(
+  models: Sequence[Model],
+  txs: Sequence[optax.GradientTransformation],
+  schedule: schedules.Schedule,
+  mesh: Mesh,
+  states: Sequence[TrainState],
+  batches: Sequence[Any],
+) -> tuple[tuple[TrainState, ...], tuple[dict[str, jax.Array], ...]]:
+  """One optimizer update of every model from its pipelined mini-batch (`[m, ...]` leaves):
+  `steps.accumulate_and_apply`'s result, computed by `schedule`."""
+  grads, metrics = pipelined_grads(
+    models, schedule, mesh, [state.params for state in states], batches
+  )
+  out = [
+    steps.apply_gradients(tx, state, g, mets)
+    for tx, state, g, mets in zip(txs, states, grads, metrics, strict=True)
+  ]
+  return tuple(s for s, _ in out), tuple(mt for _, mt in out)
+
+
+def accumulate_and_apply(
+  loss_fn: steps.LossFn,
+  tx: optax.GradientTransformation,
+  config: ModelConfig,
+  schedule_name: str,
+  mesh: Mesh,
+  state: TrainState,
+  batch: Any,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """`steps.accumulate_and_apply` of one model pipelined over `mesh`'s stages by schedule
+  `schedule_name` ('gpipe' or '1f1b'), the micro-batches being `batch`'s leading axis."""
+  m = jax.tree.leaves(batch)[0].shape[0]
+  schedule = schedules.single(schedule_name, stages_of(mesh), m)
+  (state,), (metrics,) = pipelined_update(
+    [Model(config, loss_fn)], [tx], schedule, mesh, [state], [batch]
+  )
+  return state, metrics
+
+
+def fused_accumulate_and_apply(
+  models: Sequence[Model],
+  txs: Sequence[optax.GradientTransformation],
+  mesh: Mesh,
+  states: Sequence[TrainState],
+  batches: Sequence[Any],
+) -> tuple[tuple[TrainState, ...], tuple[dict[str, jax.Array], ...]]:
+  """Two models' updates in one fused schedule (`schedules.fused`), the second's stages in
+  the reverse device order: its parameters must be laid out that way on `mesh` (see
+  `rlhfjax.mesh.sharing.view_on`)."""
+  m = jax.tree.leaves(batches[0])[0].shape[0]
+  schedule = schedules.fused(stages_of(mesh), m)
+  return pipelined_update(models, txs, schedule, mesh, states, batches)
