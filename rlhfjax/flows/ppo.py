@@ -155,6 +155,10 @@ class PPOFlow:
         f"{ahead} needs the rollout on its own devices (placement.strategy='disaggregated')"
       )
     self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
+    self.fused = ppo.fuse_actor_critic
+    """Actor and critic update in one fused pipeline schedule (`Cluster.fused_train_step`)."""
+    if self.fused:
+      _check_fusion(cfg, self.use_critic, cluster)
     self._update_keys = (("actor", "update"),) + (
       (("critic", "update"),) if self.use_critic else ()
     )
@@ -258,15 +262,23 @@ class PPOFlow:
       kl_loss_coef=ppo.kl_loss_coef,
       kl_estimator=ppo.kl_estimator,
     )
-    self._actor_step = cluster.train_step("actor_step", Role.ACTOR, actor_loss)
+    if not self.fused:
+      self._actor_step = cluster.train_step("actor_step", Role.ACTOR, actor_loss)
     if self.use_critic:
       critic = cluster.roles[Role.CRITIC]
       critic_shapes = {**shapes, "returns": (b, t), "old_values": (b, t)}
-      self._critic_split = split(Role.CRITIC, "critic_minibatches", critic_shapes)
+      # Fused, the critic's mini-batches are cut where the fused step runs: the actor's mesh.
+      where = Role.ACTOR if self.fused else Role.CRITIC
+      self._critic_split = split(where, "critic_minibatches", critic_shapes)
       critic_loss = functools.partial(
         steps.critic_loss, config=critic.model, prompt_len=p, clip_eps=ppo.value_clip_eps
       )
-      self._critic_step = cluster.train_step("critic_step", Role.CRITIC, critic_loss)
+      if self.fused:
+        self._fused_step = cluster.fused_train_step(
+          "actor_critic_step", (Role.ACTOR, Role.CRITIC), (actor_loss, critic_loss)
+        )
+      else:
+        self._critic_step = cluster.train_step("critic_step", Role.CRITIC, critic_loss)
 
   def _compile_packed_updates(self) -> None:
     ctx, cfg, ppo, cluster = self.ctx, self.ctx.cfg, self.ctx.cfg.ppo, self.ctx.cluster
@@ -571,17 +583,24 @@ class PPOFlow:
     actor_batch, critic_batch = self._update_fields(exp)
     actor_batch = {**actor_batch, **masks}
     if self.use_critic:
-      critic_batch = cluster.move(Role.CRITIC, {**critic_batch, **masks})
+      where = Role.ACTOR if self.fused else Role.CRITIC
+      critic_batch = cluster.move(where, {**critic_batch, **masks})
 
     def mini_batches(epoch: int):
       actor_minis = self._actor_split(actor_batch, cluster.states[Role.ACTOR].step)
-      critic_minis = (
-        self._critic_split(critic_batch, cluster.states[Role.CRITIC].step)
-        if self.use_critic
-        else None
-      )
+      critic_minis = None
+      if self.use_critic:
+        # Fused, the critic's permutation is keyed by the actor's step on the actor's mesh:
+        # the two count the same updates.
+        step_of = Role.ACTOR if self.fused else Role.CRITIC
+        critic_minis = self._critic_split(critic_batch, cluster.states[step_of].step)
       out = []
       for k in range(len(actor_minis)):
+        if self.fused:
+          roles = (Role.ACTOR, Role.CRITIC)
+          batches = (actor_minis[k], critic_minis[k])
+          out.append({roles: cluster.fused_update_stage(roles, self._fused_step, batches)})
+          continue
         todo = {Role.ACTOR: cluster.update_stage(Role.ACTOR, self._actor_step, actor_minis[k])}
         if self.use_critic:
           todo[Role.CRITIC] = cluster.update_stage(Role.CRITIC, self._critic_step, critic_minis[k])
@@ -600,9 +619,15 @@ class PPOFlow:
       for k, todo in enumerate(mini_batches(epoch)):
         then = self._update_keys if (epoch, k) != last else ()
         results = cluster.fetch(cluster.run(list(todo.values()), iteration, then=then))
+        by_role = []
+        for roles, result in zip(todo, results, strict=True):
+          # A fused stage (keyed by its roles) returns each role's metrics.
+          by_role += (
+            zip(roles, result, strict=True) if isinstance(roles, tuple) else [(roles, result)]
+          )
         merged = {
           name if "/" in name else f"{role.value}/{name}": value
-          for role, result in zip(todo, results, strict=True)
+          for role, result in by_role
           for name, value in result.items()
         }
         skipped = max(float(merged["actor/skipped"]), float(merged.get("critic/skipped", 0.0)))
@@ -637,6 +662,25 @@ class PPOFlow:
     for key, value in update_metrics.items():
       row.setdefault(key, value)
     return row
+
+
+def _check_fusion(cfg, use_critic: bool, cluster) -> None:
+  """`ppo.fuse_actor_critic` needs a critic, padded updates, and its optimizer state in device
+  memory (the fused stage is the actor's, whose prefetch knows nothing of the critic's)."""
+  if not use_critic:
+    raise ConfigError(
+      f"'ppo.fuse_actor_critic' fuses the actor's and the critic's updates; "
+      f"{cfg.algorithm.name!r} trains no critic"
+    )
+  if cfg.ppo.packing:
+    raise ConfigError("'ppo.fuse_actor_critic' runs padded micro-batches: set 'ppo.packing=False'")
+  if Role.CRITIC.value in cfg.offload.optimizer:
+    raise ConfigError("'ppo.fuse_actor_critic' keeps the critic's optimizer state on the devices")
+  if not cluster.placement.colocated(Role.ACTOR, Role.CRITIC):
+    raise ConfigError(
+      "'ppo.fuse_actor_critic' runs actor and critic on the same devices: "
+      "'placement.split_actor_critic' must be False"
+    )
 
 
 def _roles(estimator: str | None = None):
