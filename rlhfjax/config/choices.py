@@ -22,6 +22,8 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_no
 """`ppo.loss_agg`: `rlhfjax.algorithms.LOSS_AGGREGATIONS`."""
 DPO_LOSSES = ("sigmoid", "ipo")
 """`dpo.loss`: `rlhfjax.algorithms.DPO_LOSSES`."""
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+"""`placement.pipeline_schedule`: `rlhfjax.schedules.SCHEDULES` (a layer above the config)."""
 
 
 def implement(names: Sequence[str], implementations: dict[str, T]) -> dict[str, T]:

@@ -285,6 +285,15 @@ class PlacementSection:
   """auto: the planner's hardware, a preset name or 'local' (measured, see `efficiency`)."""
   efficiency: str = ""
   """auto: a calibration JSON of `scripts/calibrate.py` (needed by 'local') or a profile."""
+  pipeline_stages: int = 1
+  """Pipeline stages of every training-layout role (actor, critic, reference, reward; the one
+  trained model of SFT and the reward model): each role's devices are split stage x fsdp x
+  tensor and its scanned layers into this many contiguous blocks, one per stage. 1: no
+  pipeline. 'explicit' names a `stage` axis per role instead; 'auto' plans without stages."""
+  pipeline_schedule: str = "1f1b"
+  """How a pipelined role runs its micro-batches: 'gpipe' (all forwards, then all backwards) or
+  '1f1b' (one forward, one backward in the steady state; fewer activations in flight). See
+  `rlhfjax.schedules`."""
 
   def __post_init__(self):
     # num_devices and rollout_fraction are checked where the placement is planned
@@ -296,7 +305,19 @@ class PlacementSection:
       tensor=ranges.COUNT,
       data=ranges.COUNT,
       rollout_tensor=ranges.COUNT,
+      pipeline_stages=ranges.COUNT,
     )
+    _check_choice("placement.pipeline_schedule", self.pipeline_schedule, choices.PIPELINE_SCHEDULES)
+    if self.pipeline_stages > 1 and self.strategy in ("auto", "explicit"):
+      instead = {
+        "auto": "the planner plans without pipeline stages; pick colocated, interleaved or "
+        "disaggregated",
+        "explicit": "give each training role a 'stage' axis in placement.explicit.<role>.axes",
+      }[self.strategy]
+      raise ConfigError(
+        f"'placement.pipeline_stages'={self.pipeline_stages} does not apply to "
+        f"placement.strategy={self.strategy}: {instead}"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -512,6 +533,11 @@ class PPOSection:
   """With `packing`: the token budget of one gradient-accumulation step (rows of
   `rollout.max_seq_len` tokens; as many steps per mini-batch as its samples need). 0: the padded
   micro-batch's tokens, `rollout.batch_size / (mini_batches x micro_batches)` x `max_seq_len`."""
+  fuse_actor_critic: bool = False
+  """Run the actor's and the critic's updates as one fused pipeline schedule
+  (`rlhfjax.schedules.fused`, RLHFuse's intra-stage fusion): the critic's stages run over the
+  devices in the reverse order, so each model's micro-batches fill the other's bubbles. Needs
+  `placement.pipeline_stages` > 1 and the actor and critic on the same devices."""
 
   @property
   def generates_ahead(self) -> bool:
@@ -1025,6 +1051,7 @@ class ExperimentConfig:
         f"'ppo.max_tokens_per_micro_batch'={budget} is below one sequence's capacity, "
         f"rollout.max_prompt_len + rollout.max_new_tokens = {width}"
       )
+    _check_fusable(self.ppo, self.placement)
     for name in ("dpo", "online_dpo"):
       budget = getattr(self, name).max_tokens_per_micro_batch
       if 0 < budget < 2 * width:
@@ -1032,6 +1059,23 @@ class ExperimentConfig:
           f"'{name}.max_tokens_per_micro_batch'={budget} is below one pair's capacity, "
           f"2 x (rollout.max_prompt_len + rollout.max_new_tokens) = {2 * width}"
         )
+
+
+def _check_fusable(ppo: PPOSection, placement: PlacementSection) -> None:
+  """`ppo.fuse_actor_critic` needs pipelined actor and critic on the same devices; what the
+  config alone shows is checked here, the devices of an explicit spec where it is built
+  (`rlhfjax.placement.validate.check_fusable`)."""
+  if not ppo.fuse_actor_critic:
+    return
+  if placement.strategy != "explicit" and placement.pipeline_stages == 1:
+    raise ConfigError(
+      "'ppo.fuse_actor_critic' fuses two pipelines: set 'placement.pipeline_stages' > 1"
+    )
+  if placement.split_actor_critic and placement.strategy in ("interleaved", "disaggregated"):
+    raise ConfigError(
+      "'ppo.fuse_actor_critic' needs the actor and critic on the same devices, but "
+      "'placement.split_actor_critic' puts them on disjoint halves"
+    )
 
 
 def _checkpoint_tokenizer(cfg: ExperimentConfig) -> None:

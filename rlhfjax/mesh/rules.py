@@ -46,20 +46,24 @@ TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
-    "layers": (),
+    "layers": ("stage",),
     "norm": (),
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "stage"),
     "length": (),
     "kv_length": (),
   }
 )
-"""FSDP over the model width, tensor parallel over vocab/heads/MLP, batch over data x fsdp."""
+"""FSDP over the model width, tensor parallel over vocab/heads/MLP, the scanned layer stack over
+the pipeline's `stage` axis (contiguous blocks of layers per stage), and the batch over data x
+fsdp x stage: a forward-only program (scoring) splits its rows over the stages too, while a
+pipelined step places its micro-batches itself. Without a `stage` axis (or with size 1) this is
+plain FSDP x tensor parallel."""
 
 GENERATION_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
-  {**TRAINING_RULES, "embed": (), "batch": ("data",)}
+  {**TRAINING_RULES, "embed": (), "layers": (), "batch": ("data",)}
 )
-"""The training table without FSDP: tensor parallel only; weights are replicated across `data`
-groups (no gather per step)."""
+"""The training table without FSDP or pipeline stages: tensor parallel only; weights are
+replicated across `data` groups (no gather per step)."""
 
 
 def rules_table(layout: Layout | str) -> Mapping[str, MeshAxes]:

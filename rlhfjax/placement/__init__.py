@@ -10,6 +10,7 @@ from rlhfjax.placement.strategies import (
   from_explicit,
   interleaved,
   register_strategy,
+  reverse_stages,
   strategy_names,
 )
 from rlhfjax.placement.validate import PlacementError
@@ -32,6 +33,7 @@ __all__ = [
   "from_explicit",
   "interleaved",
   "register_strategy",
+  "reverse_stages",
   "strategy_names",
   "option_report",
 ]

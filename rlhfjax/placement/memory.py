@@ -4,9 +4,13 @@ The model itself (`rlhfjax.costmodel.memory`) counts parameters, gradients, opti
 their dtypes, activations with and without remat, logits (whole or chunked), the KV cache and
 the weight sync's temporary buffer from the shapes alone. This module feeds it a placement:
 
-- the training layout shards parameters (and moments, gradients) over `fsdp` x `tensor` and
-  splits the batch over `data` x `fsdp`; the generation layout shards parameters over `tensor`
-  and gives each `data` group its share of the rollout slots;
+- the training layout shards parameters (and moments, gradients) over `stage` x `fsdp` x
+  `tensor` and splits the batch over `data` x `fsdp` x `stage`; the generation layout shards
+  parameters over `tensor` and gives each `data` group its share of the rollout slots. A
+  pipeline stage holds 1/P of the layers (the embedding and head are counted as split too, a
+  small error) and, at most, the activations of its layers for every micro-batch of the step
+  (GPipe's bound; 1F1B keeps fewer in flight): the whole model's activations for 1/P of the
+  rows;
 - actor and critic are trained on micro-batches of `train_rows` sequences (the config's mini-
   batch split into micro-batches); reference and reward score the whole rollout batch at once,
   as the padded trainer does, or `score_rows` rows per call. A packing run passes its token
@@ -51,15 +55,15 @@ HEADS: Mapping[Role, str] = {
 """Output head of each role's model: policies predict tokens, critics and rewards a scalar."""
 
 PARAM_SHARDING_AXES: Mapping[Layout, tuple[str, ...]] = {
-  Layout.TRAINING: ("fsdp", "tensor"),
+  Layout.TRAINING: ("stage", "fsdp", "tensor"),
   Layout.GENERATION: ("tensor",),
 }
 """Mesh axes each layout shards parameters (and optimizer state, gradients) over."""
 BATCH_AXES: Mapping[Layout, tuple[str, ...]] = {
-  Layout.TRAINING: ("data", "fsdp"),
+  Layout.TRAINING: ("data", "fsdp", "stage"),
   Layout.GENERATION: ("data",),
 }
-"""Mesh axes each layout splits the batch over."""
+"""Mesh axes each layout splits the batch over (for a pipeline, its activations: see above)."""
 
 __all__ = [
   "GIB",

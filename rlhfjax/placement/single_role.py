@@ -1,6 +1,7 @@
 """The placement of a flow that trains one model (SFT, the reward model): its one role on the
-first `num_devices` devices as one training mesh, data x fsdp x tensor (the layout PPO gives its
-trained roles), checked against the model's heads, the micro-batch and the memory budget.
+first `num_devices` devices as one training mesh, stage x data x fsdp x tensor (the layout PPO
+gives its trained roles), checked against the model's heads and layers, the micro-batch and the
+memory budget.
 
 `placement.strategy='auto'` lets the planner pick the split (`rlhfjax.planner.single`); the
 runner asks it, as this layer may not import the planner.
@@ -12,7 +13,7 @@ from rlhfjax.config import PlacementSection, RolloutSection
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.placement import memory
 from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
-from rlhfjax.placement.validate import PlacementError
+from rlhfjax.placement.validate import PlacementError, check_layers
 
 STRATEGIES = ("colocated", "auto")
 """The strategies of one role: 'colocated' (`data` and `tensor` as given, fsdp over the rest)
@@ -22,18 +23,26 @@ or the planner's split."""
 def manual_spec(
   placement: PlacementSection, model: ModelConfig, num_devices: int, rows: int
 ) -> RoleSpec:
-  """`placement.data` x fsdp x `placement.tensor` over `num_devices` devices.
+  """`placement.pipeline_stages` x `placement.data` x fsdp x `placement.tensor` over
+  `num_devices` devices.
 
   Raises:
-    PlacementError: `data` x `tensor` does not divide the devices, `tensor` does not divide the
-      (KV) heads, or a micro-batch of `rows` rows does not split over the batch shards.
+    PlacementError: stages x `data` x `tensor` does not divide the devices, `tensor` does not
+      divide the (KV) heads, the stages do not divide the layers, or a micro-batch of `rows`
+      rows does not split over the batch shards.
   """
-  data, tensor = placement.data, placement.tensor
-  if num_devices % (data * tensor):
+  stages, data, tensor = placement.pipeline_stages, placement.data, placement.tensor
+  named = [
+    (f"placement.{field}", size)
+    for field, size in (("pipeline_stages", stages), ("data", data), ("tensor", tensor))
+    if size > 1 or field == "tensor"
+  ]
+  if num_devices % (stages * data * tensor):
+    fields = " x ".join(field for field, _ in named)
+    sizes = " x ".join(str(size) for _, size in named)
     raise PlacementError(
-      f"placement.data x placement.tensor = {data} x {tensor} does not divide "
-      f"placement.num_devices={num_devices}"
-      if data > 1
+      f"{fields} = {sizes} does not divide placement.num_devices={num_devices}"
+      if len(named) > 1
       else f"placement.tensor={tensor} does not divide placement.num_devices={num_devices}"
     )
   for name in ("num_heads", "num_kv_heads"):
@@ -41,7 +50,8 @@ def manual_spec(
       raise PlacementError(
         f"placement.tensor={tensor} does not divide {name}={getattr(model, name)} of the model"
       )
-  fsdp = num_devices // tensor // data
+  check_layers(model, stages)
+  fsdp = num_devices // tensor // data // stages
   shards = data * fsdp
   if rows % shards:
     raise PlacementError(
@@ -49,7 +59,7 @@ def manual_spec(
       f"{'data x fsdp' if data > 1 else 'fsdp'}={shards} batch shards; make it a multiple of "
       f"{shards}"
     )
-  return RoleSpec.training(range(num_devices), data=data, fsdp=fsdp, tensor=tensor)
+  return RoleSpec.training(range(num_devices), stage=stages, data=data, fsdp=fsdp, tensor=tensor)
 
 
 def placed(

@@ -23,16 +23,21 @@ class Role(enum.StrEnum):
 
 class Layout(enum.StrEnum):
   TRAINING = "training"
-  """FSDP over `fsdp` (and `data`), tensor parallel over `tensor`."""
+  """Pipeline stages over `stage`, FSDP over `fsdp` (and `data`), tensor parallel over
+  `tensor`."""
   GENERATION = "generation"
   """Tensor parallel over heads and MLP, replicated across `data` groups."""
 
 
 LAYOUT_AXES: Mapping[Layout, tuple[str, ...]] = {
-  Layout.TRAINING: ("data", "fsdp", "tensor"),
+  Layout.TRAINING: ("stage", "data", "fsdp", "tensor"),
   Layout.GENERATION: ("data", "tensor"),
 }
 """The mesh axes of each layout, in mesh order (devices are listed row-major over them)."""
+OPTIONAL_AXES = frozenset({"stage"})
+"""Axes a spec lists only when it uses them (size > 1): a training spec without a pipeline
+keeps its three axes ('data', 'fsdp', 'tensor'), so specs and meshes from before pipelines
+are unchanged."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,9 +51,13 @@ class RoleSpec:
   layout: Layout
 
   @classmethod
-  def training(cls, devices, *, data: int = 1, fsdp: int = 1, tensor: int = 1) -> RoleSpec:
-    """A training-layout spec: axes ('data', 'fsdp', 'tensor') over `devices`."""
-    axes = (("data", data), ("fsdp", fsdp), ("tensor", tensor))
+  def training(
+    cls, devices, *, stage: int = 1, data: int = 1, fsdp: int = 1, tensor: int = 1
+  ) -> RoleSpec:
+    """A training-layout spec: axes ('stage', 'data', 'fsdp', 'tensor') over `devices`, the
+    pipeline's 'stage' outermost and only when `stage` > 1."""
+    axes = (("stage", stage),) if stage > 1 else ()
+    axes += (("data", data), ("fsdp", fsdp), ("tensor", tensor))
     return cls(devices=tuple(devices), axes=axes, layout=Layout.TRAINING)
 
   @classmethod
@@ -72,6 +81,11 @@ class RoleSpec:
   def axis_size(self, name: str) -> int:
     return dict(self.axes).get(name, 1)
 
+  @property
+  def stages(self) -> int:
+    """Pipeline stages: the size of the 'stage' axis (1 without one)."""
+    return self.axis_size("stage")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlacementSpec:
@@ -86,7 +100,9 @@ class PlacementSpec:
     return self.roles[Role(role)]
 
   def colocated(self, a: Role | str, b: Role | str) -> bool:
-    """True when two roles share any device (so they cannot run at the same time)."""
+    """True when two roles share any device (so they cannot run at the same time). Devices
+    compare as sets: a critic whose stages run in the reverse order of the actor's
+    (`rlhfjax.placement.strategies`) lists the actor's devices in another order."""
     return bool(set(self[a].devices) & set(self[b].devices))
 
   def only(self, roles) -> PlacementSpec:

@@ -1,8 +1,11 @@
 """Placement strategies: functions that build a `PlacementSpec` for a job of N devices.
 
 Devices are the indices 0..N-1 into `jax.devices()`. Training roles (actor, critic, reference,
-reward) use the training layout with axes (data=1, fsdp=n/tensor, tensor); the rollout uses the
-generation layout with axes (data=n/rollout_tensor, tensor=rollout_tensor).
+reward) use the training layout with axes (data=1, fsdp=n/tensor, tensor) over their n devices,
+or with `pipeline_stages` P > 1 (stage=P, data=1, fsdp=n/(P x tensor), tensor); the rollout
+uses the generation layout with axes (data=n/rollout_tensor, tensor=rollout_tensor), whatever P.
+A critic on exactly the actor's devices runs its stages in the reverse device order
+(`reverse_stages`), for the fused actor-critic schedule.
 
 - `colocated`: every role on all N devices, run one after another (the flattening baseline).
 - `interleaved`: actor and critic on all devices; reference and reward on disjoint halves so
@@ -25,7 +28,14 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from rlhfjax.config import ExplicitPlacementSection, PlacementSection
-from rlhfjax.placement.spec import LAYOUT_AXES, Layout, PlacementSpec, Role, RoleSpec
+from rlhfjax.placement.spec import (
+  LAYOUT_AXES,
+  OPTIONAL_AXES,
+  Layout,
+  PlacementSpec,
+  Role,
+  RoleSpec,
+)
 from rlhfjax.placement.validate import (
   PlacementError,
   check_spec,
@@ -38,18 +48,21 @@ Builder = Callable[[PlacementSection, int], PlacementSpec]
 _TRAINING_ROLES = (Role.ACTOR, Role.CRITIC, Role.REFERENCE, Role.REWARD)
 
 
-def colocated(num_devices: int, *, tensor: int = 1, rollout_tensor: int = 1) -> PlacementSpec:
+def colocated(
+  num_devices: int, *, tensor: int = 1, rollout_tensor: int = 1, pipeline_stages: int = 1
+) -> PlacementSpec:
   """Every role on all `num_devices` devices; the roles run one after another.
 
   Args:
     num_devices: devices of the job.
     tensor: tensor-parallel size of the training roles; fsdp takes the rest.
     rollout_tensor: tensor-parallel size of the rollout; data takes the rest.
+    pipeline_stages: pipeline stages of the training roles (the critic's reversed).
   """
   devices = _device_range(0, num_devices)
-  roles = {role: _training_spec(role, devices, tensor) for role in _TRAINING_ROLES}
+  roles = {role: _training_spec(role, devices, tensor, pipeline_stages) for role in _TRAINING_ROLES}
   roles[Role.ROLLOUT] = _generation_spec(devices, rollout_tensor)
-  return PlacementSpec(strategy="colocated", roles=roles)
+  return PlacementSpec(strategy="colocated", roles=_critic_reversed(roles))
 
 
 def interleaved(
@@ -58,6 +71,7 @@ def interleaved(
   split_actor_critic: bool = False,
   tensor: int = 1,
   rollout_tensor: int = 1,
+  pipeline_stages: int = 1,
 ) -> PlacementSpec:
   """Reference and reward on disjoint halves (scoring concurrently), as in the APP paper.
 
@@ -67,21 +81,25 @@ def interleaved(
       run concurrently; otherwise both use all devices.
     tensor: tensor-parallel size of the training roles.
     rollout_tensor: tensor-parallel size of the rollout, which uses the actor's devices.
+    pipeline_stages: pipeline stages of each training role over its own devices.
   """
   devices = _device_range(0, num_devices)
   first, second = _halves(devices, "interleaved")
   actor, critic = (first, second) if split_actor_critic else (devices, devices)
+  stages = pipeline_stages
   roles = {
-    Role.ACTOR: _training_spec(Role.ACTOR, actor, tensor),
-    Role.CRITIC: _training_spec(Role.CRITIC, critic, tensor),
-    Role.REFERENCE: _training_spec(Role.REFERENCE, first, tensor),
-    Role.REWARD: _training_spec(Role.REWARD, second, tensor),
+    Role.ACTOR: _training_spec(Role.ACTOR, actor, tensor, stages),
+    Role.CRITIC: _training_spec(Role.CRITIC, critic, tensor, stages),
+    Role.REFERENCE: _training_spec(Role.REFERENCE, first, tensor, stages),
+    Role.REWARD: _training_spec(Role.REWARD, second, tensor, stages),
     Role.ROLLOUT: _generation_spec(actor, rollout_tensor),
   }
   disjoint = [(Role.REFERENCE, Role.REWARD)]
   if split_actor_critic:
     disjoint.append((Role.ACTOR, Role.CRITIC))
-  return PlacementSpec(strategy="interleaved", roles=roles, disjoint=tuple(disjoint))
+  return PlacementSpec(
+    strategy="interleaved", roles=_critic_reversed(roles), disjoint=tuple(disjoint)
+  )
 
 
 def disaggregated(
@@ -92,6 +110,7 @@ def disaggregated(
   tensor: int = 1,
   split_actor_critic: bool = False,
   split_reference_reward: bool = False,
+  pipeline_stages: int = 1,
 ) -> PlacementSpec:
   """The rollout on devices of its own, the training roles on the rest.
 
@@ -106,6 +125,7 @@ def disaggregated(
     tensor: tensor-parallel size of the training roles.
     split_actor_critic: actor and critic on disjoint halves of the training devices.
     split_reference_reward: reference and reward on disjoint halves of the training devices.
+    pipeline_stages: pipeline stages of each training role over its own devices.
   """
   if not 0.0 < rollout_fraction < 1.0:
     raise PlacementError(f"placement.rollout_fraction must be in (0, 1), got {rollout_fraction}")
@@ -126,22 +146,27 @@ def disaggregated(
   if split_reference_reward:
     reference, reward = _halves(training, "disaggregated with split_reference_reward")
     disjoint.append((Role.REFERENCE, Role.REWARD))
+  stages = pipeline_stages
   roles = {
-    Role.ACTOR: _training_spec(Role.ACTOR, actor, tensor),
-    Role.CRITIC: _training_spec(Role.CRITIC, critic, tensor),
-    Role.REFERENCE: _training_spec(Role.REFERENCE, reference, tensor),
-    Role.REWARD: _training_spec(Role.REWARD, reward, tensor),
+    Role.ACTOR: _training_spec(Role.ACTOR, actor, tensor, stages),
+    Role.CRITIC: _training_spec(Role.CRITIC, critic, tensor, stages),
+    Role.REFERENCE: _training_spec(Role.REFERENCE, reference, tensor, stages),
+    Role.REWARD: _training_spec(Role.REWARD, reward, tensor, stages),
     Role.ROLLOUT: _generation_spec(rollout, rollout_tensor),
   }
-  return PlacementSpec(strategy="disaggregated", roles=roles, disjoint=tuple(disjoint))
+  return PlacementSpec(
+    strategy="disaggregated", roles=_critic_reversed(roles), disjoint=tuple(disjoint)
+  )
 
 
 def from_explicit(explicit: ExplicitPlacementSection) -> PlacementSpec:
   """The hand-written spec of `placement.explicit`, unchecked (see `check_spec`).
 
   Every role must be given. Axes are put in the layout's order (devices are listed row-major
-  over them), axes left out get size 1, and unknown axis names are kept for `check_spec` to
-  report. Roles that share no `colocate` group must use disjoint devices.
+  over them), axes left out get size 1 ('stage' is left out of the spec unless given above 1),
+  and unknown axis names are kept for `check_spec` to report. Roles that share no `colocate`
+  group must use disjoint devices. The devices are taken as written: a critic meant to run its
+  stages in the reverse order of the actor's lists its stage blocks reversed itself.
   """
   roles = {}
   for role in Role:
@@ -159,7 +184,11 @@ def from_explicit(explicit: ExplicitPlacementSection) -> PlacementSpec:
       )
     layout = Layout(layout_name)
     known = LAYOUT_AXES[layout]
-    axes = tuple((name, section.axes.get(name, 1)) for name in known)
+    axes = tuple(
+      (name, section.axes.get(name, 1))
+      for name in known
+      if name not in OPTIONAL_AXES or section.axes.get(name, 1) != 1
+    )
     axes += tuple((name, size) for name, size in section.axes.items() if name not in known)
     roles[role] = RoleSpec(devices=section.devices, axes=axes, layout=layout)
   for group in explicit.colocate:
@@ -177,7 +206,12 @@ def from_explicit(explicit: ExplicitPlacementSection) -> PlacementSpec:
 
 
 def _build_colocated(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
-  return colocated(num_devices, tensor=cfg.tensor, rollout_tensor=cfg.rollout_tensor)
+  return colocated(
+    num_devices,
+    tensor=cfg.tensor,
+    rollout_tensor=cfg.rollout_tensor,
+    pipeline_stages=cfg.pipeline_stages,
+  )
 
 
 def _build_interleaved(cfg: PlacementSection, num_devices: int) -> PlacementSpec:
@@ -186,6 +220,7 @@ def _build_interleaved(cfg: PlacementSection, num_devices: int) -> PlacementSpec
     split_actor_critic=cfg.split_actor_critic,
     tensor=cfg.tensor,
     rollout_tensor=cfg.rollout_tensor,
+    pipeline_stages=cfg.pipeline_stages,
   )
 
 
@@ -197,6 +232,7 @@ def _build_disaggregated(cfg: PlacementSection, num_devices: int) -> PlacementSp
     tensor=cfg.tensor,
     split_actor_critic=cfg.split_actor_critic,
     split_reference_reward=cfg.split_reference_reward,
+    pipeline_stages=cfg.pipeline_stages,
   )
 
 
@@ -377,13 +413,49 @@ def _check_tensor(who: str, field: str, devices: tuple[int, ...], tensor: int) -
     )
 
 
-def _training_spec(role: Role, devices: tuple[int, ...], tensor: int) -> RoleSpec:
+def _training_spec(role: Role, devices: tuple[int, ...], tensor: int, stages: int = 1) -> RoleSpec:
+  """stage x fsdp x tensor over `devices` (no 'stage' axis when `stages` is 1)."""
   _check_tensor(role, "tensor", devices, tensor)
-  return RoleSpec(
-    devices=devices,
-    axes=(("data", 1), ("fsdp", len(devices) // tensor), ("tensor", tensor)),
-    layout=Layout.TRAINING,
-  )
+  per_stage = len(devices) // tensor
+  if stages < 1 or per_stage % stages:
+    groups = f" ({per_stage} tensor groups of placement.tensor={tensor})" if tensor > 1 else ""
+    raise PlacementError(
+      f"{role}: placement.pipeline_stages={stages} does not divide its {len(devices)} "
+      f"devices{groups}; set placement.pipeline_stages to one of {_divisors(per_stage)}"
+    )
+  return RoleSpec.training(devices, stage=stages, fsdp=per_stage // stages, tensor=tensor)
+
+
+def reverse_stages(spec: RoleSpec) -> RoleSpec:
+  """`spec` with its 'stage' axis reversed: stage j on the devices of stage P - 1 - j.
+
+  The devices are row-major over the axes with 'stage' outermost, so stage j's devices are the
+  j-th of P equal contiguous blocks, and flipping the axis lists the blocks in reverse order
+  (the devices within a block keep their order: the same fsdp x tensor grid on every stage).
+  """
+  stages = spec.stages
+  if stages > 1 and spec.axis_names[0] != "stage":
+    raise PlacementError(f"the 'stage' axis of {spec.axis_names} is not the outermost")
+  block = len(spec.devices) // stages
+  blocks = [spec.devices[j * block : (j + 1) * block] for j in range(stages)]
+  return dataclasses.replace(spec, devices=tuple(d for b in reversed(blocks) for d in b))
+
+
+def _critic_reversed(roles: dict[Role, RoleSpec]) -> dict[Role, RoleSpec]:
+  """`roles` with the critic's stages reversed when it is pipelined on exactly the actor's
+  devices.
+
+  The fused actor-critic schedule (`rlhfjax.schedules.fused`, RLHFuse) runs the critic's
+  pipeline in the reverse device order: the critic's first stage sits where the actor's last
+  one does, so the critic's warm-up fills the actor's drain and the other way round. Listing
+  the critic's devices with the stage axis flipped makes that the mesh itself, so a step
+  pipelines each model over its own mesh in plain stage order. The device *set* is unchanged:
+  everything that asks whether two roles share devices still sees them co-located.
+  """
+  actor, critic = roles[Role.ACTOR], roles[Role.CRITIC]
+  if critic.stages > 1 and critic.devices == actor.devices and critic.axes == actor.axes:
+    roles = {**roles, Role.CRITIC: reverse_stages(critic)}
+  return roles
 
 
 def _generation_spec(devices: tuple[int, ...], tensor: int) -> RoleSpec:

@@ -3,7 +3,9 @@
 Two levels: `check_spec` needs only the spec and the device count (devices in range, no
 duplicates, mesh axes of the layout whose sizes multiply to the group size, the disjoint pairs
 the strategy asked for); `check_models` adds the models and the rollout shape (tensor sizes that
-divide the heads, batch sizes that split over the data groups, memory per device).
+divide the heads, layers that split over the pipeline stages, batch sizes that split over the
+data groups, memory per device). `check_fusable` checks a placement for the fused actor-critic
+schedule.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
+from rlhfjax.config.model import ModelConfig
 from rlhfjax.placement import memory
-from rlhfjax.placement.report import format_devices
-from rlhfjax.placement.spec import LAYOUT_AXES, PlacementSpec, Role, RoleSpec
+from rlhfjax.placement.report import format_devices, format_mesh
+from rlhfjax.placement.spec import LAYOUT_AXES, OPTIONAL_AXES, PlacementSpec, Role, RoleSpec
 
 
 class PlacementError(ValueError):
@@ -83,9 +86,10 @@ def check_models(
       offloaded parts count during its own stage and not while it is idle.
 
   Raises:
-    PlacementError: a `tensor` size does not divide a model's heads or KV heads, the rollout
-      batch does not split evenly over its batch axes, a role needs more memory per device than
-      the budget, or the roles sharing a device need more together.
+    PlacementError: a `tensor` size does not divide a model's heads or KV heads, a role's
+      pipeline stages do not divide its model's layers, the rollout batch does not split evenly
+      over its batch axes, a role needs more memory per device than the budget, or the roles
+      sharing a device need more together.
   """
   for role, role_spec in spec.roles.items():
     config = model.for_role(role)
@@ -97,6 +101,7 @@ def check_models(
           f"{role}: tensor={tensor} does not divide {name}={heads} of model "
           f"{model.model_name(role)!r}"
         )
+    check_layers(config, role_spec.stages, role)
   rollout_spec = spec.roles.get(Role.ROLLOUT)  # None for a flow that generates nothing (DPO)
   batch_axes = memory.BATCH_AXES[rollout_spec.layout] if rollout_spec else ()
   batch_shards = math.prod(rollout_spec.axis_size(a) for a in batch_axes) if rollout_spec else 1
@@ -116,6 +121,45 @@ def check_models(
       offload=offload,
     )
     _check_memory(spec, estimates, memory_per_device_gb)
+
+
+def check_layers(model: ModelConfig, stages: int, role: Role | None = None) -> None:
+  """The scanned layers of `model` split into `stages` contiguous blocks of equal size.
+
+  Raises:
+    PlacementError: `stages` does not divide `model.num_layers`.
+  """
+  if model.num_layers % stages:
+    who = f"{role}: " if role else ""
+    raise PlacementError(
+      f"{who}model.num_layers={model.num_layers} does not split into "
+      f"placement.pipeline_stages={stages} stages"
+    )
+
+
+def check_fusable(spec: PlacementSpec) -> None:
+  """The actor and critic of `spec` can run as one fused schedule (`ppo.fuse_actor_critic`):
+  both pipelined with the same mesh axes, on the same devices (as sets: the critic's stages
+  run in the reverse order).
+
+  Raises:
+    PlacementError: no critic (a critic-free estimator), no pipeline, or different meshes or
+      devices.
+  """
+  if Role.CRITIC not in spec.roles:
+    raise PlacementError("ppo.fuse_actor_critic fuses the actor and critic; the flow has no critic")
+  actor, critic = spec[Role.ACTOR], spec[Role.CRITIC]
+  if actor.stages == 1:
+    raise PlacementError(
+      "ppo.fuse_actor_critic needs pipelined actor and critic (placement.pipeline_stages > 1, "
+      "or a 'stage' axis in placement.explicit)"
+    )
+  if actor.axes != critic.axes or set(actor.devices) != set(critic.devices):
+    raise PlacementError(
+      f"ppo.fuse_actor_critic needs the actor and critic on the same devices and mesh; actor "
+      f"{format_devices(actor.devices)} ({format_mesh(actor)}), critic "
+      f"{format_devices(critic.devices)} ({format_mesh(critic)})"
+    )
 
 
 def _check_devices(role: Role, spec: RoleSpec, num_devices: int) -> None:
@@ -143,9 +187,11 @@ def _check_axes(role: Role, spec: RoleSpec) -> None:
       )
     if size < 1:
       raise PlacementError(f"{role}: mesh axis {name}={size} must be >= 1")
-  if spec.axis_names != tuple(allowed):
+  # An optional axis ('stage') may be left out; the others are all there, in the layout's order.
+  expected = tuple(a for a in allowed if a not in OPTIONAL_AXES or a in spec.axis_names)
+  if spec.axis_names != expected:
     raise PlacementError(
-      f"{role}: the {spec.layout} layout needs mesh axes ({', '.join(allowed)}) in this "
+      f"{role}: the {spec.layout} layout needs mesh axes ({', '.join(expected)}) in this "
       f"order, got ({', '.join(spec.axis_names)})"
     )
   if spec.mesh_size != len(spec.devices):

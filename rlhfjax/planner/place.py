@@ -20,6 +20,7 @@ from rlhfjax.placement.spec import PlacementSpec, RoleSpec
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import (
   PlacementError,
+  check_fusable,
   check_models,
   check_spec,
   resolve_num_devices,
@@ -44,6 +45,8 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
   # The roles the flow does not use get no mesh and count for no memory.
   spec = spec.only(roles)
   check_spec(spec, num_devices, roles)
+  if config.ppo.fuse_actor_critic:
+    check_fusable(spec)
   train_rows, score_rows = auto.memory_rows(config)
   check_models(
     spec,
