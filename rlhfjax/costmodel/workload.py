@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 
+from rlhfjax import schedules
 from rlhfjax.config import OffloadSection
 from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
 from rlhfjax.costmodel import fill
@@ -93,6 +94,12 @@ class Workload:
   """Sequences per device per micro-step of the scoring forwards; 0: as training's."""
   optimizer_dtype: str | None = None
   """Dtype of the Adam moments; None: the parameters' dtype (optax's default)."""
+  pipeline_schedule: str = "1f1b"
+  """The schedule of a trained role whose placement has a `stage` axis ('1f1b' or 'gpipe';
+  the config's `placement.pipeline_schedule`), priced by `rlhfjax.costmodel.pipeline`."""
+  fuse_actor_critic: bool = False
+  """Actor and critic pipelines on the same devices run as one fused schedule
+  (`ppo.fuse_actor_critic`, RLHFuse's intra-stage fusion)."""
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
@@ -113,6 +120,11 @@ class Workload:
       raise ValueError("ppo_epochs and optimizer_steps must be >= 1")
     if min(self.micro_batch, self.score_micro_batch, self.logits_chunk, self.train_rows) < 0:
       raise ValueError("micro_batch, score_micro_batch, train_rows and logits_chunk must be >= 0")
+    if self.pipeline_schedule not in schedules.SCHEDULES:
+      raise ValueError(
+        f"pipeline_schedule must be one of {', '.join(schedules.SCHEDULES)}, got "
+        f"{self.pipeline_schedule!r}"
+      )
     if self.packed and self.padded:
       raise ValueError("packed=True computes on real lengths packed into rows: set padded=False")
     for name in ("train_tokens", "score_tokens"):

@@ -11,6 +11,13 @@ micro-steps as the packing has micro-batches, and a micro-batch's memory is its 
 (`train_tokens`, `score_tokens`; by default the padded micro-batch's rows). A packed row costs
 what a padded row of its width does, attention included: a segment-masked attention kernel
 computes the whole row's causal scores (one that skipped the masked blocks would cost less).
+
+A role whose mesh has a `stage` axis (its first, when the placement pipelines) is priced as a
+pipeline (`rlhfjax.costmodel.pipeline`): its cost group is one stage's devices, its update the
+workload's schedule table priced op by op, its scoring a forward-only pipeline, its memory a
+stage's layers plus the stash of stage inputs. With `fuse_actor_critic`, actor and critic on
+the same devices and stages update in one fused table: the actor's update carries it (the
+critic's lasts 0 s after it), and the actor's working set counts both models'.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from rlhfjax.costmodel import costs, fill, memory
+from rlhfjax.costmodel import costs, fill, memory, pipeline
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import GIB, Hardware
 from rlhfjax.costmodel.replay import Replay, StageCost, replay
@@ -136,8 +143,46 @@ def role_memory(
   if workload.packed:
     micro_batch = packed_micro_batch(workload, sharding.batch_shards, micro_batch, trained)
   kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
+  stages = stages_of(rs)
+  if trained and stages > 1:
+    per_step = math.ceil(workload.trained(role.value) / workload.optimizer_steps)
+    m = max(1, math.ceil(per_step / (micro_batch * sharding.batch_shards)))
+    name, model = update_table(spec, workload, role)
+    slots = pipeline.stash_slots(name, stages, m)[model]
+    return pipeline.train_memory(
+      config, HEADS[role], sharding, stages=stages, slots=slots, **kwargs
+    )
+  if stages > 1:
+    config = pipeline.stage_config(config, stages)
   fn = memory.train_memory if trained else memory.forward_memory
   return fn(config, HEADS[role], sharding, **kwargs)
+
+
+def stages_of(rs: RoleSpec) -> int:
+  """Pipeline stages of a role: its `stage` axis (1 without one)."""
+  return dict(rs.axes).get("stage", 1)
+
+
+def fused(spec: PlacementSpec, workload: Workload) -> bool:
+  """Actor and critic update in one fused pipeline table: the workload asks for it and both are
+  pipelined on the same devices with the same stages (elsewhere they update one after the
+  other, as without it)."""
+  trains_both = workload.trained("actor") and workload.trained("critic")
+  if not (workload.fuse_actor_critic and trains_both) or Role.CRITIC not in spec.roles:
+    return False
+  actor, critic = spec[Role.ACTOR], spec[Role.CRITIC]
+  return (
+    actor.devices == critic.devices
+    and stages_of(actor) == stages_of(critic)
+    and stages_of(actor) > 1
+  )
+
+
+def update_table(spec: PlacementSpec, workload: Workload, role: Role) -> tuple[str, int]:
+  """The schedule table a trained role's update runs in and the role's model index in it."""
+  if fused(spec, workload):
+    return "fused", 0 if role == Role.ACTOR else 1
+  return workload.pipeline_schedule, 0
 
 
 def packed_micro_batch(workload: Workload, shards: int, micro_batch: int, trained: bool) -> int:
@@ -187,6 +232,9 @@ def evaluate(
     slots = math.ceil(slots / 2)
     estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
+  if fused(spec, workload):  # both models' working sets live during the one fused update
+    estimates[Role.ACTOR] = _with_working_set(estimates[Role.ACTOR], estimates[Role.CRITIC])
+
   packings: list[fill.PackedStage] = []
   costs_ = _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, packings)
   result = replay(*costs_, async_rollout=async_rollout, serial=hw.host_shared)
@@ -225,18 +273,40 @@ def evaluate(
   )
 
 
+def _with_working_set(actor: memory.MemoryEstimate, critic: memory.MemoryEstimate):
+  """The actor's estimate with the critic's stage-time parts added (its gradients, gathered
+  layers, activations and logits live at once in a fused update)."""
+  return dataclasses.replace(
+    actor,
+    grads=actor.grads + critic.grads,
+    gathered=actor.gathered + critic.gathered,
+    activations=actor.activations + critic.activations,
+    logits=actor.logits + critic.logits,
+  )
+
+
 def _group(rs: RoleSpec, per_node: int) -> costs.Group:
-  spans = min(rs.devices) // per_node != max(rs.devices) // per_node
+  """The cost group of a role: its devices, or one pipeline stage's (the first axis)."""
+  size = len(rs.devices) // stages_of(rs)
+  stages = [rs.devices[i : i + size] for i in range(0, len(rs.devices), size)]
+  spans = any(min(s) // per_node != max(s) // per_node for s in stages)
   # A training layout's `data` replicas hold whole parameter shards (ZeRO-2-like: no gathers).
   data = rs.axis_size("data") if rs.layout == Layout.TRAINING else 1
   nodes = nodes_of(max(rs.devices) + 1, per_node)
   return costs.Group(
-    devices=len(rs.devices),
+    devices=size,
     tensor=rs.axis_size("tensor"),
     spans_nodes=spans,
     tensor_spans_nodes=bool(tensor_spans_hosts(rs, nodes)),
     data=data,
   )
+
+
+def _crosses_nodes(rs: RoleSpec, per_node: int) -> bool:
+  """Some device of a pipelined role sends to a next-stage device on another node."""
+  size = len(rs.devices) // stages_of(rs)
+  d = rs.devices
+  return any(d[i] // per_node != d[i + size] // per_node for i in range(len(d) - size))
 
 
 def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, packings):
@@ -263,7 +333,8 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, 
     generate = StageCost(role="rollout", stage="generate", devices=actor, seconds=0.0)
     sync = StageCost(role="rollout", stage="sync", devices=actor, seconds=0.0)
     advantages, updates = _train_costs(spec, w, hw, eff, groups, shape, per_node)
-    return generate, _score_costs(spec, w, hw, eff, groups, shape), advantages, updates, sync
+    scores = _score_costs(spec, w, hw, eff, groups, shape, per_node)
+    return generate, scores, advantages, updates, sync
   rollout = spec[Role.ROLLOUT]
   prefill, decode = costs.generate_time(
     hw,
@@ -281,13 +352,13 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, 
   generate = StageCost(
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
   )
-  scores = _score_costs(spec, w, hw, eff, groups, shape)
+  scores = _score_costs(spec, w, hw, eff, groups, shape, per_node)
   advantages, updates = _train_costs(spec, w, hw, eff, groups, shape, per_node)
   sync = _sync_cost(spec, w, hw, eff)
   return generate, scores, advantages, updates, sync
 
 
-def _score_costs(spec, w, hw, eff, groups, shape):
+def _score_costs(spec, w, hw, eff, groups, shape, per_node):
   roles = tuple(groups)
   scores = []
   for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD):
@@ -295,17 +366,22 @@ def _score_costs(spec, w, hw, eff, groups, shape):
     if role not in roles or not sequences:
       continue  # e.g. DPO's actor scores its pairs inside its train step
     rows, seq_len, steps = shape(role, sequences, False, w.score_micro_batch)
-    seconds = costs.forward_time(
-      hw,
-      eff,
-      model_for(w, role),
-      HEADS[role],
-      groups[role],
+    args = (hw, eff, model_for(w, role), HEADS[role], groups[role])
+    kwargs = dict(
       sequences=rows,
       seq_len=seq_len,
       micro_steps=steps,
       offload=_offload(w, spec, role, trained=False),
     )
+    if stages_of(spec[role]) > 1:
+      seconds = pipeline.forward_time(
+        *args,
+        stages=stages_of(spec[role]),
+        crosses_nodes=_crosses_nodes(spec[role], per_node),
+        **kwargs,
+      )
+    else:
+      seconds = costs.forward_time(*args, **kwargs)
     scores.append(
       StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
     )
@@ -318,7 +394,7 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
   advantages = StageCost(
     role="actor", stage="advantages", devices=actor, seconds=eff.stage_s * hw.per_device(len(actor))
   )
-  updates = []
+  seconds, works = {}, {}
   for role in (Role.ACTOR, Role.CRITIC):
     sequences = w.trained(role.value)
     if role not in roles or not sequences:
@@ -327,12 +403,8 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
     rows, seq_len, steps = shape(role, per_step, True)
     if w.packed:  # each mini-batch is packed on its own
       sequences = rows * w.optimizer_steps
-    seconds = costs.train_time(
-      hw,
-      eff,
-      model_for(w, role),
-      HEADS[role],
-      groups[role],
+    args = (hw, eff, model_for(w, role), HEADS[role], groups[role])
+    kwargs = dict(
       sequences=sequences,
       seq_len=seq_len,
       epochs=w.ppo_epochs,
@@ -343,9 +415,24 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
       offload=_offload(w, spec, role, trained=True, per_node=per_node),
       devices_per_node=per_node,
     )
-    updates.append(
-      StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=seconds)
-    )
+    stages = stages_of(spec[role])
+    if stages == 1:
+      seconds[role] = costs.train_time(*args, **kwargs)
+      continue
+    crosses = _crosses_nodes(spec[role], per_node)
+    works[role] = pipeline.update_work(*args, stages=stages, crosses_nodes=crosses, **kwargs)
+    name, _ = update_table(spec, w, role)
+    if name != "fused":
+      table = pipeline.table(name, stages, works[role].micro_batches)
+      seconds[role] = pipeline.priced(table, [works[role]]).seconds
+  if len(works) == 2 and fused(spec, w):  # one table for both; the critic's adds nothing
+    actor, critic = works[Role.ACTOR], works[Role.CRITIC]
+    table = pipeline.table("fused", stages_of(spec[Role.ACTOR]), actor.micro_batches)
+    seconds[Role.ACTOR], seconds[Role.CRITIC] = pipeline.priced(table, [actor, critic]).seconds, 0.0
+  updates = [
+    StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=s)
+    for role, s in seconds.items()
+  ]
   return advantages, updates
 
 

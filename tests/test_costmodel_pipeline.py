@@ -1,0 +1,286 @@
+"""The cost model's pipeline stages and fused actor-critic schedule (`costmodel.pipeline`): the
+priced tables against `rlhfjax.schedules`, one stage against today's costs, memory per stage,
+the planner on a spec with a `stage` axis and `scripts/plan_pipeline.py`."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from rlhfjax import schedules
+from rlhfjax.config.model import param_count
+from rlhfjax.costmodel import costs, efficiency, hardware, memory, pipeline
+from rlhfjax.costmodel.workload import Workload, resolve_model
+from rlhfjax.placement import strategies
+from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
+from rlhfjax.planner import evaluate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+H100 = hardware.load_hardware("h100")
+EFF = efficiency.load_efficiency(None)
+B70 = resolve_model("70b")  # as the planner reads a size: bf16 parameters
+# 1024 prompts in 8 optimizer steps: 128 sequences per step of 2048 padded tokens.
+WORK = Workload(actor=B70, critic=B70, reward=B70, prompts=1024, optimizer_steps=8, remat="full")
+
+
+def _work(busy=12.0, m=8, backward_cost=pipeline.BACKWARD_COST, send=0.0, flushes=3):
+  return pipeline.StageWork(
+    busy_s=busy, send_s=send, micro_batches=m, flushes=flushes, backward_cost=backward_cost
+  )
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 32), (8, 8)])
+def test_priced_bubble_is_the_schedule_tables(name, p, m):
+  table = pipeline.table(name, p, m)
+  work = _work(m=m)
+  priced = pipeline.priced(table, [work])
+  expected = schedules.bubble_fraction(table, 1.0, pipeline.BACKWARD_COST)
+  assert priced.bubble_fraction == pytest.approx(expected, rel=1e-12)
+  # Without sends the update is the busy time stretched by the bubble.
+  assert priced.seconds == pytest.approx(work.busy_s / (1 - expected), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 32), (8, 3)])
+def test_equal_op_costs_give_the_textbook_bubble(name, p, m):
+  """(p - 1) / (m + p - 1), computed here from p and m, not from the tables."""
+  priced = pipeline.priced(pipeline.table(name, p, m), [_work(m=m, backward_cost=1.0)])
+  assert priced.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+  assert priced.ticks == 2 * (m + p - 1)
+
+
+def test_sends_follow_every_tick():
+  table = pipeline.table("1f1b", 4, 8)
+  quiet, loud = (pipeline.priced(table, [_work(send=s)]) for s in (0.0, 0.01))
+  assert loud.send_s == pytest.approx(3 * table.ticks * 0.01, rel=1e-12)  # 3 flushes
+  assert loud.seconds == pytest.approx(quiet.seconds + loud.send_s, rel=1e-12)
+  assert loud.bubble_fraction == quiet.bubble_fraction
+
+
+def test_a_send_is_one_micro_batch_of_stage_inputs():
+  """[rows, seq, hidden] in bf16 over the network (stages on different nodes), per device;
+  the epochs repeat the micro-batches, they do not change them."""
+  group = costs.Group(devices=8)  # FSDP 8: 8 batch shards
+  kwargs = dict(sequences=1024, seq_len=2048, optimizer_steps=8, micro_steps=8 * 8, remat="none")
+  rows = 1024 // (8 * 8 * 8)
+  expected = rows * 2048 * B70.hidden_size * 2 / (H100.inter_node_bw * EFF.collective_bw)
+  for epochs in (1, 2):
+    work = pipeline.update_work(
+      H100, EFF, B70, "lm", group, stages=4, crosses_nodes=True, epochs=epochs, **kwargs
+    )
+    assert work.send_s == pytest.approx(expected, rel=1e-12)
+    assert (work.micro_batches, work.flushes) == (8, 8 * epochs)
+
+
+def test_one_stage_is_todays_cost_exactly():
+  group = costs.Group(devices=8, tensor=2)
+  kwargs = dict(
+    sequences=256,
+    seq_len=2048,
+    epochs=2,
+    optimizer_steps=4,
+    micro_steps=4 * 8,
+    remat="none",
+    devices_per_node=8,
+  )
+  today = costs.train_time(H100, EFF, B70, "lm", group, **kwargs)
+  work = pipeline.update_work(H100, EFF, B70, "lm", group, stages=1, crosses_nodes=False, **kwargs)
+  assert work.busy_s == today
+  for name in ("1f1b", "gpipe"):
+    assert pipeline.priced(pipeline.table(name, 1, 8), [work]).seconds == today
+  both = pipeline.priced(pipeline.table("fused", 1, 8), [work, work])
+  assert both.seconds == 2 * today and both.bubble_fraction == 0.0
+  scoring = dict(sequences=256, seq_len=2048, micro_steps=8)
+  assert pipeline.forward_time(
+    H100, EFF, B70, "value", group, stages=1, crosses_nodes=False, **scoring
+  ) == costs.forward_time(H100, EFF, B70, "value", group, **scoring)
+  sharding = memory.Sharding(param_shards=8, batch_shards=4, tensor=2)
+  options = memory.Options(remat="full")
+  mem = dict(micro_batch=2, seq_len=2048, options=options)
+  assert pipeline.train_memory(
+    B70, "lm", sharding, stages=1, slots=0, **mem
+  ) == memory.train_memory(B70, "lm", sharding, **mem)
+
+
+def _pipelined(spec: PlacementSpec, stages: int, roles=(Role.ACTOR, Role.CRITIC)):
+  """`spec` with `roles` split into `stages` pipeline stages: a first `stage` axis, FSDP
+  divided by it."""
+
+  def split(rs: RoleSpec) -> RoleSpec:
+    axes = tuple((n, s // stages if n == "fsdp" else s) for n, s in rs.axes)
+    return dataclasses.replace(rs, axes=(("stage", stages), *axes))
+
+  return PlacementSpec(
+    strategy=spec.strategy,
+    roles={r: split(rs) if r in roles else rs for r, rs in spec.roles.items()},
+  )
+
+
+def test_a_stage_axis_of_one_plans_as_today():
+  """A spec written with `stage`=1 (as the config's change may write it) is priced as one
+  without the axis."""
+  spec = strategies.colocated(16, tensor=2, rollout_tensor=4)
+  work = WORK.replace(prompts=256, optimizer_steps=2)
+  today = evaluate.evaluate(spec, work, H100, EFF, micro_batch=2)
+  staged = evaluate.evaluate(_pipelined(spec, 1, tuple(spec.roles)), work, H100, EFF, micro_batch=2)
+  assert staged.stages == today.stages
+  assert staged.peak_memory_gib == today.peak_memory_gib
+
+
+def test_fused_beats_two_1f1b_at_4_stages_and_8_micro_batches():
+  p, m = 4, 8
+  actor, critic = _work(busy=12.0, m=m), _work(busy=5.0, m=m)  # unequal models too
+  two = pipeline.priced(pipeline.table("two_1f1b", p, m), [actor, critic])
+  fused = pipeline.priced(pipeline.table("fused", p, m), [actor, critic])
+  assert fused.seconds < two.seconds
+  assert fused.bubble_fraction < two.bubble_fraction
+  # Back to back is each model's own 1F1B, one after the other.
+  alone = [pipeline.priced(pipeline.table("1f1b", p, m), [w]).seconds for w in (actor, critic)]
+  assert two.seconds == pytest.approx(sum(alone), rel=1e-12)
+
+  gain = pipeline.compare(WORK, H100, EFF, devices=32, stages=p, micro_batches=m)
+  assert gain.fused.seconds < gain.two_1f1b.seconds
+  assert gain.gain == gain.two_1f1b.seconds / gain.fused.seconds > 1
+  # Models of equal cost: the priced bubbles are the tables' at 1:3 op costs (actor and
+  # critic above differ by their heads).
+  same = [_work(m=m), _work(m=m)]
+  for name in ("two_1f1b", "fused"):
+    table = pipeline.table(name, p, m)
+    expected = schedules.bubble_fraction(table, 1.0, pipeline.BACKWARD_COST)
+    assert pipeline.priced(table, same).bubble_fraction == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_planner_prices_a_pipelined_spec_as_compare_does():
+  """`evaluate` on actor and critic with a `stage` axis of 4 (32 devices, FSDP 8 per stage):
+  its update stage is two 1F1B pipelines back to back, or the fused table with
+  `fuse_actor_critic`, as `compare` prices them."""
+  base = strategies.colocated(32, tensor=1, rollout_tensor=8)
+  spec = _pipelined(base, 4)
+  # 128 sequences per step over a stage's 8 batch shards at 2 rows: 8 micro-batches.
+  gain = pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=8)
+  plans = {}
+  for fuse, expected in ((False, gain.two_1f1b), (True, gain.fused)):
+    plan = evaluate.evaluate(spec, WORK.replace(fuse_actor_critic=fuse), H100, EFF, micro_batch=2)
+    assert plan.stages["update"] == pytest.approx(expected.seconds, rel=1e-9)
+    plans[fuse] = plan
+  # Fused, the actor's working set carries the critic's too (both live in the one update).
+  fused_actor, critic = plans[True].memory[Role.ACTOR], plans[True].memory[Role.CRITIC]
+  assert fused_actor.grads == plans[False].memory[Role.ACTOR].grads + critic.grads
+  assert plans[True].peak_memory_gib > plans[False].peak_memory_gib
+  # Generation and the weight sync do not see the training roles' stages.
+  flat = evaluate.evaluate(base, WORK, H100, EFF, micro_batch=2)
+  # Spans of records at other start times: equal up to the rounding of the absolute times (a few
+  # dozen additions of seconds up to the iteration's).
+  rounding = 64 * math.ulp(max(flat.iteration_s, plan.iteration_s))
+  for stage in ("generate", "sync"):
+    assert flat.stages[stage] == pytest.approx(plan.stages[stage], rel=0, abs=rounding)
+  assert flat.stages["update"] != plan.stages["update"]
+
+
+def test_params_per_device_fall_as_one_over_stages():
+  sharding = memory.Sharding(param_shards=8, batch_shards=8)
+  options = memory.Options(remat="full")
+  kw = dict(micro_batch=2, seq_len=2048, options=options)
+  one = pipeline.train_memory(B70, "lm", sharding, stages=1, slots=0, **kw)
+  # Every stage is counted with both the embedding and the head (the worst stage's need, at
+  # most one of them too many): the ratio is 1/P plus at most their share of the parameters.
+  share = 2 * B70.vocab_size * B70.hidden_size / param_count(B70, "lm")
+  for p in (2, 4, 8):
+    staged = pipeline.train_memory(B70, "lm", sharding, stages=p, slots=p, **kw)
+    for kind in ("params", "optimizer", "grads"):
+      ratio = getattr(staged, kind) / getattr(one, kind)
+      assert 1 / p <= ratio <= 1 / p + share, (p, kind, ratio)
+
+
+def test_the_stash_is_the_schedules_slots_of_stage_inputs():
+  sharding = memory.Sharding(param_shards=8, batch_shards=8)
+  kw = dict(stages=4, micro_batch=2, seq_len=2048, options=memory.Options(remat="full"))
+  one_f, gpipe = pipeline.stash_slots("1f1b", 4, 8), pipeline.stash_slots("gpipe", 4, 8)
+  assert one_f == schedules.slots(schedules.single("1f1b", 4, 8)).activation_slots
+  assert gpipe[0] > one_f[0]  # GPipe keeps every micro-batch, 1F1B about one per stage
+  a = pipeline.train_memory(B70, "lm", sharding, slots=one_f[0], **kw)
+  b = pipeline.train_memory(B70, "lm", sharding, slots=gpipe[0], **kw)
+  stage_input = 2 * 2048 * B70.hidden_size * 2  # rows x tokens x width x bf16
+  assert b.activations - a.activations == (gpipe[0] - one_f[0]) * stage_input
+  assert (a.params, a.grads, a.logits) == (b.params, b.grads, b.logits)
+
+
+def test_uneven_splits_are_refused():
+  with pytest.raises(ValueError, match="stages=3 must divide the model's num_layers=80"):
+    pipeline.stage_config(B70, 3)
+  with pytest.raises(ValueError, match="stages=3 must divide devices=32"):
+    pipeline.layout(32, 3, 1, 8)
+  with pytest.raises(ValueError, match="micro_batches=32 leaves batch shards without rows"):
+    pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=32)
+
+
+def _plan_pipeline(*args):
+  return subprocess.run(
+    [sys.executable, str(REPO / "scripts" / "plan_pipeline.py"), *args],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+
+
+def test_plan_pipeline_prints_one_json_line():
+  out = _plan_pipeline(
+    "--actor=70b",
+    "--critic=70b",
+    "--hardware=h100",
+    "--devices=32",
+    "--stages=4",
+    "--micro_batches=8",
+    "--optimizer_steps=8",
+    "--remat=full",
+  )
+  assert out.returncode == 0, out.stderr
+  (line,) = out.stdout.splitlines()
+  got = json.loads(line)
+  gain = pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=8)
+  assert got == {
+    "actor": "70b",
+    "critic": "70b",
+    "hardware": "h100",
+    "devices": 32,
+    **gain.to_json(),
+    "memory_budget_gib": round(H100.memory_gib, 2),
+  }
+  assert got["two_1f1b_s"] > got["fused_s"] and got["bubble_two_1f1b"] > got["bubble_fused"]
+  for field in ("bubble_1f1b", "textbook_bubble", "unpipelined_s", "gain", "memory_gib"):
+    assert field in got
+
+
+def test_plan_pipeline_bad_input_is_one_line():
+  out = _plan_pipeline("--devices=32", "--stages=3")
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == ["error: pipeline stages=3 must divide devices=32"]
+
+
+def test_readme_quotes_the_prediction():
+  """README's pipeline paragraph: the numbers its command prints (rounded as quoted)."""
+  readme = " ".join((REPO / "README.md").read_text().split())  # line breaks as spaces
+  command = (
+    "python scripts/plan_pipeline.py --actor=70b --critic=70b --hardware=h100 --devices=32 "
+    "--stages=4 \\ --micro_batches=8 --prompts=1024 --optimizer_steps=8 --remat=full"
+  )
+  assert command in readme
+  gain = pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=8)
+  flat = pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=8, tensor=8)
+  quoted = (
+    f"{gain.two_1f1b.seconds:.1f} s for two 1F1B",
+    f"{gain.fused.seconds:.1f} s for the",
+    f"{gain.gain:.2f}x faster",
+    f"from {gain.two_1f1b.bubble_fraction:.3f} to {gain.fused.bubble_fraction:.3f}",
+    f"textbook 1F1B bubble is {schedules.textbook_bubble(4, 8):.3f}",
+    f"at {gain.memory_gib['fused']:.1f} GiB per device instead of "
+    f"{gain.memory_gib['two_1f1b']:.1f}",
+    f"at {flat.unpipelined_s:.1f} s",
+  )
+  for text in quoted:
+    assert text in readme, text
