@@ -30,9 +30,11 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+from rlhfjax.config.choices import PIPELINE_SCHEDULES
+
 FORWARD, BACKWARD = "F", "B"
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = PIPELINE_SCHEDULES
 """The single-model schedules `placement.pipeline_schedule` names."""
 
 

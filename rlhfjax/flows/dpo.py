@@ -92,9 +92,9 @@ def packed_dpo_step_loss(params, micro, *, config, beta, loss, label_smoothing):
   return _dpo_metrics(value, stats, scale)
 
 
-def packed_programs(cluster, dpo: DPOSection, actor, ref) -> tuple[Any, Any]:
+def packed_programs(cluster, dpo: DPOSection, actor, ref, field: str) -> tuple[Any, Any]:
   """The packed actor step of `dpo`'s loss and the packed reference scorer (offline and online
-  DPO; `actor`, `ref` their roles' runtimes)."""
+  DPO; `actor`, `ref` their roles' runtimes; `field` the config field that asked to pack)."""
   loss = functools.partial(
     packed_dpo_step_loss,
     config=actor.model,
@@ -104,7 +104,7 @@ def packed_programs(cluster, dpo: DPOSection, actor, ref) -> tuple[Any, Any]:
   )
   scorer = functools.partial(packed.sequence_logprobs, ref.model)
   return (
-    packed_update.PackedStep(cluster, Role.ACTOR, "actor_step", loss),
+    packed_update.PackedStep(cluster, Role.ACTOR, "actor_step", loss, field=field),
     packed_update.sequence_scorer(cluster, Role.REFERENCE, "reference_logprobs_packed", scorer),
   )
 
@@ -163,7 +163,9 @@ class DPOFlow(Flow):
     )
     self._step = cluster.train_step("actor_step", Role.ACTOR, loss)
     if cfg.dpo.packing:
-      self._packed_step, self._packed_ref = packed_programs(cluster, cfg.dpo, actor, ref)
+      self._packed_step, self._packed_ref = packed_programs(
+        cluster, cfg.dpo, actor, ref, "dpo.packing"
+      )
     self._eval = cluster.compile(
       "held_out",
       lambda params, batch: loss(params, batch)[1],

@@ -218,7 +218,9 @@ class OnlineDPOFlow(Flow):
     self._step = cluster.train_step("actor_step", Role.ACTOR, loss)
     self.skipped_in_row = 0
     if own.packing:
-      self._packed_step, self._packed_ref = packed_programs(cluster, dpo, actor, ref)
+      self._packed_step, self._packed_ref = packed_programs(
+        cluster, dpo, actor, ref, "online_dpo.packing"
+      )
 
   def _packed_updates(self, iteration: int, seqs: Sequences, scores) -> tuple[list, float]:
     """The iteration's updates on packed micro-batches; returns their metrics and the fraction

@@ -320,7 +320,9 @@ class PackedUpdate:
     self.multiple = batch_shards(ctx, (role, source))
     self.aggregation = ppo.loss_agg if role == Role.ACTOR else "token_mean"
     self._gather = cluster.compile(f"{name}_gather", gather_micro_batch, role=source)
-    self._step = packed_update.PackedStep(cluster, role, f"{name}_packed", loss_fn)
+    self._step = packed_update.PackedStep(
+      cluster, role, f"{name}_packed", loss_fn, field="ppo.packing"
+    )
 
   def stages(
     self, fields: dict[str, jax.Array], seqs: Sequences, minis: list[np.ndarray]

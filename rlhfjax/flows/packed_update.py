@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.config import ConfigError
 from rlhfjax.mesh import rules
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import packed
@@ -53,8 +54,17 @@ class PackedStep:
   packed micro-batches on its mesh (`loss_fn(params, micro)` gives each one's contribution),
   for `Cluster.update_stage`. Programs are traced per row bucket, counted under `name`_*."""
 
-  def __init__(self, cluster: Cluster, role: Role, name: str, loss_fn: packed.LossFn):
+  def __init__(
+    self, cluster: Cluster, role: Role, name: str, loss_fn: packed.LossFn, *, field: str
+  ):
     rt, shardings = cluster.roles[role], cluster.state_shardings[role]
+    if (stages := rt.spec.stages) > 1:
+      # Packed micro-batches differ in rows and run as separate programs; a pipeline runs all
+      # of a mini-batch's micro-batches, of one shape, in one program.
+      raise ConfigError(
+        f"packed updates do not run through pipeline stages: set '{field}=False' with "
+        f"'placement.pipeline_stages'={stages}"
+      )
     acc = {"grads": rt.param_shardings, "metrics": rt.replicated}
     self._zeros = cluster.compile(
       f"{name}_zeros", functools.partial(packed.zeros, loss_fn), out_shardings=acc, role=role

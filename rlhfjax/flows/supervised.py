@@ -130,7 +130,7 @@ class SupervisedFlow(Flow):
       )
       self._rows_multiple = packed_update.rows_multiple(cluster, self.role)
       self._packed_step = packed_update.PackedStep(
-        cluster, self.role, "train_step", self._packed_loss
+        cluster, self.role, "train_step", self._packed_loss, field="supervised.packing"
       )
     runtime = cluster.roles[self.role]
     shape = {"valid": (self.eval_rows,)}
