@@ -156,7 +156,6 @@ def _list_schedule(
   name: str,
   stages: int,
   micro_batches: int,
-  names: Sequence[str],
   models: Sequence[_Model],
   start: int = 0,
 ) -> list[Op]:
@@ -217,7 +216,7 @@ def single(style: str, stages: int, micro_batches: int, model: str = "model") ->
   if style not in SCHEDULES:
     raise ValueError(f"unknown pipeline schedule {style!r}; known: {', '.join(SCHEDULES)}")
   state = _model(0, stages, micro_batches, Direction.FORWARD_ORDER, style)
-  ops = _list_schedule(style, stages, micro_batches, (model,), [state])
+  ops = _list_schedule(style, stages, micro_batches, [state])
   return Schedule(
     name=style,
     stages=stages,
@@ -237,7 +236,7 @@ def sequential(
   for index, direction in enumerate((Direction.FORWARD_ORDER, Direction.REVERSE_ORDER)):
     state = _model(index, stages, micro_batches, direction, "1f1b")
     start = 1 + max((op.tick for op in ops), default=-1)
-    ops += _list_schedule("two_1f1b", stages, micro_batches, models, [state], start)
+    ops += _list_schedule("two_1f1b", stages, micro_batches, [state], start)
   return Schedule(
     name="two_1f1b",
     stages=stages,
@@ -255,7 +254,7 @@ def fused(stages: int, micro_batches: int, models: Sequence[str] = ("actor", "cr
     _model(index, stages, micro_batches, direction, "1f1b")
     for index, direction in enumerate((Direction.FORWARD_ORDER, Direction.REVERSE_ORDER))
   ]
-  ops = _list_schedule("fused", stages, micro_batches, models, states)
+  ops = _list_schedule("fused", stages, micro_batches, states)
   return Schedule(
     name="fused",
     stages=stages,
@@ -278,7 +277,8 @@ class Slots:
   forward and is kept until the stage's backward, which recomputes the stage's forward from
   it; the gradient of a stage's output arrives a tick after the next stage's backward and is
   kept until this stage's backward. Slots are reused once free, so a device needs only as many
-  as it has messages waiting at once: 1F1B's p - j where GPipe's is m.
+  as it has messages waiting at once: for 1F1B about p (stage j >= 1 holds up to p - j + 1,
+  counted from arrival) where GPipe's is m.
   """
 
   activation: dict[tuple[int, int, int], int]

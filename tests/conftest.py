@@ -37,6 +37,7 @@ import pytest  # noqa: E402
 _LONGEST_FILES = (
   "test_multihost.py",  # 8 multi-process runs against single ones: about 25 minutes on 2 cores
   "test_verifiable_rewards.py",  # the arithmetic pipeline, the longest single test
+  "test_pipeline_parallel.py",  # pipelined steps and PPO runs: about 12 minutes
   "test_resume_algorithms.py",
   "test_resume.py",
   "test_algorithm_flows.py",

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from absl import logging
 
 from rlhfjax import models
 from rlhfjax.cluster import dispatch, residency
@@ -85,6 +86,34 @@ def engine_config(rollout: RolloutSection, pad_id: int, replicas: int) -> Engine
     share_prefixes=rollout.share_prefixes,
     decode_chunk=rollout.decode_chunk,
   )
+
+
+def _alone(step: Callable, mesh: Any) -> Callable:
+  """`step`, started once the devices run nothing else, and waited for to the end.
+
+  A pipelined step runs collectives inside a `lax.while` and a `lax.switch` at every tick.
+  XLA's CPU runtime (JAX 0.10.2) runs each device's part of a program on a shared thread pool
+  and waits for a collective's peers in a rendezvous that holds its thread; two such programs
+  in flight at once deadlocked (`rendezvous.cc: ... may be stuck`, then an abort): measured,
+  200 back-to-back asynchronous calls of the same pipelined step hung within seconds, while
+  calls waited for one by one ran to the end. The wait costs the update nothing (its stage
+  waits for its result anyway) beyond what is left of the work before it; accelerators run a
+  device's programs in order on their streams and do not wait."""
+  if jax.default_backend() != "cpu":
+    return step
+  if any(size > 1 for name, size in mesh.shape.items() if name != pipeline.AXIS):
+    # Waiting for idle devices did not make every run safe: stages of several devices, whose
+    # collectives run inside the schedule's loop and switch, still hung at times.
+    logging.warning(
+      "pipeline stages of several devices can hang XLA's CPU runtime (a collective waiting "
+      "for a peer that never comes); on CPU prefer one device a stage"
+    )
+
+  def alone(*args):
+    jax.block_until_ready(jax.live_arrays())
+    return jax.block_until_ready(step(*args))
+
+  return alone
 
 
 class Cluster:
@@ -271,7 +300,7 @@ class Cluster:
       )
     else:
       step = functools.partial(steps.accumulate_and_apply, loss_fn, self.tx[role])
-    return self.compile(
+    compiled = self.compile(
       name,
       step,
       in_shardings=(shardings, None),
@@ -279,6 +308,7 @@ class Cluster:
       donate_argnums=0,
       role=role,
     )
+    return _alone(compiled, rt.mesh) if pipeline.stages_of(rt.mesh) > 1 else compiled
 
   def fused_train_step(
     self, name: str, roles: tuple[Role, Role], loss_fns: tuple[steps.LossFn, steps.LossFn]
@@ -312,15 +342,18 @@ class Cluster:
       self.state_shardings[roles[0]],
       jax.tree.map(lambda sh: sharing.on_mesh(sh, first.mesh), self.state_shardings[roles[1]]),
     )
-    return self.compile(
-      name,
-      functools.partial(
-        pipeline.fused_accumulate_and_apply, models, tuple(self.tx[r] for r in roles), first.mesh
+    return _alone(
+      self.compile(
+        name,
+        functools.partial(
+          pipeline.fused_accumulate_and_apply, models, tuple(self.tx[r] for r in roles), first.mesh
+        ),
+        in_shardings=(shardings, None),
+        out_shardings=(shardings, (first.replicated, first.replicated)),
+        donate_argnums=0,
+        role=roles[0],
       ),
-      in_shardings=(shardings, None),
-      out_shardings=(shardings, (first.replicated, first.replicated)),
-      donate_argnums=0,
-      role=roles[0],
+      first.mesh,
     )
 
   def move(self, role: Role, tree: Any, leading: int = 0) -> Any:
@@ -387,8 +420,13 @@ class Cluster:
     first, second = roles
 
     def update() -> Any:
-      mesh = self.roles[first].mesh
-      states = (self.states[first], sharing.view_on(self.states[second], mesh))
+      # The view is the only array on the second role's buffers when they are donated. With
+      # the cluster's own arrays still holding them, the first fused update after a resume
+      # hung XLA's CPU runtime (3 runs of 3); with the view alone it ran to the end.
+      states = (
+        self.states.pop(first),
+        sharing.view_on(self.states.pop(second), self.roles[first].mesh),
+      )
       (state_a, state_b), metrics = step(states, batches)
       self.states[first] = state_a
       self.states[second] = sharing.view_on(state_b, self.roles[second].mesh)
