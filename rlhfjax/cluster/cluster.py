@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from absl import logging
 
@@ -37,6 +36,7 @@ from rlhfjax.mesh import rules, sharing, transfer
 from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
+from rlhfjax.placement.strategies import reverse_stages
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.training import pipeline, steps, weights
 from rlhfjax.training.state import TrainState
@@ -325,10 +325,7 @@ class Cluster:
       raise ValueError(
         "ppo.fuse_actor_critic fuses two pipelines: set placement.pipeline_stages >= 2"
       )
-    reversed_devices = np.flip(first.mesh.devices, first.mesh.axis_names.index("stage"))
-    if second.mesh.axis_names != first.mesh.axis_names or not np.array_equal(
-      second.mesh.devices, reversed_devices
-    ):
+    if second.spec != reverse_stages(first.spec):
       raise ValueError(
         f"ppo.fuse_actor_critic needs {roles[1]} on {roles[0]}'s devices with the stage axis "
         f"reversed (got {roles[0]} {first.spec.devices}, {roles[1]} {second.spec.devices})"

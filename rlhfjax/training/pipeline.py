@@ -86,12 +86,15 @@ def check_layers(config: ModelConfig, stages: int, what: str = "model") -> None:
     )
 
 
-def executor_table(schedule: schedules.Schedule) -> np.ndarray:
-  """`[T, p, _FIELDS]` int32: what every stage does and receives at every tick."""
+def executor_table(
+  schedule: schedules.Schedule, slots: schedules.Slots | None = None
+) -> np.ndarray:
+  """`[T, p, _FIELDS]` int32: what every stage does and receives at every tick (`slots`: the
+  schedule's, `schedules.slots`, when the caller has them)."""
   p = schedule.stages
   if p < 2:
     raise ValueError(f"a pipelined step needs at least 2 stages, got {p}")
-  slots = schedules.slots(schedule)
+  slots = schedules.slots(schedule) if slots is None else slots
   table = np.zeros((schedule.ticks, p, _FIELDS), np.int32)
   for op in schedule.ops:
     stage = schedule.stage_of(op.model, op.device)
@@ -160,8 +163,8 @@ def pipelined_grads(
   """Per model, the mean float32 gradients and metrics over its `[m, ...]` micro-batches, from
   running `schedule` over `mesh`'s `stage` axis (see the module docstring)."""
   p, m = schedule.stages, schedule.micro_batches
-  table = jnp.asarray(executor_table(schedule))
   slots = schedules.slots(schedule)
+  table = jnp.asarray(executor_table(schedule, slots))
   for k, batch in enumerate(batches):
     if jax.tree.leaves(batch)[0].shape[0] != m:
       got = jax.tree.leaves(batch)[0].shape[0]
