@@ -3,11 +3,12 @@
   python scripts/calibrate.py --out=local.json
 
 Times a sharded matmul (float32 and bfloat16), a sharded copy, a transfer between every pair
-of devices and (virtual CPU devices) the same small train step on 1, 2, 4, 8 devices, then runs
-`scripts/bench_ppo.py`'s config in ONE placement (`--variant`, co-located by default) for a few
-iterations, with the matmul and the train steps timed again before each, and fits the
-efficiency factors to its median stage times (`rlhfjax.bench.localcheck.fit`). Every other
-placement's prediction is then a test of the model. Prints the JSON it writes.
+of devices and (virtual CPU devices) the same small train step and the run's own rollout engine
+on 1, 2, 4, 8 devices, then runs `scripts/bench_ppo.py`'s config in ONE placement (`--variant`,
+co-located by default) for a few iterations, with the matmul, the train steps and the engine
+timed again before each, and fits the efficiency factors to its median stage times
+(`rlhfjax.bench.localcheck.fit`). Every other placement's prediction is then a test of the
+model. Prints the JSON it writes.
 """
 
 import json
@@ -41,11 +42,12 @@ def main(argv):
   from rlhfjax.runner import Runner
 
   devices = jax.devices()[: _RUN.devices.value]
-  hw = calibrate.measure_hardware(devices)
   config = localcheck.bench_config(_VARIANT.value, **_RUN.config_kwargs())
+  step = localcheck.engine_cost(config, devices)  # its decode steps' scaling on a shared host
+  hw = calibrate.measure_hardware(devices, step=step)
   runner = Runner(config, tempfile.mkdtemp(), show_progress=False)
   runner.iterate(0)  # compiles
-  moments = calibrate.AtMoments(hw, devices)
+  moments = calibrate.AtMoments(hw, devices, step=step)
   samples = {s: [] for s in localcheck.STAGES}
   for k in range(1, _RUN.iterations.value):  # the calibration timed at the moments of the run
     moments.sample()

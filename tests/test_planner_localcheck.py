@@ -124,6 +124,32 @@ def test_calibration_at_moments_takes_the_medians_on_a_shared_host_only():
   assert accelerator.samples == {} and accelerator.hardware() is PRESETS["h100"]
 
 
+def test_engine_cost_times_the_runs_own_engine_at_full_length_on_the_rollouts_layout():
+  config = localcheck.bench_config("colocated", **SMALL)
+  four = jax.devices()[:4]
+  step = localcheck.engine_cost(config, four)
+  assert step.sizes == [1, 2, 4]
+  # As the rollout's mesh: 'tensor' as wide as the run's (2), 'data' replicas over the rest.
+  assert config.placement.rollout_tensor == 2
+  assert [dict(m.shape) for m in step.meshes] == [
+    {"data": 1, "tensor": 1},
+    {"data": 1, "tensor": 2},
+    {"data": 2, "tensor": 2},
+  ]
+  assert [list(m.devices.flat) for m in step.meshes] == [four[:1], four[:2], four]
+  for engine in step._engines:  # every answer runs to the run's length (no stop token)
+    out = step._generate(engine)
+    assert out.lengths.tolist() == [config.rollout.max_new_tokens] * config.rollout.batch_size
+    assert not out.stopped.any()
+  relative = calibrate.DeviceCost.relative(step.seconds())
+  assert relative[0] == 1.0 and len(relative) == 3 and all(r > 0 for r in relative)
+  base = dataclasses.replace(HOST, device_cost=(), step_cost=())
+  moments = calibrate.AtMoments(base, four, step=step)
+  moments.sample()
+  assert len(moments.samples["step_cost"][0]) == 3  # the engine's sizes, not the stand-in's
+  assert len(moments.hardware().step_cost) == 3
+
+
 def _boxes(indices, shape):
   """{device id: (start, stop) per dimension} of a `devices_indices_map`'s items."""
   return {d: tuple(s.indices(n)[:2] for s, n in zip(i, shape, strict=True)) for d, i in indices}

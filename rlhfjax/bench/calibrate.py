@@ -3,8 +3,9 @@
 `measure_hardware` times, on the devices at hand: a matmul sharded over all of them (per dtype),
 a sharded elementwise copy (memory bandwidth), a `device_put` between every pair of devices and,
 on XLA's virtual CPU devices (`host_shared`), `DeviceCost`: one small train step (FSDP-like
-weight gathers and gradient reductions) with its batch split over 1, 2, 4, 8 devices, and one
-decode-like step (a token of a few rows). Each virtual device runs its own copy of every op on
+weight gathers and gradient reductions) with its batch split over 1, 2, 4, 8 devices, and a
+decode step (a known run's own rollout engine, `EngineCost`; else a token of a few rows through
+a stand-in stack). Each virtual device runs its own copy of every op on
 the host's shared cores, so the same step takes longer on more devices; the times relative to
 one device are `Hardware.device_cost` and `Hardware.step_cost`, which scale the fixed
 per-device overheads of the cost model (passes over a batch, and decode steps).
@@ -141,19 +142,83 @@ class DeviceCost:
     return tuple(t / seconds[0] for t in seconds)
 
 
+class EngineCost:
+  """`Hardware.step_cost`'s program for a known run: its rollout engine (paged or dense, as
+  `rollout` says) generating one batch of the run's shape, answers at full length, on groups
+  of 1, 2, 4, ... devices, `tensor` wide (the whole group when smaller) with 'data' replicas
+  over the rest, as the rollout's mesh is laid out.
+
+  A stand-in decode step (`DeviceCost.decode`) is almost nothing but the per-device copies of
+  its ops, so it grows about as fast as the group. The engine's decode loop has work besides
+  (page-table gathers, sampling, slot refills, shared out over the group), so it grows more
+  slowly: on `localcheck`'s benchmark with the paged engine, 1.29, 1.39 and 1.62x one device's
+  time on 2, 4 and 8 devices. Scaled by the stand-in's factor instead, the fitted decode cost
+  predicted generation on 4 of the 8 devices at 0.67-0.78 of the measured time (four runs);
+  by the engine's, 0.98-1.02.
+  """
+
+  def __init__(self, devices, model, rollout, tensor: int = 1, *, seed: int = 0):
+    from rlhfjax import models
+    from rlhfjax.cluster.cluster import engine_config
+    from rlhfjax.rollout.engine import Engine
+    from rlhfjax.rollout.sampling import SamplingParams
+
+    devices = list(devices or jax.devices())
+    self.sizes = [2**i for i in range(len(devices).bit_length()) if 2**i <= len(devices)]
+    rng = np.random.default_rng(seed)
+    low = max(1, rollout.max_prompt_len // 2)
+    self._prompts = [
+      rng.integers(1, model.vocab_size, size=int(rng.integers(low, rollout.max_prompt_len + 1)))
+      for _ in range(rollout.batch_size)
+    ]
+    self._sampling = SamplingParams(temperature=1.0, stop_token_ids=())
+    params = models.init_params(model, "lm", jax.random.key(seed))
+    self._engines = []
+    for size in self.sizes:
+      width = math.gcd(size, tensor)
+      replicas = math.gcd(size // width, rollout.num_slots)
+      grid = np.array(devices[: replicas * width]).reshape(replicas, width)
+      mesh = Mesh(grid, ("data", "tensor"))
+      engine = Engine(model, engine_config(rollout, 0, replicas), mesh)
+      engine.update_params(params)
+      self._engines.append(engine)
+      self._generate(engine)  # compiles what one batch uses
+
+  @property
+  def meshes(self) -> list[Mesh]:
+    """The engines' meshes, one per group size."""
+    return [engine.mesh for engine in self._engines]
+
+  def _generate(self, engine):
+    return engine.generate(self._prompts, sampling=self._sampling)  # on the host: waited for
+
+  def seconds(self, repeats: int = 1) -> list[float]:
+    """Median seconds of one batch per group size (the programs are compiled already)."""
+    out = []
+    for engine in self._engines:
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        self._generate(engine)
+        times.append(time.perf_counter() - start)
+      out.append(statistics.median(times))
+    return out
+
+
 class AtMoments:
   """The calibration of a shared host timed again at chosen moments of a measured run (right
   before each of its iterations), so that the rates the prediction uses are medians over the
   same moments as the stage times it is compared with: the matmul rate (`Matmul`) and the group
-  scalings (`DeviceCost`: `device_cost`, `step_cost`). On an accelerator nothing is timed again:
-  its full-size measurement in `base` stands (a small matmul there reads its launch cost)."""
+  scalings (`DeviceCost`: `device_cost`; `step_cost` from `step`, an `EngineCost` for a known
+  run, or `DeviceCost.decode`). On an accelerator nothing is timed again: its full-size
+  measurement in `base` stands (a small matmul there reads its launch cost)."""
 
-  def __init__(self, base: Hardware, devices):
+  def __init__(self, base: Hardware, devices, step: DeviceCost | EngineCost | None = None):
     self._base = base
     shared = base.host_shared
     self._matmul = Matmul(devices) if shared else None
     self._programs = (
-      {"device_cost": DeviceCost(devices), "step_cost": DeviceCost.decode(devices)}
+      {"device_cost": DeviceCost(devices), "step_cost": step or DeviceCost.decode(devices)}
       if shared
       else {}
     )
@@ -209,6 +274,7 @@ def measure_hardware(
   matmul_size: int | None = None,
   copy_bytes: int | None = None,
   pair_bytes: int = 8 << 20,
+  step: DeviceCost | EngineCost | None = None,
 ) -> Hardware:
   """The current devices as a `Hardware` named 'local'.
 
@@ -216,14 +282,17 @@ def measure_hardware(
   gets them all, groups take turns, and fixed per-device costs grow with the group
   (`host_shared`, `device_cost`). Sizes default by platform: a 512-wide matmul and 64 MiB copy
   on the host; 8192 and 2 GiB on an accelerator, where smaller ones measure the launch rather
-  than the rate (a 512-wide bf16 matmul on an H100 reads 2.7 TFLOP/s).
+  than the rate (a 512-wide bf16 matmul on an H100 reads 2.7 TFLOP/s). `step` times the
+  decode step's scaling (`step_cost`): a known run's own engine (`EngineCost`); by default a
+  stand-in step (`DeviceCost.decode`).
   """
   devices = list(devices or jax.devices())
   host_shared = devices[0].platform == "cpu"
   matmul_size = matmul_size or (512 if host_shared else 8192)
   copy_bytes = copy_bytes or ((64 << 20) if host_shared else (2 << 30))
   device_cost = DeviceCost.relative(DeviceCost(devices).seconds()) if host_shared else ()
-  step_cost = DeviceCost.relative(DeviceCost.decode(devices).seconds()) if host_shared else ()
+  step = step or (DeviceCost.decode(devices) if host_shared else None)
+  step_cost = DeviceCost.relative(step.seconds()) if host_shared else ()
   f32 = _matmul_rate(devices, jnp.float32, matmul_size)
   bf16 = _matmul_rate(devices, jnp.bfloat16, matmul_size)
   copy = _copy_rate(devices, copy_bytes)

@@ -228,6 +228,18 @@ def resync_samples(clusters: Sequence, repeats: int) -> list[list[float]]:
   return samples
 
 
+def engine_cost(config: ExperimentConfig, devices):
+  """`calibrate.EngineCost` of `config`'s rollout on `devices` when they share one host (the
+  scaling of its decode steps is then measured with its own engine), else None."""
+  from rlhfjax.bench import calibrate
+
+  if devices[0].platform != "cpu":
+    return None
+  return calibrate.EngineCost(
+    devices, config.model.for_role("actor"), config.rollout, config.placement.rollout_tensor
+  )
+
+
 def check(
   variants: Sequence[str] = PLACEMENTS,
   *,
@@ -259,12 +271,18 @@ def check(
   from rlhfjax.runner import Runner
 
   used = jax.devices()[:devices]
-  base = calibrate.measure_hardware(used, matmul_size=256, copy_bytes=16 << 20, pair_bytes=1 << 20)
   configs = {
     v: bench_config(v, iterations=rounds + 1, devices=devices, **config_kwargs) for v in variants
   }
-  moments = calibrate.AtMoments(base, used)
-  say(f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}")
+  step = engine_cost(configs[fit_variant], used)
+  base = calibrate.measure_hardware(
+    used, matmul_size=256, copy_bytes=16 << 20, pair_bytes=1 << 20, step=step
+  )
+  moments = calibrate.AtMoments(base, used, step=step)
+  say(
+    f"calibrated: device_cost {[round(x, 2) for x in base.device_cost]}, "
+    f"step_cost {[round(x, 2) for x in base.step_cost]}"
+  )
   root = workdir or tempfile.mkdtemp()
   runners = {v: Runner(c, os.path.join(root, v), show_progress=False) for v, c in configs.items()}
   for v, runner in runners.items():

@@ -55,8 +55,10 @@ class Hardware:
   on the same cores, so the fixed costs of a pass over a batch (op launches, dispatch,
   rendezvous) grow with its group by this factor; empty: 1 for every size."""
   step_cost: tuple[float, ...] = ()
-  """As `device_cost` for a decode step: one token for a few rows (forward only), where almost
-  nothing but the per-device copies of every op is left, so it grows faster with the group."""
+  """As `device_cost` for a decode step: measured with the run's own rollout engine generating
+  one batch (`calibrate.EngineCost`), or else a stand-in (one token for a few rows, forward
+  only, almost nothing but the per-device copies of every op, so it grows faster with the
+  group than an engine's decode loop, whose work the group shares)."""
 
   def parallel(self, devices: int) -> int:
     """How many devices' worth of rate a group of `devices` gets."""
