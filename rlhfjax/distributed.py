@@ -105,6 +105,9 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if count:
       jax.config.update("jax_num_cpu_devices", count)
+    # JAX's preemption service: its own SIGTERM handler (`rlhfjax.signals` handles SIGTERM),
+    # and its poll of the coordination service logs errors when process 0 ends.
+    jax.config.update("jax_enable_preemption_service", False)
     # JAX aborts the process (a C++ fatal error and a stack trace) when its own time-outs
     # expire: ours expire first and say what was waited for in one line.
     with liveness.start_deadline(section.start_timeout_s, _waiting_for(args)):
@@ -138,13 +141,19 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
 _JAX_MARGIN_S = 30
 
 
-def _waiting_for(args: Mapping[str, Any]) -> str:
+def identity(args: Mapping[str, Any]) -> tuple[str, str]:
+  """This process ("process 1 of 2") and the coordinator's address, from `resolve`'s result,
+  for messages."""
   process = "this process" if args["process_id"] is None else f"process {args['process_id']}"
   count = "" if args["num_processes"] is None else f" of {args['num_processes']}"
-  address = args["coordinator_address"] or "the cluster's coordinator"
+  return process + count, args["coordinator_address"] or "the cluster's coordinator"
+
+
+def _waiting_for(args: Mapping[str, Any]) -> str:
+  who, where = identity(args)
   return (
-    f"{process}{count} to join the job at the coordinator {address} (process 0 runs it; "
-    "every process must start with the same num_processes and a distinct process_id)"
+    f"{who} to join the job at the coordinator {where} (process 0 runs it; every process must "
+    "start with the same num_processes and a distinct process_id)"
   )
 
 

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from absl import app, flags, logging
 
-from rlhfjax import config, errors, liveness, signals, workdir
+from rlhfjax import config, errors, liveness, signals, supervisor, workdir
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -57,6 +57,8 @@ def run(main: Callable[[list[str]], None]) -> None:
   `RLHFJAX_DEBUG=1` also print the traceback."""
 
   def guarded(argv: list[str]) -> None:
+    if supervisor.in_child():
+      supervisor.adopt()
     import_from_current_directory()
     signals.install_default_interrupt()
     if not (_DEBUG.value or errors.debug_requested()):
@@ -178,7 +180,9 @@ def start(argv: list[str], config_dict, max_cpu_devices: int) -> None:
   devices as the config's placement asks for (on CPU). Call it before importing JAX.
 
   With `distributed.enabled`, joins the job's processes instead (`rlhfjax.distributed`), each
-  emulating its share of the devices."""
+  emulating its share of the devices; with `distributed.supervise` too, this process becomes
+  the supervisor of a child that runs the same command (`rlhfjax.supervisor`) and never
+  returns."""
   if len(argv) > 1:
     fail(f"unexpected arguments: {' '.join(argv[1:])}")
   quiet_logging()
@@ -188,7 +192,10 @@ def start(argv: list[str], config_dict, max_cpu_devices: int) -> None:
     from rlhfjax import distributed
 
     try:
-      distributed.initialize(config.distributed_from_config_dict(config_dict), num_devices)
+      section = config.distributed_from_config_dict(config_dict)
+      if section.supervise and supervisor.available() and not supervisor.in_child():
+        supervisor.supervise(*distributed.identity(distributed.resolve(section)))
+      distributed.initialize(section, num_devices)
     except ValueError as error:
       fail(error)
   elif num_devices:

@@ -19,10 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from rlhfjax import errors
-
-_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-
+from rlhfjax import errors, supervisor
 
 _requested = threading.Event()
 """Set by the first signal while a `StopRequest` is active: work inside an iteration that may
@@ -60,7 +57,7 @@ class StopRequest:
       os.write(2, b"\nerror: interrupted again: stopped at once; rerun the same command to "
                b"resume from the last complete checkpoint\n")  # fmt: skip
       os._exit(errors.INTERRUPTED)
-    self.signal_name = _NAMES.get(signum, str(signum))
+    self.signal_name = supervisor.stop_signals().get(signum, str(signum))
     self._event.set()
     _requested.set()
     os.write(2, f"\n{self.signal_name}: stopping the {self._what} after this iteration with a "
@@ -70,7 +67,7 @@ class StopRequest:
 
   def __enter__(self) -> StopRequest:
     if threading.current_thread() is threading.main_thread():
-      for signum in _NAMES:
+      for signum in supervisor.stop_signals():
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
@@ -93,7 +90,7 @@ def install_default_interrupt() -> None:
     sys.stderr.flush()
     os._exit(errors.INTERRUPTED)
 
-  signal.signal(signal.SIGINT, handle)
+  signal.signal(supervisor.received_as(signal.SIGINT), handle)
 
 
 def on_stop(callback: Callable[[], None], what: str = "run") -> Callable[[], None]:

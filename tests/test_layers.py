@@ -22,6 +22,7 @@ LAYERS = (
   "errors",
   "ranges",
   "workdir",
+  "supervisor",
   "signals",
   "liveness",
   # Every config section and the model's hyper-parameters: no JAX.
@@ -154,7 +155,7 @@ def test_the_checker_sees_lazy_relative_and_type_checking_imports(tmp_path, monk
     "rlhfjax/config/__init__.py:5",
     "rlhfjax/config/__init__.py:7",
   ]
-  assert all("config (layer 5) imports rlhfjax." in v for v in found)
+  assert all("config (layer 6) imports rlhfjax." in v for v in found)
 
 
 @pytest.mark.parametrize("name", LAYERS)

@@ -927,6 +927,10 @@ class DistributedSection:
   peer_timeout_s: int = 60
   """Seconds without a sign of life from another process after which the others stop with an
   error naming it (instead of waiting forever in a collective)."""
+  supervise: bool = True
+  """Run the work in a child of the process started, which turns JAX's abort when process 0
+  (the coordination service) is lost into one line (`rlhfjax.supervisor`); False: no child
+  (for a debugger or profiler attached to the process started)."""
 
   def __post_init__(self):
     if self.coordinator_address and not _HOST_PORT.match(self.coordinator_address):
