@@ -138,7 +138,23 @@ def parse_flags(argv: list[str]) -> list[str]:
     # config_flags wraps the KeyError of an unknown `--config.x.y` field in an AttributeError.
     while error.args and isinstance(error.args[0], Exception):
       error = error.args[0]
-    fail(f"bad --config override: {error.args[0] if error.args else error}")
+    what = str(error.args[0] if error.args else error)
+    fail(_unknown_override(argv, what) or f"bad --config override: {what}")
+
+
+def _unknown_override(argv: list[str], what: str) -> str | None:
+  """The error line for the first override in `argv` that names no field (the one `what`,
+  ml_collections' message, quotes, if any), with what it may have meant; None if none does."""
+  quoted = re.match(r"\s*'([^']+)'", what)
+  named = []
+  for arg in argv[1:]:
+    if arg.startswith("--config."):
+      path = arg.removeprefix("--config.").split("=", 1)[0]
+      if (message := config.unknown_override(path)) is not None:
+        named.append((quoted is not None and quoted[1] in path.split("."),
+                      f"bad --config override --config.{path}: {message}"))  # fmt: skip
+  named.sort(key=lambda pair: not pair[0])  # stable: the first one ml_collections names
+  return named[0][1] if named else None
 
 
 def quiet_logging() -> None:

@@ -273,18 +273,55 @@ def test_every_documented_field_is_settable_on_every_config(name):
 
 def test_documented_overrides_from_the_command_line(tmp_path):
   """The issue's refused overrides, through a script's flag parsing."""
-  out = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, "scripts", "show_placement.py"),
-      f"--config={os.path.join(ROOT, 'configs', 'dpo_tiny.py')}",
-      "--config.model.roles.actor.remat=full",
-      "--config.model.roles.reference.param_dtype=bfloat16",
-      "--config.offload.params=('reference',)",
-      f"--config.data.preferences={tmp_path / 'prefs.jsonl'}",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
+  out = _show_dpo_placement(
+    "--config.model.roles.actor.remat=full",
+    "--config.model.roles.reference.param_dtype=bfloat16",
+    "--config.offload.params=('reference',)",
+    f"--config.data.preferences={tmp_path / 'prefs.jsonl'}",
   )
   assert out.returncode == 0, out.stderr
+
+
+def _show_dpo_placement(*overrides: str) -> subprocess.CompletedProcess:
+  script = os.path.join(ROOT, "scripts", "show_placement.py")
+  config = os.path.join(ROOT, "configs", "dpo_tiny.py")
+  return subprocess.run([sys.executable, script, f"--config={config}", *overrides],
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_field_paths_are_the_schemas_fields():
+  assert config_lib.field_paths() == list(_schema_paths(config_lib.ExperimentConfig))
+
+
+@pytest.mark.parametrize(
+  ("path", "said"),
+  [
+    ("model.roles.actor.remat", None),
+    ("model.overrides.num_layers", None),  # a key of a dict field
+    ("sft.total_steps", None),  # a pipeline config's stage, then a field
+    ("ppo.kl_cof", "no such field; did you mean --config.ppo.kl_coef?"),
+    ("modl.size", "no such field; did you mean --config.model.size?"),
+    (
+      "model.remat",
+      "no such field; did you mean --config.model.roles.<role>.remat (<role>: actor, critic, "
+      "reference, reward, rollout)?",
+    ),
+    (
+      "ppo.model.attention",  # the stage is kept
+      "no such field; did you mean --config.ppo.model.roles.<role>.attention (<role>: actor, "
+      "critic, reference, reward, rollout)?",
+    ),
+    ("zzz", "no such field"),
+  ],
+)
+def test_an_override_of_no_field_names_what_it_may_have_meant(path, said):
+  assert config_lib.unknown_override(path) == said
+
+
+def test_a_bad_override_from_the_command_line_is_one_line_naming_it():
+  out = _show_dpo_placement("--config.model.roles.actor.remat=full", "--config.model.remat=full")
+  assert out.returncode == 2
+  assert out.stderr.splitlines() == [
+    "error: bad --config override --config.model.remat: no such field; did you mean "
+    "--config.model.roles.<role>.remat (<role>: actor, critic, reference, reward, rollout)?"
+  ], out.stderr

@@ -33,7 +33,9 @@ from rlhfjax.config.experiment import (
   SupervisedSection,
   complete,
   distributed_from_config_dict,
+  field_paths,
   from_config_dict,
+  unknown_override,
 )
 
 __all__ = [
@@ -64,5 +66,7 @@ __all__ = [
   "SupervisedSection",
   "complete",
   "distributed_from_config_dict",
+  "field_paths",
   "from_config_dict",
+  "unknown_override",
 ]

@@ -1258,6 +1258,53 @@ def complete(config_dict: Any, cls: type) -> Any:
   return config_dict
 
 
+def field_paths(cls: type | None = None, prefix: str = "") -> list[str]:
+  """Every dotted field of the typed config `cls` (`ExperimentConfig` by default): sections
+  recursed, a dict of role sections under each role (`model.roles.actor.remat`)."""
+  cls = ExperimentConfig if cls is None else cls
+  hints = _type_hints(cls)
+  paths = []
+  for field in dataclasses.fields(cls):
+    tp, path = _optional_inner(hints[field.name]), f"{prefix}{field.name}"
+    if dataclasses.is_dataclass(tp):
+      paths += field_paths(tp, f"{path}.")
+    elif _is_section_dict(tp):
+      for key in _COMPLETED_KEYS.get(field.name, ()):
+        paths += field_paths(typing.get_args(tp)[1], f"{path}.{key}.")
+    else:
+      paths.append(path)
+  return paths
+
+
+def unknown_override(path: str) -> str | None:
+  """What to say of `--config.<path>`, an override `ml_collections` refused, or None when
+  `path` names a field of `ExperimentConfig` (or lies inside one, a dict's key). Any prefix
+  of sections `ExperimentConfig` does not know (a pipeline config's stage, `ppo.`) is kept."""
+  paths = field_paths()
+  known = set(paths)
+  parts = path.split(".")
+  for start in range(len(parts)):
+    inner = ".".join(parts[start:])
+    if inner in known or any(inner.startswith(f"{p}.") for p in known):
+      return None
+  # The longest tail of `path` in known sections: what comes before it (a stage) is kept.
+  sections = {p.rsplit(".", 1)[0] for p in paths if "." in p}
+  start = next((i for i in range(len(parts) - 1) if ".".join(parts[i:-1]) in sections), 0)
+  kept, inner, name = ".".join(parts[:start]), ".".join(parts[start:]), parts[-1]
+  same_name = sorted({_any_role(p) for p in paths if p.rsplit(".", 1)[-1] == name})
+  guesses = same_name or difflib.get_close_matches(inner, paths, n=1)
+  message = "no such field"
+  if guesses:
+    flags = " or ".join(f"--config.{kept + '.' if kept else ''}{g}" for g in guesses[:3])
+    roles = f" (<role>: {', '.join(_ROLES)})" if "<role>" in flags else ""
+    message += f"; did you mean {flags}{roles}?"
+  return message
+
+
+def _any_role(path: str) -> str:
+  return re.sub(rf"\.roles\.(?:{'|'.join(_ROLES)})\.", ".roles.<role>.", path)
+
+
 def _optional_inner(tp: Any) -> Any:
   if typing.get_origin(tp) in (types.UnionType, typing.Union):
     args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
