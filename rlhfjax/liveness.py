@@ -1,7 +1,8 @@
 """Bounded waits for the other processes of a multi-process job.
 
 JAX's coordination service stops a process whose peers do not arrive, or stop answering, by
-aborting it with a C++ fatal error and a stack trace, after minutes. Here:
+aborting it with a C++ fatal error and a stack trace, after minutes (and at once when process
+0, which runs the service, ends: `rlhfjax.supervisor` turns that abort into one line). Here:
 
 - `start_deadline` bounds `jax.distributed.initialize`: past it, one `error:` line says what
   was waited for (the coordinator address, this process's id and the process count), exit 2;

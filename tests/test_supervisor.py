@@ -154,6 +154,13 @@ def _gone(pid: int) -> bool:
     ("sys.exit(3)", 3, ""),
     ("print('error: bad input', file=sys.stderr); sys.exit(2)", 2, "error: bad input\n"),
     ("os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL, ""),
+    # Any other abort passes through as it was, the error line before it included.
+    (
+      "print('error: x', file=sys.stderr, flush=True); print('F0 1 a.cc:1] Check failed', "
+      "file=sys.stderr, flush=True); os.abort()",
+      -signal.SIGABRT,
+      "error: x\nF0 1 a.cc:1] Check failed\n",
+    ),
   ],
 )
 def test_the_supervisor_exits_as_its_child(body, status, err):
