@@ -706,7 +706,10 @@ _BAD_RUNS = {
   "unknown_strategy": (["--config.placement.strategy=foo"], r"unknown placement strategy 'foo'"),
   "zero_devices": (["--config.placement.num_devices=0"], r"num_devices must be >= 1, got 0"),
   "too_many_devices": (["--config.placement.num_devices=99"], r"num_devices=99 exceeds"),
-  "unknown_override": (["--config.placement.stratgy=x"], r"'stratgy'.*did you mean.*strategy"),
+  "unknown_override": (
+    ["--config.placement.stratgy=x"],
+    r"--config\.placement\.stratgy: no such field; did you mean --config\.placement\.strategy\?",
+  ),
   "unknown_field_in_file": (None, r"unknown config field 'placement\.stratgy'; did you mean"),
   "unknown_size": (["--config.model.size=huge"], r"unknown model size 'huge'"),
   # On one device each strategy that cannot be laid out names the flag to change.

@@ -361,7 +361,8 @@ def test_scripts_train_end_to_end(tmp_path, script, config, metric):
     (
       "train_sft.py",
       ["--config.supervised.batch_sise=4"],
-      r"'batch_sise'.*did you mean.*batch_size",
+      r"--config\.supervised\.batch_sise: no such field; did you mean "
+      r"--config\.supervised\.batch_size\?",
     ),
     ("train_rm.py", ["--config.supervised.micro_batches=3"], r"'micro_batches'=3 must divide"),
     ("train_sft.py", ["--config.placement.tensor=3"], r"tensor=3 does not divide"),
