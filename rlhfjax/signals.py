@@ -9,6 +9,9 @@ one.
 The handler never raises: a `KeyboardInterrupt` raised at an arbitrary bytecode can land in a
 garbage-collection callback (where Python prints it and carries on) or inside a library's
 clean-up, which is how Ctrl-C used to be lost or leave a save half-done.
+
+Under a supervisor (each process of a multi-process job, `rlhfjax.supervisor`) both arrive as
+the real-time signals it forwards them as (`supervisor.stop_signals`).
 """
 
 from __future__ import annotations
