@@ -146,15 +146,13 @@ def _unknown_override(argv: list[str], what: str) -> str | None:
   """The error line for the first override in `argv` that names no field (the one `what`,
   ml_collections' message, quotes, if any), with what it may have meant; None if none does."""
   quoted = re.match(r"\s*'([^']+)'", what)
-  named = []
-  for arg in argv[1:]:
-    if arg.startswith("--config."):
-      path = arg.removeprefix("--config.").split("=", 1)[0]
-      if (message := config.unknown_override(path)) is not None:
-        named.append((quoted is not None and quoted[1] in path.split("."),
-                      f"bad --config override --config.{path}: {message}"))  # fmt: skip
-  named.sort(key=lambda pair: not pair[0])  # stable: the first one ml_collections names
-  return named[0][1] if named else None
+  paths = [arg.removeprefix("--config.").split("=", 1)[0] for arg in argv[1:]
+           if arg.startswith("--config.")]  # fmt: skip
+  unknown = {path: m for path in paths if (m := config.unknown_override(path)) is not None}
+  if not unknown:
+    return None
+  path = next((p for p in unknown if quoted and quoted[1] in p.split(".")), next(iter(unknown)))
+  return f"bad --config override --config.{path}: {unknown[path]}"
 
 
 def quiet_logging() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -148,6 +149,13 @@ def _gone(pid: int) -> bool:
   return status.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+def _wait_ended(pidfd: int, timeout_s: float = 30) -> None:
+  """Waits until the process of `pidfd` (opened while it ran: no other process can take its
+  pid) has ended, for one that is not this process's child; at most `timeout_s`."""
+  select.select([pidfd], [], [], timeout_s)
+  os.close(pidfd)
+
+
 @pytest.mark.parametrize(
   ("body", "status", "err"),
   [
@@ -232,11 +240,10 @@ def test_a_signal_before_the_child_handles_it_ends_both_as_the_signal():
 def test_killing_the_supervisor_kills_its_child():
   proc = _supervised("while True: time.sleep(0.01)")
   child = _child(proc)
+  ended = os.pidfd_open(child)
   proc.kill()
   proc.wait()
-  deadline = time.monotonic() + 30
-  while not _gone(child) and time.monotonic() < deadline:
-    time.sleep(0.05)  # polling /proc for the kernel's SIGKILL; the assertion is below
+  _wait_ended(ended)  # the kernel's SIGKILL to the orphan
   assert _gone(child)
 
 
@@ -304,6 +311,7 @@ def test_killing_process_0_stops_process_1_with_one_line(reserve_port, target):
   try:
     workers = [_joined(proc) for proc in procs]
     assert workers[0] != procs[0].pid and workers[1] != procs[1].pid
+    ended = os.pidfd_open(workers[0])  # once killed with its supervisor, nobody reaps it
     os.kill(procs[0].pid if target == "supervisor" else workers[0], signal.SIGKILL)
     killed_at = time.monotonic()
     out, err = procs[1].communicate(timeout=120)
@@ -319,6 +327,7 @@ def test_killing_process_0_stops_process_1_with_one_line(reserve_port, target):
   ], err[-3000:]
   assert waited < 30  # the abort is at once; the liveness watch's peer time-out is 30 s
   assert procs[0].returncode == -signal.SIGKILL  # the child's death is its supervisor's
+  _wait_ended(ended)
   assert _gone(workers[0]) and _gone(workers[1])
 
 

@@ -1258,10 +1258,9 @@ def complete(config_dict: Any, cls: type) -> Any:
   return config_dict
 
 
-def field_paths(cls: type | None = None, prefix: str = "") -> list[str]:
-  """Every dotted field of the typed config `cls` (`ExperimentConfig` by default): sections
-  recursed, a dict of role sections under each role (`model.roles.actor.remat`)."""
-  cls = ExperimentConfig if cls is None else cls
+def field_paths(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
+  """Every dotted field of the typed config `cls`: sections recursed, a dict of role sections
+  under each role (`model.roles.actor.remat`)."""
   hints = _type_hints(cls)
   paths = []
   for field in dataclasses.fields(cls):
