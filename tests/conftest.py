@@ -1,6 +1,8 @@
 """Test session set-up: 8 virtual CPU devices, set once before JAX initialises its backends."""
 
 import os
+import subprocess
+import sys
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 # XLA's CPU code generation in the two-worker suite (pytest-xdist workers, where nothing is
@@ -30,34 +32,23 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# The files that take longest, longest first (`--durations` of a whole run, summed per file).
-# `-n 2 --dist loadfile` hands whole files to the two workers in collection order, so these
-# start first and the many short files fill in at the end; a long file handed out last would
-# keep one worker busy while the other sits idle. Files not listed keep their order after them.
-_LONGEST_FILES = (
-  "test_multihost.py",  # 8 multi-process runs against single ones: about 25 minutes on 2 cores
-  "test_verifiable_rewards.py",  # the arithmetic pipeline, the longest single test
-  "test_pipeline_parallel.py",  # pipelined steps and PPO runs: about 12 minutes
-  "test_resume_algorithms.py",
-  "test_resume.py",
-  "test_algorithm_flows.py",
-  "test_fused_scoring.py",
-  "test_ppo.py",
-  "test_pipeline.py",
-  "test_dpo.py",
-  "test_sft_rm.py",
-  "test_planner_single.py",
-  "test_placement.py",
-  "test_user_flow.py",
-  "test_offload.py",
-)
+# Each test file holds one kind of test and says which with a module-level marker, its tier:
+#   pure         no JAX at all: config, schedules, the cost model's arithmetic;
+#   unit         JAX functions, models and meshes in this process;
+#   integration  whole runs in this process (Runner, Cluster), several properties per run;
+#   e2e          the scripts run as users run them, in subprocesses;
+#   multiprocess jobs of several processes joined by jax.distributed (also marked e2e).
+# `pytest -m "not e2e"` is the quick loop (docs/development.md). A file without exactly one
+# tier is a collection error, and a test outside the e2e tiers that starts a Python process
+# fails naming its file.
+TIERS = ("pure", "unit", "integration", "e2e", "multiprocess")
+_SUBPROCESS_TIERS = ("e2e", "multiprocess")
+TIERS_PENDING = lambda msg: print("WARNING", msg, file=sys.stderr)  # TODO(tiers): UsageError
 
 
 def pytest_configure(config):
-  # pytest-xdist would otherwise reorder the files by their number of tests, which puts the few
-  # long end-to-end tests (kill -9 and rerun, multi-host, the pipeline) at the very end.
-  if hasattr(config.option, "loadscopereorder"):
-    config.option.loadscopereorder = False
+  for tier in TIERS:
+    config.addinivalue_line("markers", f"{tier}: test tier (tests/conftest.py TIERS)")
 
 
 _SOLO_COMMAND = "python -m pytest -q -m solo"
@@ -67,9 +58,26 @@ def _xdist_worker(config) -> bool:
   return hasattr(config, "workerinput")
 
 
+def _tier(item) -> str | None:
+  """The tier a test's module declares (its module-level `pytestmark`), or None."""
+  marks = getattr(item.module, "pytestmark", [])
+  names = {m.name for m in (marks if isinstance(marks, list) else [marks])}
+  tiers = [t for t in TIERS if t in names]
+  if tiers == ["e2e", "multiprocess"]:
+    return "multiprocess"
+  return tiers[0] if len(tiers) == 1 else None
+
+
 def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps file order
+  untiered = sorted({item.path.name for item in items if _tier(item) is None})
+  if untiered:
+    TIERS_PENDING(
+      f"test files without exactly one tier marker ({', '.join(TIERS)}; a module-level "
+      f"`pytestmark`, tests/conftest.py): {', '.join(untiered)}"
+    )
+  for item in items:
+    if _tier(item) == "multiprocess":
+      item.add_marker(pytest.mark.e2e)
   # Tests marked `solo` time the machine and need its cores to themselves: a pytest-xdist
   # worker (another worker runs beside it) leaves them out; they run in a serial invocation.
   if _xdist_worker(config):
@@ -77,6 +85,72 @@ def pytest_collection_modifyitems(config, items):
     if solo:
       config.hook.pytest_deselected(items=solo)
       items[:] = [item for item in items if not item.get_closest_marker("solo")]
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+@pytest.fixture(autouse=True)
+def _python_subprocesses_only_in_e2e_tiers(request, monkeypatch):
+  """A test outside the e2e tiers that starts a Python process fails: such a test belongs in
+  an e2e file, where `pytest -m "not e2e"` leaves it out."""
+  if _tier(request.node) in (None, *_SUBPROCESS_TIERS):  # None: a collection error already
+    return
+
+  def guarded(self, args, *rest, **kwargs):
+    program = args[0] if isinstance(args, (list, tuple)) and args else args
+    if isinstance(program, (str, os.PathLike)) and os.path.basename(str(program)).startswith(
+      ("python", os.path.basename(sys.executable))
+    ):
+      raise AssertionError(
+        f"{request.node.path.name} is not an e2e file but starts a Python process "
+        f"({' '.join(map(str, args))[:120]}): move the test to a file marked e2e"
+      )
+    _popen_init(self, args, *rest, **kwargs)
+
+  monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
+# Where a test's time goes inside JAX (`RLHFJAX_TEST_PROFILE=DIR`): each test's seconds of
+# tracing, lowering and XLA compiling and its number of compiles and persistent-cache hits, one
+# JSON line per test in DIR/<worker>.jsonl. In-process work only: a test's subprocesses are not
+# counted.
+_PROFILE_DIR = os.environ.get("RLHFJAX_TEST_PROFILE")
+_PROFILE_EVENTS = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+  "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+_profile: dict[str, float] = {}
+
+if _PROFILE_DIR:
+  import json
+  import time
+
+  def _on_duration(event: str, seconds: float, **_) -> None:
+    if (key := _PROFILE_EVENTS.get(event)) is not None:
+      _profile[key] = _profile.get(key, 0.0) + seconds
+      if key == "compile_s":
+        _profile["compiles"] = _profile.get("compiles", 0) + 1
+
+  def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+      _profile["cache_hits"] = _profile.get("cache_hits", 0) + 1
+
+  jax.monitoring.register_event_duration_secs_listener(_on_duration)
+  jax.monitoring.register_event_listener(_on_event)
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    _profile.clear()
+    start = time.perf_counter()
+    yield
+    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3)}
+    row.update({k: round(v, 3) for k, v in _profile.items()})
+    os.makedirs(_PROFILE_DIR, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(_PROFILE_DIR, f"{worker}.jsonl"), "a") as f:
+      f.write(json.dumps(row) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -1,4 +1,5 @@
-"""A process of tests/test_hf_load.py: writes a wide checkpoint, or loads one and reports.
+"""A process of tests/test_hf_load_multiprocess.py: writes a wide checkpoint, or loads one and
+reports.
 
 python tests/hf_load_worker.py write DIR
 python tests/hf_load_worker.py load DIR OUT.json {sliced|whole} [PORT PROCESS_ID]

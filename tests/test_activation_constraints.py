@@ -17,6 +17,8 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
 from rlhfjax.training.optimizer import make_optimizer
 
+pytestmark = pytest.mark.unit
+
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 SEQ, PROMPT, ROWS = 127, 31, 8
 

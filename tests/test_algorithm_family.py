@@ -5,6 +5,8 @@ import pytest
 
 from rlhfjax import algorithms as alg
 
+pytestmark = pytest.mark.unit
+
 G, P, T = 3, 2, 7  # samples per prompt, prompts, response length
 B = G * P
 

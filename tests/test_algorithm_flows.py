@@ -4,8 +4,6 @@ critic, each program compiled once, the metrics a user reads, and learning on th
 import json
 import pathlib
 import runpy
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,8 @@ from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
+
+pytestmark = pytest.mark.integration
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
@@ -140,25 +140,6 @@ def test_group_relative_needs_groups(tmp_path):
     Runner(_config("rloo", ppo__group_size=1), str(tmp_path), show_progress=False)
   with pytest.raises(ConfigError, match="algorithm 'grpo' estimates advantages"):
     Runner(_config("grpo", ppo__advantage="rloo"), str(tmp_path), show_progress=False)
-
-
-@pytest.mark.slow
-def test_train_script_runs_grpo_from_its_config(tmp_path):
-  command = [
-    sys.executable,
-    str(_ROOT / "scripts" / "train.py"),
-    "--config=configs/grpo_tiny.py",
-    f"--workdir={tmp_path}",
-    "--config.total_steps=2",
-    "--config.rollout.batch_size=8",
-    "--config.rollout.max_new_tokens=8",
-    "--config.eval.num_prompts=0",
-    "--config.placement.strategy=interleaved",
-  ]
-  done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=_ROOT)
-  assert done.returncode == 0, done.stderr[-3000:]
-  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in rows] == [0, 1] and "loss/kl" in rows[0]
 
 
 @pytest.mark.slow

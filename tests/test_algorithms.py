@@ -9,6 +9,8 @@ import pytest
 
 from rlhfjax import algorithms as alg
 
+pytestmark = pytest.mark.unit
+
 B, T, V = 5, 7, 11
 
 

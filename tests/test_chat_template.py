@@ -20,6 +20,8 @@ from rlhfjax.data import load_tokenizer
 from rlhfjax.data.chat_template import ChatTemplateError, JinjaChatTemplate, load_chat_template
 from rlhfjax.data.tokenizer import ChatTemplate
 
+pytestmark = pytest.mark.pure
+
 PROMPT = "Name a colour with many vowels."
 STYLES = {
   "qwen2.5": dict(specials=QWEN25_SPECIALS, bos=None, eos="<|im_end|>", template=QWEN25_TEMPLATE),

@@ -18,6 +18,8 @@ from rlhfjax.checkpoint import (
 )
 from rlhfjax.training.state import TrainState, train_state_shardings
 
+pytestmark = pytest.mark.unit
+
 TX = optax.adamw(1e-3)
 
 

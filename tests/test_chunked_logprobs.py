@@ -9,6 +9,8 @@ from rlhfjax import models
 from rlhfjax.config.model import get_model_config
 from rlhfjax.training import sft, steps
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny", attention="xla")
 
 

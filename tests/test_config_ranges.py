@@ -10,8 +10,6 @@ import math
 import os
 import re
 import runpy
-import subprocess
-import sys
 import types
 import typing
 
@@ -20,6 +18,8 @@ import pytest
 from rlhfjax import config as config_lib
 from rlhfjax.placement.validate import PlacementError
 from rlhfjax.planner.place import place
+
+pytestmark = pytest.mark.pure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = {
@@ -271,24 +271,6 @@ def test_every_documented_field_is_settable_on_every_config(name):
   assert wanted, "the docs name no field of this config?"
 
 
-def test_documented_overrides_from_the_command_line(tmp_path):
-  """The issue's refused overrides, through a script's flag parsing."""
-  out = _show_dpo_placement(
-    "--config.model.roles.actor.remat=full",
-    "--config.model.roles.reference.param_dtype=bfloat16",
-    "--config.offload.params=('reference',)",
-    f"--config.data.preferences={tmp_path / 'prefs.jsonl'}",
-  )
-  assert out.returncode == 0, out.stderr
-
-
-def _show_dpo_placement(*overrides: str) -> subprocess.CompletedProcess:
-  script = os.path.join(ROOT, "scripts", "show_placement.py")
-  config = os.path.join(ROOT, "configs", "dpo_tiny.py")
-  return subprocess.run([sys.executable, script, f"--config={config}", *overrides],
-                        capture_output=True, text=True, timeout=300)  # fmt: skip
-
-
 def test_field_paths_are_the_schemas_fields():
   assert config_lib.field_paths() == list(_schema_paths(config_lib.ExperimentConfig))
 
@@ -316,12 +298,3 @@ def test_field_paths_are_the_schemas_fields():
 )
 def test_an_override_of_no_field_names_what_it_may_have_meant(path, said):
   assert config_lib.unknown_override(path) == said
-
-
-def test_a_bad_override_from_the_command_line_is_one_line_naming_it():
-  out = _show_dpo_placement("--config.model.roles.actor.remat=full", "--config.model.remat=full")
-  assert out.returncode == 2
-  assert out.stderr.splitlines() == [
-    "error: bad --config override --config.model.remat: no such field; did you mean "
-    "--config.model.roles.<role>.remat (<role>: actor, critic, reference, reward, rollout)?"
-  ], out.stderr

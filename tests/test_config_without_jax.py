@@ -14,6 +14,8 @@ import pytest
 
 from rlhfjax.config import ConfigError, choices, from_config_dict
 
+pytestmark = pytest.mark.e2e
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FORBIDDEN = ("jax", "jaxlib", "flax", "optax", "orbax")
 

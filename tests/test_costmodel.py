@@ -6,8 +6,12 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import rlhfjax.costmodel
 import rlhfjax.placement
+
+pytestmark = pytest.mark.e2e
 
 _JAX = ("jax", "jaxlib", "flax", "optax", "orbax")
 _MODULES = sorted(m.name for m in pkgutil.iter_modules(rlhfjax.costmodel.__path__))

@@ -1,13 +1,11 @@
 """The cost model's pipeline stages and fused actor-critic schedule (`costmodel.pipeline`): the
 priced tables against `rlhfjax.schedules`, one stage against today's costs, memory per stage,
-the planner on a spec with a `stage` axis and `scripts/plan_pipeline.py`."""
+the planner on a spec with a `stage` axis, and the README's quoted prediction
+(`scripts/plan_pipeline.py` itself: test_costmodel_pipeline_e2e.py)."""
 
 import dataclasses
-import json
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -18,6 +16,8 @@ from rlhfjax.costmodel.workload import Workload, resolve_model
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import evaluate
+
+pytestmark = pytest.mark.pure
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = hardware.load_hardware("h100")
@@ -217,49 +217,6 @@ def test_uneven_splits_are_refused():
     pipeline.layout(32, 3, 1, 8)
   with pytest.raises(ValueError, match="micro_batches=32 leaves batch shards without rows"):
     pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=32)
-
-
-def _plan_pipeline(*args):
-  return subprocess.run(
-    [sys.executable, str(REPO / "scripts" / "plan_pipeline.py"), *args],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-
-
-def test_plan_pipeline_prints_one_json_line():
-  out = _plan_pipeline(
-    "--actor=70b",
-    "--critic=70b",
-    "--hardware=h100",
-    "--devices=32",
-    "--stages=4",
-    "--micro_batches=8",
-    "--optimizer_steps=8",
-    "--remat=full",
-  )
-  assert out.returncode == 0, out.stderr
-  (line,) = out.stdout.splitlines()
-  got = json.loads(line)
-  gain = pipeline.compare(WORK, H100, EFF, devices=32, stages=4, micro_batches=8)
-  assert got == {
-    "actor": "70b",
-    "critic": "70b",
-    "hardware": "h100",
-    "devices": 32,
-    **gain.to_json(),
-    "memory_budget_gib": round(H100.memory_gib, 2),
-  }
-  assert got["two_1f1b_s"] > got["fused_s"] and got["bubble_two_1f1b"] > got["bubble_fused"]
-  for field in ("bubble_1f1b", "textbook_bubble", "unpipelined_s", "gain", "memory_gib"):
-    assert field in got
-
-
-def test_plan_pipeline_bad_input_is_one_line():
-  out = _plan_pipeline("--devices=32", "--stages=3")
-  assert out.returncode == 2
-  assert out.stderr.strip().splitlines() == ["error: pipeline stages=3 must divide devices=32"]
 
 
 def test_readme_quotes_the_prediction():

@@ -3,7 +3,6 @@
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +14,8 @@ from rlhfjax import data, tasks
 from rlhfjax.data import jsonl, pipeline
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 
-_ROOT = pathlib.Path(__file__).parent.parent
+pytestmark = pytest.mark.pure
+
 _BYTE = ByteTokenizer()
 _SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>"]
 
@@ -438,14 +438,3 @@ def test_bundled_vowels_data_loads_and_teaches_the_reward(data_dir):
     data.bundled_path("poems", "prompt")
   with pytest.raises(ValueError, match="unknown dataset kind"):
     data.bundled_path("vowels", "prompts")
-
-
-def test_bundled_data_is_what_the_script_writes(tmp_path):
-  subprocess.run(
-    [sys.executable, str(_ROOT / "scripts" / "make_bundled_data.py"), f"--out_dir={tmp_path}"],
-    check=True,
-    capture_output=True,
-  )
-  for kind in ("prompt", "demonstration", "preference"):
-    bundled = pathlib.Path(data.bundled_path("vowels", kind))
-    assert (tmp_path / bundled.name).read_bytes() == bundled.read_bytes()

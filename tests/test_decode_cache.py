@@ -5,10 +5,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from rlhfjax import models
 from rlhfjax.config.model import get_model_config
 from rlhfjax.rollout import decode
+
+pytestmark = pytest.mark.unit
 
 L, B, S = 5, 4, 512
 # XLA's default CPU code generation, which users' runs get; the two-worker suite compiles with

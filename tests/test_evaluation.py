@@ -12,6 +12,8 @@ from runs_testing import deterministic_rows, shipped_config
 from rlhfjax.cluster.rewards import task_rule
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _SMALL = {
   "rollout.batch_size": 8,
   "rollout.max_new_tokens": 8,

@@ -24,7 +24,7 @@ from rlhfjax.mesh.transfer import no_host_transfers
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.runner import Runner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 _PLACEMENTS = ("colocated", "interleaved", "disaggregated")

@@ -31,6 +31,8 @@ from rlhfjax.models import hf
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner.loop import Runner
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_config.get_model_config("tiny")
 # The templates' system headers make prompts longer than the tiny config's 48 tokens.

@@ -15,6 +15,8 @@ from rlhfjax.config import ConfigError
 from rlhfjax.config import model as model_config
 from rlhfjax.config.hf import config_to_hf
 
+pytestmark = pytest.mark.pure
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = model_config.get_model_config("tiny")
 QWEN2 = TINY_QWEN2.replace(max_position_embeddings=32_768, eos_token_ids=(7,), pad_token_id=5)

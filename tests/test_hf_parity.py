@@ -13,6 +13,8 @@ import transformers
 from rlhfjax import models
 from rlhfjax.config.hf import CheckpointError
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-4
 
 # Tiny shapes with distinct dims; head_dim differs from hidden / heads on purpose.

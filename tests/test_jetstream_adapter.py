@@ -24,6 +24,8 @@ from jetstream.engine import engine_api, token_utils  # noqa: E402
 from rlhfjax.config.model import get_model_config
 from rlhfjax.rollout import jetstream_adapter  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny")
 ENGINE = rollout.EngineConfig(
   num_slots=4, prompt_buckets=(8, 16), max_new_tokens=8, prefill_batch_sizes=(1, 4)

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rlhfjax"
 
 LAYERS = (

@@ -12,6 +12,8 @@ from rlhfjax.mesh import rules
 from rlhfjax.mesh.meshes import make_mesh, role_meshes
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 
+pytestmark = pytest.mark.unit
+
 # Tiny distinct dimensions, so that a transposed axis cannot pass.
 V, E, H, K, D, F, L = 328, 56, 4, 2, 12, 152, 3
 

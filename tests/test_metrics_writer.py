@@ -6,6 +6,10 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 _CODE = """
 import sys
 from rlhfjax.observe.metrics import MetricsWriter

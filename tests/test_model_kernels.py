@@ -11,6 +11,8 @@ from rlhfjax.config.model import REMAT_POLICIES, get_model_config
 from rlhfjax.models import transformer
 from rlhfjax.rollout import decode
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny", attention="einsum")
 
 

@@ -12,6 +12,8 @@ import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from jupyter_client.kernelspec import KernelSpecManager
 
+pytestmark = pytest.mark.e2e
+
 _NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 _STRATEGIES = ("colocated", "interleaved", "disaggregated")
 _STEPS = 8

@@ -19,6 +19,8 @@ from rlhfjax.placement.spec import Layout, Role, RoleSpec
 from rlhfjax.runner import Runner
 from rlhfjax.training import steps
 
+pytestmark = pytest.mark.integration
+
 CONFIG = get_model_config("tiny", attention="xla")
 SPEC = RoleSpec(
   devices=tuple(range(8)), axes=(("data", 1), ("fsdp", 4), ("tensor", 2)), layout=Layout.TRAINING

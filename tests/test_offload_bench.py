@@ -6,6 +6,8 @@ import pytest
 
 from rlhfjax.bench import offload_bench, step_bench
 
+pytestmark = pytest.mark.unit
+
 
 def test_offload_rows_report_a_bit_identical_round_trip_through_pinned_host():
   rows = offload_bench.run("tiny", repeats=2)

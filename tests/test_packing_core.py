@@ -17,6 +17,8 @@ from rlhfjax.config.model import get_model_config
 from rlhfjax.data import packed_batches, packing
 from rlhfjax.training import steps
 
+pytestmark = pytest.mark.unit
+
 RTOL = 1e-5
 
 

@@ -16,6 +16,8 @@ from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import paged_decode, paging
 from rlhfjax.rollout.lengths import tail_lengths
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny")
 # 4 slots, rows of 16 + 8 = 24 tokens: 6 pages of 4 (several pages per prompt), and reserving
 # pages 3 decode steps at a time, so prompts cross page boundaries and rows re-reserve often.

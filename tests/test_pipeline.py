@@ -14,6 +14,8 @@ import sys
 import pytest
 import runs_testing
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PPO_STEPS = 3
 SHORT = (

@@ -11,6 +11,8 @@ import pytest
 from rlhfjax import schedules
 from rlhfjax.bench import pipeline_bench
 
+pytestmark = pytest.mark.unit
+
 FIELDS = {
   "schedule",
   "stages",

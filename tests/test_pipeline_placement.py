@@ -5,8 +5,6 @@ stack over stages."""
 import dataclasses
 import pathlib
 import runpy
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -40,6 +38,8 @@ from rlhfjax.placement import (
 )
 from rlhfjax.placement.validate import check_fusable, check_spec
 from rlhfjax.planner.place import place, plan_placement
+
+pytestmark = pytest.mark.unit
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_ROLES = (Role.ACTOR, Role.CRITIC, Role.REFERENCE, Role.REWARD)
@@ -390,33 +390,6 @@ def test_single_role_flow_with_stages():
     r"placement\.num_devices=8$",
   ):
     place(from_config_dict(config), 8)
-
-
-def test_show_placement_with_two_stages():
-  result = subprocess.run(
-    [
-      sys.executable,
-      "scripts/show_placement.py",
-      "--config=configs/ppo_tiny.py",
-      "--config.placement.pipeline_stages=2",
-      "--config.model.overrides={'num_layers': 4}",
-    ],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr
-  rows = {}
-  for line in result.stdout.splitlines():  # the first table's rows (the options table follows)
-    if line:
-      rows.setdefault(line.split()[0], line.split()[1:7])
-  mesh = ["stage=2", "data=1", "fsdp=4", "tensor=1", "training"]
-  assert rows["actor"] == ["0-7", *mesh]
-  assert rows["critic"] == ["4-7,0-3", *mesh]
-  # Co-located: the peak device holds both.
-  (summary,) = [line for line in result.stdout.splitlines() if line.startswith("summary:")]
-  assert "(actor+critic+reference+rollout)" in summary, summary
 
 
 # --- Rules --------------------------------------------------------------------------------------

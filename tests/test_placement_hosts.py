@@ -18,6 +18,8 @@ from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import auto, evaluate, single
 from rlhfjax.planner.place import tensor_warnings
 
+pytestmark = pytest.mark.pure
+
 
 def _numpy_tensor_groups(role_spec: RoleSpec) -> set[tuple[int, ...]]:
   """The reference: the mesh as `make_mesh` lays it out (row-major), the tensor axis moved last

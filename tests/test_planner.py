@@ -1,4 +1,5 @@
-"""The placement planner: memory against XLA, replay semantics, search, the scripts, auto."""
+"""The placement planner: memory against XLA, replay semantics, search, auto (and a run it
+plans). The scripts: test_planner_e2e.py."""
 
 import dataclasses
 import functools
@@ -10,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from runs_testing import run_plan_placement
 
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import OffloadSection, OptimizerConfig, from_config_dict
@@ -27,6 +27,8 @@ from rlhfjax.planner import evaluate, search
 from rlhfjax.planner.place import plan_placement
 from rlhfjax.training import steps
 from rlhfjax.training.optimizer import make_optimizer
+
+pytestmark = pytest.mark.integration
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -144,7 +146,7 @@ def test_replay_serialises_shared_devices_and_overlaps_disjoint_ones():
   assert {r.stage for r in records} == {"generate", "score", "advantages", "update", "sync"}
 
 
-# --- Search and scripts --------------------------------------------------------------------
+# --- Search --------------------------------------------------------------------------------
 
 
 def _workload(**changes):
@@ -222,63 +224,6 @@ def test_grpo_drops_the_critic():
   )[0]
   assert Role.CRITIC in ppo.memory and Role.CRITIC not in grpo.memory
   assert grpo.stages["update"] < ppo.stages["update"]
-
-
-def test_plan_placement_script_json(tmp_path):
-  out = run_plan_placement(
-    "--actor=7b",
-    "--critic=7b",
-    "--reward=7b",
-    "--hardware=a800",
-    "--devices=8",
-    "--prompts=1024",
-    "--prompt_len=1024",
-    "--response_len_mean=512",
-    "--response_len_max=1024",
-    "--json",
-    f"--timeline={tmp_path}",
-    check=True,
-  )
-  plans = [json.loads(line) for line in out.stdout.splitlines()]
-  assert len(plans) > 10
-  for key in ("strategy", "iteration_s", "stages", "peak_memory_gb", "tokens_per_s_per_device"):
-    assert key in plans[0]
-  assert plans[0]["fits"] is True
-  assert set(plans[0]["stages"]) == {"generate", "score", "advantages", "update", "sync"}
-  # The winner's predicted timeline, in the measured timeline.json's format.
-  records = Timeline.read_json(str(tmp_path / "timeline.json"))
-  steady = [r for r in records if r.iteration == 3]
-  span = max(r.end for r in steady) - min(r.start for r in steady)
-  assert span == pytest.approx(plans[0]["iteration_s"], rel=1e-3)
-  assert (tmp_path / "timeline.png").stat().st_size > 0
-
-
-def test_plan_placement_script_bad_input_is_one_line():
-  out = run_plan_placement("--actor=8q")
-  assert out.returncode == 2
-  assert out.stderr.strip().startswith("error: model '8q' is neither a size")
-  assert len(out.stderr.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize(
-  ("args", "message"),
-  [
-    (["--fusion", "--tail_fraction=-1"], "--tail_fraction must be in (0, 0.5), got -1.0"),
-    (["--fusion", "--tail_ratio=0.5"], "--tail_ratio must be > 1, got 0.5"),
-    (["--devices_per_node=0"], "--devices_per_node must be >= 1, got 0"),
-    (["--actor=BAD/hidden_str.json"], "BAD/hidden_str.json: 'hidden_size' must be a whole"),
-    (["--actor=BAD/list.json"], "BAD/list.json: a model config must be a JSON object, got list"),
-  ],
-  ids=["tail_fraction", "tail_ratio", "devices_per_node", "string_field", "json_list"],
-)
-def test_plan_placement_refuses_meaningless_flags_and_model_files(tmp_path, args, message):
-  (tmp_path / "hidden_str.json").write_text(json.dumps({"hidden_size": "4096"}))
-  (tmp_path / "list.json").write_text("[1, 2]")
-  args = [a.replace("BAD", str(tmp_path)) for a in args]
-  out = run_plan_placement("--actor=tiny", *args)
-  assert out.returncode == 2, out.stderr
-  assert out.stderr.startswith("error: " + message.replace("BAD", str(tmp_path))), out.stderr
-  assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_hf_config_json_is_read(tmp_path):

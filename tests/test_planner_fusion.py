@@ -8,6 +8,8 @@ from rlhfjax.costmodel import costs, efficiency, hardware
 from rlhfjax.costmodel.workload import Workload, resolve_model
 from rlhfjax.planner import search
 
+pytestmark = pytest.mark.pure
+
 
 def _rollout(slots=2, step=1.0, devices=(0,), prefill=0.0):
   return fusion.Rollout(

@@ -17,6 +17,8 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.planner import auto, sync
 
+pytestmark = pytest.mark.integration
+
 # Small enough to compile quickly: bench_ppo's default model at half the width and half the layers.
 SMALL = dict(hidden=64, layers=2, mlp=176, batch=16, new_tokens=16)
 

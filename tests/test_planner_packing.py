@@ -1,12 +1,12 @@
 """The planner prices packed runs: real tokens over the packing's fill, token-budget memory,
-`strategy=auto` from the config's packing, `plan_placement.py --packed` (no JAX needed)."""
+`strategy=auto` from the config's packing. `plan_placement.py --packed`:
+test_planner_packing_e2e.py."""
 
-import json
 import math
 
 import numpy as np
 import pytest
-from runs_testing import run_plan_placement, shipped_config
+from runs_testing import shipped_config
 
 from rlhfjax.costmodel import costs, fill, hardware, memory
 from rlhfjax.costmodel.efficiency import Efficiency
@@ -17,6 +17,8 @@ from rlhfjax.placement import estimate_memory, format_batches, strategies
 from rlhfjax.placement.memory import model_options, sharding_of
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner import auto, evaluate
+
+pytestmark = pytest.mark.pure
 
 PROMPT, MEAN, MAX = 64, 128, 512
 WIDTH = PROMPT + MAX
@@ -207,37 +209,3 @@ def test_workload_refuses_packed_and_padded_at_once_and_budgets_below_a_row():
     _workload(packed=True)
   with pytest.raises(ValueError, match="train_tokens"):
     _packed(train_tokens=WIDTH - 1)
-
-
-_GRPO = (
-  "--actor=1b",
-  "--algorithm=grpo",
-  "--hardware=h100",
-  "--devices=8",
-  "--prompts=64",
-  "--samples_per_prompt=8",
-  f"--prompt_len={PROMPT}",
-  f"--response_len_mean={MEAN}",
-  f"--response_len_max={MAX}",
-  "--strategy=colocated",
-  "--json",
-)
-
-
-def test_plan_placement_packed_prices_packed_runs():
-  padded, packed = (run_plan_placement(*_GRPO, *extra) for extra in ((), ("--packed",)))
-  assert padded.returncode == 0 and packed.returncode == 0, padded.stderr + packed.stderr
-  best = {
-    name: json.loads(out.stdout.splitlines()[0])
-    for name, out in (("pad", padded), ("pack", packed))
-  }
-  assert best["pad"]["fill"] == 0 and 0.5 < best["pack"]["fill"] < 1
-  for stage in ("score", "update"):
-    assert best["pack"]["stages"][stage] < best["pad"]["stages"][stage] / 2, stage
-  assert best["pack"]["stages"]["generate"] == best["pad"]["stages"]["generate"]
-  table = run_plan_placement(*_GRPO[:-1], "--packed", "--max_tokens_per_micro_batch=8192")
-  assert table.returncode == 0, table.stderr
-  assert "packed (fill " in table.stdout.splitlines()[0]
-  bad = run_plan_placement(*_GRPO, "--max_tokens_per_micro_batch=8192")
-  assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --max_tokens_per_micro")
-  assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,16 +1,12 @@
 """The planner searches the registries: a strategy added with `register_strategy` reaches the
-search, `strategy=auto` and `plan_placement.py`; a flow is priced as it registered (online DPO
-as online DPO, a user's flow by its own `Pricing`), not by a list kept in the planner."""
+search and `strategy=auto` (`plan_placement.py`: test_planner_registries_e2e.py); a flow is
+priced as it registered (online DPO as online DPO, a user's flow by its own `Pricing`), not by a
+list kept in the planner."""
 
 import dataclasses
-import json
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from runs_testing import run_plan_placement
 
 from rlhfjax.config import PlacementSection, from_config_dict
 from rlhfjax.costmodel import efficiency, hardware, pricing
@@ -22,10 +18,11 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.planner import auto, evaluate, search
 from rlhfjax.planner.place import plan_placement
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.pure
 
 # A strategy none of the built-in ones makes: disaggregated, but with the rollout on the first
-# devices. Written out again in the subprocess below, which cannot see this registry.
+# devices. Written out again in test_planner_registries_e2e.py's subprocess, which cannot see
+# this registry.
 _TOY = textwrap.dedent(
   """
   import dataclasses
@@ -109,31 +106,6 @@ def test_a_registered_strategy_reaches_strategy_auto(toy_strategy, capsys):
   assert toy_strategy in {p.spec.strategy for p in plans}
   plan_placement(config, 8)
   assert "placement auto chosen" in capsys.readouterr().out
-
-
-def test_a_registered_strategy_reaches_plan_placement_script():
-  run = "\n".join(
-    [
-      _TOY,
-      "strategies.register_strategy('rollout_first', rollout_first)",
-      "import runpy, sys",
-      "sys.argv = ['plan_placement.py', *sys.argv[1:]]",
-      f"runpy.run_path({str(REPO / 'scripts' / 'plan_placement.py')!r}, run_name='__main__')",
-    ]
-  )
-  for strategy in ("rollout_first", "auto"):
-    out = subprocess.run(
-      [sys.executable, "-c", run, "--actor=1b", "--devices=8", "--json", f"--strategy={strategy}"],
-      capture_output=True,
-      text=True,
-      check=True,
-      timeout=120,
-      cwd=REPO,
-    )
-    plans = [json.loads(line) for line in out.stdout.splitlines()]
-    assert "rollout_first" in {p["strategy"] for p in plans}, strategy
-  bad = run_plan_placement("--strategy=nope")
-  assert bad.returncode != 0 and "unknown strategy 'nope'" in bad.stderr
 
 
 def _score_roles(plan) -> set[str]:

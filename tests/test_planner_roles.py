@@ -1,11 +1,10 @@
 """Critic-free flows get no critic (and rule rewards no reward model) mesh or memory: from the
-flow registry, `plan_placement`, `strategy=auto`, the planner's search and `plan_placement.py`."""
+flow registry, `plan_placement`, `strategy=auto` and the planner's search (`plan_placement.py`:
+test_planner_roles_e2e.py)."""
 
-import json
 import pathlib
 
 import pytest
-from runs_testing import run_plan_placement
 
 from rlhfjax.config import from_config_dict
 from rlhfjax.costmodel import efficiency, hardware
@@ -16,6 +15,8 @@ from rlhfjax.placement import estimate_placement_memory
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner import auto, search
 from rlhfjax.planner.place import plan_placement
+
+pytestmark = pytest.mark.pure
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ALL = set(Role)
@@ -93,15 +94,3 @@ def test_search_gives_a_critic_free_workload_no_critic_and_no_idle_devices():
   # Without critic and reward, the variants that split them off collapse: fewer candidates.
   assert len(plans) < len(ppo)
   assert all(Role.CRITIC in p.spec.roles for p in ppo)
-
-
-@pytest.mark.parametrize("flags", [["--algorithm=grpo"], ["--critic=none"]])
-def test_plan_placement_script_critic_free(flags):
-  out = run_plan_placement(
-    "--actor=7b", "--hardware=a800", "--devices=8", "--prompts=256", "--json", *flags, check=True
-  )
-  plans = [json.loads(line) for line in out.stdout.splitlines()]
-  assert plans and plans[0]["fits"]
-  for plan in plans:
-    assert set(plan["mesh"]) == {"actor", "reference", "rollout"}, plan["mesh"]
-    assert set(plan["devices"]) == {"actor", "reference", "rollout"}

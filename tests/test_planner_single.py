@@ -1,14 +1,10 @@
 """`placement.strategy=auto` for the one trained model of SFT and reward-model training: the
 planner's data x fsdp x tensor split, checked against memory, ranked by predicted step time,
-printed with the runner-up, and run."""
+printed with the runner-up (run by the scripts: test_planner_single_e2e.py)."""
 
-import json
 import os
 import runpy
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 from rlhfjax import config as config_lib
@@ -18,6 +14,8 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.placement.validate import PlacementError
 from rlhfjax.planner import single
 from rlhfjax.planner.place import place
+
+pytestmark = pytest.mark.pure
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,40 +98,3 @@ def test_bad_strategy_is_one_line():
   cfg = config_lib.from_config_dict({**_sft_dict(), "placement": {"strategy": "interleaved"}})
   with pytest.raises(PlacementError, match="'placement.strategy' must be one of colocated, auto"):
     place(cfg, 8)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  ("script", "config", "metric"),
-  [
-    ("train_sft.py", "configs/sft_tiny.py", "eval/loss"),
-    ("train_rm.py", "configs/rm_tiny.py", "eval/accuracy"),
-  ],
-)
-def test_scripts_run_the_auto_split(tmp_path, script, config, metric):
-  out = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(REPO, "scripts", script),
-      f"--config={os.path.join(REPO, config)}",
-      f"--workdir={tmp_path / 'run'}",
-      "--config.placement.strategy=auto",
-      "--config.placement.hardware=h100",
-      "--config.supervised.batch_size=8",
-      "--config.supervised.micro_batches=1",
-      "--config.total_steps=2",
-      f"--config.data.data_dir={tmp_path / 'data'}",
-    ],
-    cwd=tmp_path,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert out.returncode == 0, out.stderr[-2000:]
-  chosen = [line for line in out.stdout.splitlines() if line.startswith("placement auto ")]
-  assert chosen[0].startswith("placement auto chosen: data=")
-  assert chosen[1].startswith("placement auto runner-up: ")
-  with open(tmp_path / "run" / "metrics.jsonl") as f:
-    rows = [json.loads(line) for line in f]
-  values = [r[metric] for r in rows if metric in r]
-  assert values and all(np.isfinite(values))

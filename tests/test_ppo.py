@@ -20,6 +20,8 @@ from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 _VARIANTS = ("colocated", "interleaved_split", "disaggregated")
 

@@ -15,6 +15,8 @@ from rlhfjax.training import steps
 from rlhfjax.training.optimizer import make_optimizer
 from rlhfjax.training.state import init_train_state
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny")
 P, T = 5, 4
 

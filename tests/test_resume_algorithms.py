@@ -1,5 +1,5 @@
 """Exact resume of every flow beyond PPO (PPO's kill -9, Ctrl-C and SIGTERM tests are in
-test_resume.py and test_front_door.py).
+test_resume_e2e.py and test_front_door_e2e.py).
 
 `scripts/train.py` runs each algorithm's shipped config in a subprocess, as a user would; it is
 killed with SIGKILL as soon as its first checkpoint is complete, while the run goes on, so the
@@ -22,6 +22,8 @@ from runs_testing import shipped_config
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax.runner import Runner
+
+pytestmark = pytest.mark.e2e
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _VOLATILE = ("time/", "throughput/")

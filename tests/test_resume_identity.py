@@ -14,6 +14,8 @@ from rlhfjax import errors
 from rlhfjax.config import from_config_dict
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _ROOT = pathlib.Path(__file__).parent.parent
 
 

@@ -13,6 +13,8 @@ from rlhfjax.config.model import get_model_config
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import sampling
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny")
 ENGINE = rollout.EngineConfig(
   num_slots=4, prompt_buckets=(8, 16), max_new_tokens=8, prefill_batch_sizes=(1, 4)

@@ -10,6 +10,8 @@ from rlhfjax.mesh import meshes
 from rlhfjax.placement import Layout, Role, RoleSpec, estimate_memory
 from rlhfjax.rollout import Engine
 
+pytestmark = pytest.mark.unit
+
 
 def _config(**rollout):
   return from_config_dict({"model": {"size": "tiny"}, "rollout": rollout})

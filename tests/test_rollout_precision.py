@@ -15,6 +15,8 @@ from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 BF16 = {"rollout": {"param_dtype": "bfloat16"}}
 

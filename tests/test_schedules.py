@@ -9,6 +9,8 @@ import pytest
 
 from rlhfjax import schedules
 
+pytestmark = pytest.mark.pure
+
 STAGES = (2, 3, 4, 8)
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 BUILDERS = {

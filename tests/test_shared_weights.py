@@ -17,6 +17,8 @@ from rlhfjax.placement.spec import Role
 from rlhfjax.rollout.engine import Engine
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _ROOT = pathlib.Path(__file__).parent.parent
 _EVERY = tuple(range(8))
 

@@ -19,6 +19,8 @@ from rlhfjax.flows import stages
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _BASE = {
   "total_steps": 3,
   "rollout.batch_size": 8,

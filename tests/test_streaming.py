@@ -14,6 +14,8 @@ from rlhfjax.mesh import meshes
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout import compaction, fused
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny")
 MAX_NEW = 13
 ENGINE = rollout.EngineConfig(

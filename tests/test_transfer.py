@@ -11,6 +11,8 @@ from rlhfjax.mesh.rules import named_shardings
 from rlhfjax.mesh.transfer import no_host_transfers, transfer, verify_transfer
 from rlhfjax.placement.spec import RoleSpec
 
+pytestmark = pytest.mark.unit
+
 # Tiny distinct dimensions, so that a transposed axis cannot pass.
 V, E, H, K, D, F, L = 328, 56, 4, 2, 12, 152, 3
 

@@ -15,6 +15,8 @@ from rlhfjax.config import from_config_dict
 from rlhfjax.mesh.transfer import no_host_transfers
 from rlhfjax.runner import Runner
 
+pytestmark = pytest.mark.integration
+
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 _NAMED = {"generate", "rollout", "reward_fn scores", "kl_coef", "metrics"}
 """The host transfers an iteration may make, by the names flows give them."""

@@ -9,6 +9,8 @@ from rlhfjax import models
 from rlhfjax.config.model import get_model_config, model_sizes, param_count
 from rlhfjax.models import transformer
 
+pytestmark = pytest.mark.unit
+
 CONFIG = get_model_config("tiny")
 
 

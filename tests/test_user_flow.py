@@ -1,13 +1,12 @@
 """A flow written in the user's own file (examples/rejection_sampling.py, copied outside the
 repository as a user's file would be), run by the runner from `algorithm.flow='module:function'`
-on two placements, and by scripts/train.py from the directory holding the file."""
+on two placements; a user flow's faults named in the user's file. (Run by scripts/train.py from
+the directory holding the file: tests/test_user_flow_e2e.py.)"""
 
-import json
 import pathlib
 import re
 import runpy
 import shutil
-import subprocess
 import sys
 
 import jax
@@ -18,6 +17,8 @@ from runs_testing import assert_same_numbers
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.placement.spec import Role
 from rlhfjax.runner import Runner
+
+pytestmark = pytest.mark.integration
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _MODULE = "user_best_of_k"
@@ -169,27 +170,3 @@ def test_a_user_flow_row_without_step_is_given_its_iteration(tmp_path):
     sys.path.remove(str(tmp_path))
     sys.modules.pop("user_no_step", None)
   assert [(r["step"], r["x"]) for r in result.metrics] == [(0, 0.0), (1, 2.0)]
-
-
-@pytest.mark.slow
-def test_train_script_runs_a_user_flow_from_a_file_in_the_current_directory(tmp_path):
-  """As a user: their own flow file in their own directory (outside the repository, not on
-  PYTHONPATH), `scripts/train.py` run from there on another placement than the runs above."""
-  _user_file(tmp_path)
-  command = [
-    sys.executable,
-    str(_ROOT / "scripts" / "train.py"),
-    f"--config={_ROOT / 'configs' / 'ppo_tiny.py'}:interleaved",
-    "--workdir=run",
-    f"--config.algorithm.flow={_FLOW}",
-    "--config.ppo.group_size=4",
-    "--config.total_steps=2",
-    "--config.rollout.batch_size=8",
-    "--config.rollout.max_new_tokens=8",
-    "--config.eval.num_prompts=0",
-  ]
-  done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-  assert done.returncode == 0, done.stderr[-3000:]
-  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in rows] == [0, 1] and "loss/sft" in rows[0]
-  assert rows[1]["loss/sft"] != rows[0]["loss/sft"]

@@ -1,5 +1,6 @@
 """Weights & Biases beside metrics.jsonl (`logging.wandb=True`), offline: each run's `.wandb` file
-is read back record by record and compared with metrics.jsonl."""
+is read back record by record and compared with metrics.jsonl. (Without the package:
+tests/test_wandb_e2e.py.)"""
 
 import glob
 import json
@@ -7,7 +8,6 @@ import os
 import pathlib
 import runpy
 import struct
-import subprocess
 import sys
 import types
 
@@ -19,6 +19,8 @@ from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter
 from rlhfjax.observe.wandb_log import RUN_FILE
 from rlhfjax.runner import Runner
+
+pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -234,35 +236,3 @@ def test_a_bad_wandb_mode_is_one_line():
   assert str(error.value) == (
     "'logging.wandb_mode' must be empty or one of online, offline, disabled, got 'offlien'"
   )
-
-
-def test_wandb_without_the_package_is_one_line_before_any_training(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-  with pytest.raises(config_lib.ConfigError) as error:
-    config_lib.LoggingSection(wandb=True)
-  assert str(error.value) == config_lib.WANDB_MISSING
-  config_lib.LoggingSection(wandb=False)  # not needed unless enabled
-
-  # The script: a `wandb` that cannot be imported shadows the installed one.
-  shadow = tmp_path / "shadow" / "wandb"
-  shadow.mkdir(parents=True)
-  (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(ROOT)])}
-  workdir = tmp_path / "run"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "scripts" / "train.py"),
-      "--config=configs/grpo_tiny.py",
-      f"--workdir={workdir}",
-      "--config.logging.wandb=True",
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 2, proc.stderr
-  assert proc.stderr.strip() == "error: " + config_lib.WANDB_MISSING
-  assert not (workdir / "metrics.jsonl").exists() and not (workdir / "checkpoints").exists()

@@ -17,6 +17,8 @@ from rlhfjax.config import model as model_config
 from rlhfjax.placement.spec import Role, RoleSpec
 from rlhfjax.training import weights
 
+pytestmark = pytest.mark.unit
+
 MODEL = model_config.get_model_config("tiny")
 
 
