@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -10,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 
@@ -83,17 +84,28 @@ def wait_until(
   raise AssertionError(f"not within {timeout} s: {what}")
 
 
-def has_row(workdir: str, step: int) -> bool:
-  """Whether `workdir/metrics.jsonl` has a complete row of `step` or later."""
+def has_row(workdir: str, step: int, earlier: Sequence[dict] = ()) -> bool:
+  """Whether `workdir/metrics.jsonl` has a complete row of `step` or later other than those of
+  `earlier` (the rows an earlier run left: a rerun drops those of the steps it redoes, and
+  its own differ from them in their times)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return False
   with open(path) as f:
-    return any(json.loads(line)["step"] >= step for line in f if line.endswith("\n"))
+    new = [json.loads(line) for line in f if line.endswith("\n")]
+  return any(row["step"] >= step and row not in earlier for row in new)
 
 
-def wait_for_row(proc: subprocess.Popen, workdir: str, step: int, timeout: float = 400) -> None:
-  wait_until(proc, lambda: has_row(workdir, step), f"a metrics row of step {step}", timeout)
+def wait_for_row(
+  proc: subprocess.Popen,
+  workdir: str,
+  step: int,
+  timeout: float = 400,
+  earlier: Sequence[dict] = (),
+) -> None:
+  """Waits for `proc` to write a metrics row of `step` or later (not one of `earlier`)."""
+  condition = functools.partial(has_row, workdir, step, earlier)
+  wait_until(proc, condition, f"a metrics row of step {step}", timeout)
 
 
 def assert_rerun_changes_nothing(
@@ -106,6 +118,14 @@ def assert_rerun_changes_nothing(
   again) exits 0 printing only `line(workdir)`, and leaves every file as it was: the same
   names (no new TensorBoard events file either) and the same bytes."""
   shutil.copytree(finished, workdir)
+  assert_rerun_of_finished_changes_nothing(workdir, run, line)
+
+
+def assert_rerun_of_finished_changes_nothing(
+  workdir: str, run: Callable[[str], subprocess.CompletedProcess], line: Callable[[str], str]
+) -> None:
+  """`run(workdir)` of the finished run in `workdir` exits 0 printing only `line(workdir)` and
+  leaves every file as it was (`assert_rerun_changes_nothing`, in place)."""
   before = snapshot(workdir)
   again = run(workdir)
   assert again.returncode == 0, again.stderr[-3000:]
@@ -116,11 +136,13 @@ def assert_rerun_changes_nothing(
     assert data == before[name], name
 
 
-def shipped_config(name: str, changes: dict, variant: str = "colocated"):
-  """`configs/{name}.py`'s config with `changes` ('section.field' -> value) applied, typed."""
+def shipped_config(name: str, changes: dict, variant: str | None = "colocated"):
+  """`configs/{name}.py`'s config with `changes` ('section.field' -> value) applied, typed;
+  `variant`: the argument of its `get_config` (None: a config that takes none)."""
   from rlhfjax.config import from_config_dict
 
-  cd = runpy.run_path(str(_ROOT / "configs" / f"{name}.py"))["get_config"](variant)
+  get_config = runpy.run_path(str(_ROOT / "configs" / f"{name}.py"))["get_config"]
+  cd = get_config() if variant is None else get_config(variant)
   for dotted, value in changes.items():
     *sections, field = dotted.split(".")
     node = cd

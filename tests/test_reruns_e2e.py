@@ -1,7 +1,8 @@
-"""Reruns of the supervised scripts (train_sft.py, train_rm.py): a finished run says so and
-changes no file; an interrupted one (SIGTERM, kill -9) ends with the uninterrupted run's rows.
-(The pieces that make it so: tests/test_reruns.py. PPO's reruns: tests/test_resume_e2e.py; the
-pipeline's: tests/test_pipeline.py.)"""
+"""Reruns of the supervised scripts (train_sft.py, train_rm.py): an interrupted run (SIGTERM,
+kill -9) ends with the uninterrupted run's rows; rerun again, finished, it says so and changes
+no file. One workdir per script goes through both, against the uninterrupted run in this
+process. (The pieces that make it so: tests/test_reruns.py. PPO's reruns:
+tests/test_resume_e2e.py; the pipeline's: tests/test_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -13,18 +14,16 @@ import sys
 
 import pytest
 import runs_testing
+from runs_testing import shipped_config
+
+from rlhfjax.runner import Runner
 
 pytestmark = pytest.mark.e2e
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
-FLAGS = (
-  f"--config.total_steps={STEPS}",
-  "--config.eval.every_steps=2",
-  "--config.log_every=1",
-  "--config.checkpoint.every_steps=2",
-)
-SCRIPTS = {"sft": ("train_sft.py", "sft_tiny.py"), "rm": ("train_rm.py", "rm_tiny.py")}
+CHANGES = {"total_steps": STEPS, "eval.every_steps": 2, "log_every": 1, "checkpoint.every_steps": 2}
+SCRIPTS = {"sft": ("train_sft.py", "sft_tiny"), "rm": ("train_rm.py", "rm_tiny")}
 PLOTS = {"sft": ("loss.png", "eval_loss.png"), "rm": ("loss.png", "eval_accuracy.png")}
 # One interruption per script keeps the suite short: both go through the same resume.
 INTERRUPTION = {"sft": signal.SIGTERM, "rm": signal.SIGKILL}
@@ -35,9 +34,9 @@ def _command(stage: str, workdir: str) -> list[str]:
   return [
     sys.executable,
     os.path.join(ROOT, "scripts", script),
-    f"--config={os.path.join(ROOT, 'configs', config)}",
+    f"--config={os.path.join(ROOT, 'configs', config)}.py",
     f"--workdir={workdir}",
-    *FLAGS,
+    *(f"--config.{k}={v}" for k, v in CHANGES.items()),
   ]
 
 
@@ -54,34 +53,32 @@ def _start(stage: str, workdir: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module", params=sorted(SCRIPTS))
-def uninterrupted(request, tmp_path_factory) -> tuple[str, str, str]:
-  """(stage, workdir, the run's last stdout line) of one uninterrupted run per script."""
-  stage = request.param
+def stage(request) -> str:
+  return request.param
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(stage, tmp_path_factory) -> tuple[str, str]:
+  """(workdir, the start of the script's last line: the held-out metric, first -> last) of the
+  uninterrupted run, in this process: the same config and XLA flags give the script's numbers
+  (the same programs, from the persistent compilation cache)."""
   path = str(tmp_path_factory.mktemp(f"uninterrupted_{stage}"))
-  done = _run(stage, path)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert [row["step"] for row in runs_testing.rows(path)] == list(range(STEPS + 1))
-  return stage, path, done.stdout.strip().splitlines()[-1]
+  runner = Runner(shipped_config(SCRIPTS[stage][1], CHANGES, None), path, show_progress=False)
+  runner.run()
+  rows = runs_testing.rows(path)
+  assert [row["step"] for row in rows] == list(range(STEPS + 1))
+  values = [row[runner.flow.headline] for row in rows if runner.flow.headline in row]
+  return path, f"{runner.flow.headline} {values[0]:.3f} -> {values[-1]:.3f}"
 
 
-@pytest.mark.slow
-def test_a_finished_run_says_so_and_changes_no_file(uninterrupted, tmp_path):
-  stage, reference, _ = uninterrupted
-  runs_testing.assert_rerun_changes_nothing(
-    reference,
-    str(tmp_path / "w"),
-    functools.partial(_run, stage),
-    lambda w: (
-      f"{w}: finished at step {STEPS}; nothing to do (delete the workdir or raise "
-      "total_steps to train more)"
-    ),
-  )
-
-
-def _interrupt(stage: str, path: str, signum: int) -> None:
+@pytest.fixture(scope="module")
+def resumed(stage, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
+  """(workdir, the rerun) of a run interrupted after its row 3 (the checkpoint of step 2 is
+  complete, step 4's not yet due), by SIGTERM, which stops after the step it lands in with a
+  checkpoint of it, or kill -9, which leaves the checkpoint of step 2; then rerun."""
+  path = str(tmp_path_factory.mktemp(f"interrupted_{stage}"))
+  signum = INTERRUPTION[stage]
   proc = _start(stage, path)
-  # Row 3: the checkpoint of step 2 is complete, step 4's not yet due. SIGTERM stops after the
-  # step it lands in, with a checkpoint of it; kill -9 leaves the checkpoint of step 2.
   runs_testing.wait_for_row(proc, path, 3)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=300)
@@ -90,18 +87,29 @@ def _interrupt(stage: str, path: str, signum: int) -> None:
     assert "stopped: checkpoint written" in out
   else:
     assert proc.returncode == -signum
+  done = _run(stage, path)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return path, done
 
 
 @pytest.mark.slow
-def test_an_interrupted_run_ends_as_the_uninterrupted_one(uninterrupted, tmp_path):
-  stage, reference, last_line = uninterrupted
-  path = str(tmp_path)
-  _interrupt(stage, path, INTERRUPTION[stage])
-  done = _run(stage, path)
-  assert done.returncode == 0, done.stderr[-3000:]
+def test_an_interrupted_run_ends_as_the_uninterrupted_one(stage, uninterrupted, resumed):
+  reference, held_out = uninterrupted
+  path, done = resumed
   assert runs_testing.deterministic_rows(path) == runs_testing.deterministic_rows(reference)
   # The held-out metric's first -> last covers the whole run, its interrupted part too.
-  held_out = done.stdout.strip().splitlines()[-1].split("; steps")[0]
-  assert held_out == last_line.split("; steps")[0]
+  assert done.stdout.strip().splitlines()[-1].split("; steps")[0] == held_out
   for name in PLOTS[stage]:
     assert os.path.getsize(os.path.join(path, name)) > 0, name
+
+
+@pytest.mark.slow
+def test_a_finished_run_says_so_and_changes_no_file(stage, resumed):
+  runs_testing.assert_rerun_of_finished_changes_nothing(
+    resumed[0],
+    functools.partial(_run, stage),
+    lambda w: (
+      f"{w}: finished at step {STEPS}; nothing to do (delete the workdir or raise "
+      "total_steps to train more)"
+    ),
+  )
