@@ -19,12 +19,14 @@ a NumPy array to a global sharding checks that they are.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax._src.distributed
+from jax._src import cache_key as jax_cache_key
 from jax.experimental import multihost_utils
 
 from rlhfjax import liveness
@@ -117,11 +119,7 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
         heartbeat_timeout_seconds=max(100, section.peer_timeout_s + _JAX_MARGIN_S),
       )
     if jax.default_backend() == "cpu":
-      # Gloo waits a fixed 30 s for the other processes at each new collective group. With a
-      # persistent compilation cache, one process may load a program in a second while another
-      # compiles it for longer than that (an entry written in between): without the cache the
-      # processes compile alike and reach their collectives together.
-      jax.config.update("jax_enable_compilation_cache", False)
+      _share_programs(section.start_timeout_s)
     liveness.watch_peers(section.peer_timeout_s, args["coordinator_address"])
   except (RuntimeError, ValueError, TypeError) as error:
     missing = [
@@ -139,6 +137,50 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
 
 
 _JAX_MARGIN_S = 30
+
+
+def _share_programs(timeout_s: float) -> None:
+  """CPU: no persistent compilation cache and, when every process runs on this host, each
+  program whose devices span processes compiled once, by the process of its first device, whose
+  executable the others load through the coordination service (`jax_share_binary_between_hosts`)
+  instead of compiling it too.
+
+  Gloo waits a fixed 30 s for the other processes at each new collective group. With a
+  persistent cache, one process may load a program in a second while another compiles it for
+  longer than that (an entry written in between, or found by the sharing process only, the
+  others then waiting for an executable it never sends). Without the cache, a shared program's
+  compile ends in every process at once. Another host may lack CPU features this one compiles
+  for (XLA refuses such an executable): across hosts every process compiles its own.
+
+  JAX shares a program under its cache key, which it computes with the persistent cache enabled
+  (`jax_enable_compilation_cache`, kept) even when no cache directory is set. On CPU that key
+  hashes the topology of the program's devices as the calling process sees it, which differs
+  between processes (another process's devices have no local hardware id), so the others would
+  wait for a key never written: here it hashes the devices' kinds instead, JAX's own fall-back
+  for backends without a topology (the compile options in the key still name every device).
+  Without that hook (another JAX version), every process compiles every program as before.
+
+  The others wait on the shared program as long as it takes, like `wait_for`: a process that
+  ended is noticed by the liveness watch (`distributed.peer_timeout_s`).
+  """
+  jax.config.update("jax_compilation_cache_dir", None)
+  hashing = getattr(jax_cache_key, "_hash_accelerator_config", None)
+  store, me = client(), jax.process_index()
+  store.key_value_set(f"rlhfjax/host/{me}", socket.gethostname())
+  hosts = {store.blocking_key_value_get(f"rlhfjax/host/{p}", int(timeout_s * 1000))
+           for p in range(jax.process_count())}  # fmt: skip
+  if hashing is None or not hasattr(jax_cache_key, "_hash_devices") or len(hosts) > 1:
+    jax.config.update("jax_enable_compilation_cache", False)
+    return
+
+  def hash_devices(hash_obj, devices):
+    if all(device.platform == "cpu" for device in devices.flat):
+      return jax_cache_key._hash_devices(hash_obj, devices)  # noqa: SLF001
+    return hashing(hash_obj, devices)
+
+  jax_cache_key._hash_accelerator_config = hash_devices  # noqa: SLF001
+  jax.config.update("jax_share_binary_between_hosts", True)
+  jax.config.update("jax_share_binary_between_hosts_timeout_ms", _BARRIER_TIMEOUT_MS)
 
 
 def identity(args: Mapping[str, Any]) -> tuple[str, str]:

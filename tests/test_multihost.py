@@ -1,5 +1,9 @@
-"""Multi-process runs: two processes of 4 CPU devices (gloo) give the numbers of one of 8. (The
-config section and placement checks, in one process: test_distributed_config.py.)"""
+"""Multi-process runs end to end: scripts/train_ppo.py as processes joined by jax.distributed
+(gloo: 2 processes of 4 CPU devices, or 4 of 2) gives the numbers of one process of 8 devices,
+for every placement; a killed process stops the others; a rerun resumes, across process layouts
+too. The config section and the placement checks are tested in test_distributed_config.py.
+
+Each single-process run the jobs compare with is made once for the module (`references`)."""
 
 import json
 import os
@@ -39,10 +43,6 @@ _COMPARED = (
 _OUTPUTS = ("metrics.jsonl", "timeline.json", "timeline.png", "reward.png", "tb")
 
 
-# ---------------------------------------------------------------------------------------------
-# End to end: scripts/train_ppo.py as two processes and as one.
-
-
 def _env() -> dict[str, str]:
   """The test session's environment without its 8 host devices (each process sets its own)
   and with this worktree first on the path."""
@@ -57,19 +57,18 @@ def _env() -> dict[str, str]:
   return env
 
 
+def _start(args: list[str], log: pathlib.Path) -> subprocess.Popen:
+  log.parent.mkdir(parents=True, exist_ok=True)
+  with open(log, "w") as out:
+    return subprocess.Popen(
+      [sys.executable, str(_SCRIPT), *args], cwd=_ROOT, env=_env(), stdout=out,
+      stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
 def _run_all(commands: dict[str, list[str]], logs: pathlib.Path) -> dict[str, tuple[int, str]]:
   """Runs the commands at the same time; returns each one's exit status and output."""
-  logs.mkdir(parents=True, exist_ok=True)
-  procs = {}
-  for name, args in commands.items():
-    with open(logs / f"{name}.log", "w") as log:
-      procs[name] = subprocess.Popen(
-        [sys.executable, str(_SCRIPT), *args],
-        cwd=_ROOT,
-        env=_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-      )
+  procs = {name: _start(args, logs / f"{name}.log") for name, args in commands.items()}
   deadline = time.monotonic() + _TIMEOUT_S
   try:
     for proc in procs.values():
@@ -104,19 +103,79 @@ def _distributed(process_id: int, port: int, num_processes: int = 2) -> list[str
   ]
 
 
+def _config(variant: str | None) -> list[str]:
+  """The run of configs/ppo_tiny.py (colocated), or of its `variant`."""
+  run = list(_RUN)
+  if variant:
+    run[0] = f"--config=configs/ppo_tiny.py:{variant}"
+  return run
+
+
+def _metrics(workdir: pathlib.Path) -> list[dict]:
+  return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+class _References:
+  """The single-process runs (one process of 8 devices) that the jobs compare with, one per
+  variant of configs/ppo_tiny.py, each made once for the module: started beside the first job
+  that needs it, as each job's own single run was (it keeps the cores busy while the job's
+  processes wait on each other), and read once that job is done."""
+
+  def __init__(self, root: pathlib.Path):
+    self.root = root
+    self.runs: dict[str | None, tuple[subprocess.Popen, float]] = {}
+
+  def workdir(self, variant: str | None) -> pathlib.Path:
+    return self.root / (variant or "colocated")
+
+  def start(self, variant: str | None) -> None:
+    if variant not in self.runs:
+      workdir = self.workdir(variant)
+      proc = _start([*_config(variant), f"--workdir={workdir}"], workdir.with_suffix(".log"))
+      self.runs[variant] = proc, time.monotonic()
+
+  def result(self, variant: str | None) -> tuple[int, str]:
+    """The run's exit status and output, once it ended (started here if it was not)."""
+    self.start(variant)
+    proc, started = self.runs[variant]
+    log = self.workdir(variant).with_suffix(".log")
+    try:
+      proc.wait(timeout=max(started + _TIMEOUT_S - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+      tail = _tails({log.stem: (proc.returncode, log.read_text())})
+      pytest.fail(f"the single run still running after {_TIMEOUT_S}s: {tail}")
+    return proc.returncode, log.read_text()
+
+  def close(self) -> None:
+    for proc, _ in self.runs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, reserve_port):
+def references(tmp_path_factory):
+  refs = _References(tmp_path_factory.mktemp("single"))
+  yield refs
+  refs.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# configs/ppo_tiny.py (colocated) as two processes and as one.
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, reserve_port, references):
   root = tmp_path_factory.mktemp("multihost")
   port = reserve_port()
-  commands = {
-    "single": [*_RUN, f"--workdir={root / 'single'}"],
-    # One workdir, as multi-host checkpoints need (a shared filesystem): every process takes
-    # part in the checkpoints, process 0 alone writes the files and prints.
-    **{f"process{k}": [*_RUN, f"--workdir={root / 'multi'}", *_distributed(k, port)]
-       for k in (0, 1)},
-  }  # fmt: skip
-  results = _run_all(commands, root / "logs")
-  return root, results
+  references.start(None)
+  # One workdir, as multi-host checkpoints need (a shared filesystem): every process takes
+  # part in the checkpoints, process 0 alone writes the files and prints.
+  results = _run_all({f"process{k}": [*_RUN, f"--workdir={root / 'multi'}", *_distributed(k, port)]
+                      for k in (0, 1)}, root / "logs")  # fmt: skip
+  return root, {"single": references.result(None), **results}
 
 
 @pytest.mark.slow
@@ -130,10 +189,10 @@ def test_every_process_exits_cleanly(runs):
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_single_process_numbers(runs):
+def test_two_processes_give_the_single_process_numbers(runs, references):
   root, results = runs
-  single = [json.loads(x) for x in (root / "single" / "metrics.jsonl").read_text().splitlines()]
-  multi = [json.loads(x) for x in (root / "multi" / "metrics.jsonl").read_text().splitlines()]
+  single = _metrics(references.workdir(None))
+  multi = _metrics(root / "multi")
   assert [r["step"] for r in single] == [r["step"] for r in multi] == [0, 1, 2]
   for a, b in zip(single, multi, strict=True):
     for key in _COMPARED:
@@ -172,10 +231,6 @@ _PLACED = {
 }
 
 
-def _metrics(workdir: pathlib.Path) -> list[dict]:
-  return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _assert_same_numbers(single: list[dict], multi: list[dict]) -> None:
   assert [r["step"] for r in single] == [r["step"] for r in multi] == [0, 1, 2]
   for a, b in zip(single, multi, strict=True):
@@ -187,65 +242,57 @@ def _assert_same_numbers(single: list[dict], multi: list[dict]) -> None:
   assert single[0]["loss/policy"] != single[1]["loss/policy"]
 
 
-def _placed_runs(root: pathlib.Path, variant: str, num_processes: int, port: int, extra=()):
-  """configs/ppo_tiny.py:`variant` as one process of 8 devices and as `num_processes`."""
-  run = [*_RUN, *extra]
-  run[0] = f"--config=configs/ppo_tiny.py:{variant}"
-  commands = {
-    "single": [*run, f"--workdir={root / 'single'}"],
-    **{f"process{k}": [*run, f"--workdir={root / 'multi'}", *_distributed(k, port, num_processes)]
-       for k in range(num_processes)},
-  }  # fmt: skip
-  return _run_all(commands, root / "logs")
+def _placed_runs(root: pathlib.Path, variant: str, num_processes: int, port: int, references):
+  """configs/ppo_tiny.py:`variant` as `num_processes` processes, and as one process of 8
+  devices (`references`, beside them the first time)."""
+  references.start(variant)
+  results = _run_all({
+    f"process{k}": [*_config(variant), f"--workdir={root / 'multi'}",
+                    *_distributed(k, port, num_processes)]
+    for k in range(num_processes)
+  }, root / "logs")  # fmt: skip
+  return {"single": references.result(variant), **results}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(_PLACED))
-def test_placements_across_two_processes(variant, tmp_path, reserve_port):
-  results = _placed_runs(tmp_path, variant, 2, reserve_port())
+def test_placements_across_two_processes(variant, tmp_path, reserve_port, references):
+  results = _placed_runs(tmp_path, variant, 2, reserve_port(), references)
   assert {name: rc for name, (rc, _) in results.items()} == {
     "single": 0,
     "process0": 0,
     "process1": 0,
   }, _tails(results)
-  _assert_same_numbers(_metrics(tmp_path / "single"), _metrics(tmp_path / "multi"))
+  _assert_same_numbers(_metrics(references.workdir(variant)), _metrics(tmp_path / "multi"))
   assert (tmp_path / "multi" / "checkpoints" / "3" / "commit_success.txt").exists()
 
 
 @pytest.mark.slow
-def test_disaggregated_across_four_processes(tmp_path, reserve_port):
+def test_disaggregated_across_four_processes(tmp_path, reserve_port, references):
   # 4 processes of 2 devices: training on processes 0-1, rollout on processes 2-3, every
   # group's mesh spanning two processes.
-  results = _placed_runs(tmp_path, "disaggregated", 4, reserve_port())
+  results = _placed_runs(tmp_path, "disaggregated", 4, reserve_port(), references)
   assert {name: rc for name, (rc, _) in results.items()} == {
     "single": 0, **{f"process{k}": 0 for k in range(4)}
   }, _tails(results)  # fmt: skip
-  _assert_same_numbers(_metrics(tmp_path / "single"), _metrics(tmp_path / "multi"))
-
-
-def _start(args: list[str], log: pathlib.Path) -> subprocess.Popen:
-  with open(log, "w") as out:
-    return subprocess.Popen(
-      [sys.executable, str(_SCRIPT), *args], cwd=_ROOT, env=_env(), stdout=out,
-      stderr=subprocess.STDOUT,
-    )  # fmt: skip
+  _assert_same_numbers(_metrics(references.workdir("disaggregated")), _metrics(tmp_path / "multi"))
 
 
 @pytest.mark.slow
-def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port):
+def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, references):
   """A disaggregated run across 2 processes: one killed with SIGKILL mid-run stops the other
   within a bounded time with one line; rerunning both resumes and ends with the numbers of an
   uninterrupted run. A checkpoint of 1 process x 8 devices resumes as 2 x 4 too."""
-  run = [*_RUN, "--config.checkpoint.every_steps=1", "--config.distributed.peer_timeout_s=10"]
-  run[0] = "--config=configs/ppo_tiny.py:disaggregated"
+  run = [*_config("disaggregated"), "--config.checkpoint.every_steps=1",
+         "--config.distributed.peer_timeout_s=10"]  # fmt: skip
   logs = tmp_path / "logs"
-  baseline = _run_all({
-    "single": [*run, f"--workdir={tmp_path / 'single'}"],
-    # The same run saved at step 1 by one process of 8 devices, continued below by two.
-    "first_step": [*run, "--config.total_steps=1", f"--workdir={tmp_path / 'relaid'}"],
-  }, logs)  # fmt: skip
-  assert {name: rc for name, (rc, _) in baseline.items()} == {"single": 0, "first_step": 0}
-  single = _metrics(tmp_path / "single")
+  # The uninterrupted run is the module's single-process one (checkpoint frequency and
+  # peer_timeout_s change no number).
+  references.start("disaggregated")
+  # Beside the killed run: the same run saved at step 1 by one process of 8 devices, continued
+  # below by two (beside the rerun).
+  first_step = _start([*run, "--config.total_steps=1", f"--workdir={tmp_path / 'relaid'}"],
+                      logs / "first_step.log")  # fmt: skip
 
   # Killed mid-run: process 1 dies once the checkpoint of step 1 is complete.
   port = reserve_port()
@@ -265,8 +312,9 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port):
     # Process 0 notices within distributed.peer_timeout_s (10 s) and its once-a-second check.
     rc = procs[0].wait(timeout=10 + 60)
     waited = time.monotonic() - killed_at
+    first_step.wait(timeout=max(deadline - time.monotonic(), 1))
   finally:
-    for proc in procs:
+    for proc in (*procs, first_step):
       if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -276,22 +324,30 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port):
   clear = ("process 1 of 2", "another process of the job ended or failed")
   assert rc != 0 and len(errors) == 1 and any(c in errors[0] for c in clear), text[-2000:]
   assert waited < 10 + 60
+  baseline = {
+    "single": references.result("disaggregated"),
+    "first_step": (first_step.returncode, (logs / "first_step.log").read_text()),
+  }
+  assert {name: rc for name, (rc, _) in baseline.items()} == {"single": 0, "first_step": 0}, _tails(
+    baseline
+  )
+  single = _metrics(references.workdir("disaggregated"))
 
-  # Both rerun: resumed, then the numbers of the uninterrupted run.
-  port = reserve_port()
-  rerun = _run_all({f"process{k}": [*run, f"--workdir={multi}", *_distributed(k, port)]
-                    for k in (0, 1)}, logs / "rerun")  # fmt: skip
+  # Both rerun: resumed, then the numbers of the uninterrupted run. Beside them, the
+  # one-process checkpoint of step 1 resumed by two processes of 4 devices.
+  ports = {"rerun": reserve_port(), "relaid": reserve_port()}
+  workdirs = {"rerun": multi, "relaid": tmp_path / "relaid"}
+  both = _run_all({f"{job}/process{k}": [*run, f"--workdir={workdirs[job]}",
+                                         *_distributed(k, ports[job])]
+                   for job in ("rerun", "relaid") for k in (0, 1)}, logs)  # fmt: skip
+  rerun, relaid = ({name.split("/")[1]: out for name, out in both.items()
+                    if name.startswith(f"{job}/")} for job in ("rerun", "relaid"))  # fmt: skip
   assert {name: rc for name, (rc, _) in rerun.items()} == {"process0": 0, "process1": 0}, _tails(
     rerun
   )
   assert "resuming from the checkpoint of step" in rerun["process0"][1]
   _assert_same_numbers(single, _metrics(multi))
 
-  # The one-process checkpoint of step 1, resumed by two processes of 4 devices.
-  port = reserve_port()
-  relaid = _run_all({f"process{k}": [*run, f"--workdir={tmp_path / 'relaid'}",
-                                     *_distributed(k, port)] for k in (0, 1)},
-                    logs / "relaid")  # fmt: skip
   assert {name: rc for name, (rc, _) in relaid.items()} == {"process0": 0, "process1": 0}, _tails(
     relaid
   )
