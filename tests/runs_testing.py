@@ -31,6 +31,49 @@ def assert_same_numbers(base: list[dict], other: list[dict], keys: Iterable[str]
       assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
 
 
+PACKED_KEYS = (
+  "reward/mean",
+  "kl/mean",
+  "loss/policy",
+  "policy/entropy",
+  "policy/approx_kl",
+  "actor/grad_norm",
+  "response/length",
+)
+"""The metrics a packed run (`ppo.packing`) of a PPO-family flow shares with its padded run."""
+
+
+def assert_packed_gives_the_padded_numbers(padded, packed, extra_keys: Sequence[str] = ()) -> None:
+  """Two iterations of a packed run (`RunResult`) give the padded run's numbers (`PACKED_KEYS`
+  and the flow's `extra_keys`), the packing metrics are in range, and the iterations differ."""
+  padded_rows, packed_rows = padded.metrics, packed.metrics
+  assert_same_numbers(padded_rows, packed_rows, [*PACKED_KEYS, *extra_keys])
+  assert padded_rows[0]["loss/policy"] != padded_rows[1]["loss/policy"]
+  # On 8 data-parallel devices a micro-batch has at least 8 rows (one per device), so these
+  # 4- and 8-sample mini-batches fill few of them; `bench_packing.py` measures real fills.
+  assert all(0 < row["packing/actor_fill"] <= 1 for row in packed_rows)
+  assert all(row["packing/actor_micro_batches"] >= 1 for row in packed_rows)
+
+
+def assert_packed_compiles_once_per_row_bucket(packed, batch_size: int) -> None:
+  """Lengths vary from batch to batch; a packed run's (`RunResult`) packed programs compile at
+  most once per row-count bucket, every other program once, and `compilations.json` beside
+  the metrics says so."""
+  from rlhfjax.data import packing
+
+  compilations = packed.compilations
+  written = json.loads((pathlib.Path(packed.workdir) / "compilations.json").read_text())
+  assert written == compilations
+  buckets = len(packing.row_buckets(batch_size, 8))
+  assert compilations["actor_packed_grad"] <= buckets
+  assert compilations["reference_logprobs_packed"] <= buckets
+  bounded = {
+    k: v for k, v in compilations.items() if not k.endswith("_packed") and "grads" not in k
+  }
+  assert set(bounded.values()) == {1}, compilations
+  assert not {"actor_step", "actor_minibatches", "actor_logprobs"} & set(compilations)
+
+
 def rows(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]

@@ -1,5 +1,7 @@
-"""GRPO, RLOO and REINFORCE++ from their configs: the same numbers on every placement, no
-critic, each program compiled once, the metrics a user reads, and learning on the bundled task."""
+"""GRPO, RLOO and REINFORCE++ from their configs: the same numbers on every placement and
+packed (`ppo.packing`, the configs' default) as padded, no critic, each program compiled once
+(a packed one once per row-count bucket), the metrics a user reads, and learning on the bundled
+task."""
 
 import json
 import pathlib
@@ -7,7 +9,8 @@ import runpy
 
 import numpy as np
 import pytest
-from runs_testing import assert_same_numbers
+from runs_testing import assert_packed_compiles_once_per_row_bucket as compiles_per_bucket
+from runs_testing import assert_packed_gives_the_padded_numbers, assert_same_numbers
 
 from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
@@ -19,6 +22,7 @@ pytestmark = pytest.mark.integration
 _ROOT = pathlib.Path(__file__).parent.parent
 _ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
 _VARIANTS = ("colocated", "disaggregated")
+_PADDED = "colocated, padded"  # the colocated run without `ppo.packing`
 _CRITIC_PREFIXES = ("value/", "critic/")
 
 
@@ -52,14 +56,19 @@ def logged_vowel_reward(prompts, responses, metadata):
 def runs(tmp_path_factory):
   out = {}
   for name in _ALGORITHMS:
-    for variant in _VARIANTS:
+    for variant in (*_VARIANTS, _PADDED):
       _RUN.append((name, variant))
       # The reward model's continuous scores give every group non-zero advantages. With the
       # rule alone most groups of the untrained policy score all 0: their gradients are float
       # noise that differs with the layout's reduction order, and Adam (g / |g|) turns noise
       # into full-size steps, so placements would part after the first update.
+      changes = {"ppo__packing": False} if variant == _PADDED else {}
       cfg = _config(
-        name, variant, reward__model_coef=0.5, reward__fn=f"{__name__}:logged_vowel_reward"
+        name,
+        variant.split(",")[0],
+        reward__model_coef=0.5,
+        reward__fn=f"{__name__}:logged_vowel_reward",
+        **changes,
       )
       runner = Runner(cfg, str(tmp_path_factory.mktemp(name)), show_progress=False)
       out[name, variant] = (runner, runner.run())
@@ -74,6 +83,14 @@ def test_every_placement_gives_the_colocated_numbers(runs, name):
     keys.append("loss/kl")
   assert_same_numbers(base, other, keys)
   assert base[0]["loss/policy"] != base[1]["loss/policy"]
+
+
+@pytest.mark.parametrize("name", _ALGORITHMS)
+def test_packed_gives_the_padded_numbers(runs, name):
+  """(PPO and DAPO: test_packing_runs.py.)"""
+  extra = ["loss/kl"] if name == "grpo" else []
+  assert_packed_gives_the_padded_numbers(runs[name, _PADDED][1], runs[name, "colocated"][1], extra)
+  compiles_per_bucket(runs[name, "colocated"][1], batch_size=8)
 
 
 @pytest.mark.parametrize("name", _ALGORITHMS)
@@ -124,6 +141,7 @@ def test_grpo_kl_loss_term_and_aggregation_change_the_update(runs, tmp_path):
   dr = Runner(
     _config(
       "grpo",
+      total_steps=1,
       reward__model_coef=0.5,
       ppo__loss_agg="seq_mean_token_sum_norm",
       ppo__normalize_group_std=False,

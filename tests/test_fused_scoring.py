@@ -7,6 +7,7 @@ metrics and weights. (Against scoring the whole batch in one call, micro-batches
 last bits: see `rlhfjax.flows.scoring`.)
 """
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -42,6 +43,9 @@ _FIELDS = (
 )
 _MICRO = 2
 _RULE_CALLS: dict[str, list] = {}
+_GUARDED = ("ppo", "disaggregated", True, False)
+"""The run whose iterations run inside `no_host_transfers` (algorithm, placement, fused,
+packed): `test_fused_iterations_make_only_named_host_transfers` checks its transfers."""
 _CURRENT: list[str] = []
 
 
@@ -69,19 +73,39 @@ def _config(algo: str, placement: str, packing: bool = False, **rollout):
   return from_config_dict(cd)
 
 
-class _Run:
-  """A finished run: the experience each update got, the metrics, the trained weights."""
+@contextlib.contextmanager
+def _host_allowed():
+  with (
+    jax.transfer_guard("allow"),
+    jax.transfer_guard_host_to_device("allow"),
+    jax.transfer_guard_device_to_host("allow"),
+  ):
+    yield
 
-  def __init__(self, cfg, workdir: str):
+
+class _Run:
+  """A finished run: the experience each update got, the metrics, the trained weights, and the
+  names of the host transfers its iterations made. `guarded`: each iteration runs inside
+  `no_host_transfers`, as `test_transfer_guard` runs them, so one that crosses unnamed fails."""
+
+  def __init__(self, cfg, workdir: str, guarded: bool = False):
     runner = Runner(cfg, workdir, show_progress=False)
     self.experiences = []
-    update = runner.flow._update
+    update, iterate = runner.flow._update, runner.flow.iteration
 
     def record(iteration, exp, seqs):
-      self.experiences.append(jax.tree.map(np.asarray, exp))
+      with _host_allowed():  # the test's own copy, not the flow's
+        self.experiences.append(jax.tree.map(np.asarray, exp))
       return update(iteration, exp, seqs)
 
+    def guarded_iteration(iteration):
+      with no_host_transfers() if guarded else contextlib.nullcontext():
+        row = iterate(iteration)
+      self.host_transfers = set(runner.cluster.host_transfers)
+      return row
+
     runner.flow._update = record
+    runner.flow.iteration = guarded_iteration
     result = runner.run()
     self.metrics = result.metrics
     self.compilations = result.compilations
@@ -99,7 +123,7 @@ def _run(
   cfg = _config(algo, placement, packing, fused_scoring=fused, score_micro_batch=micro)
   workdir = pathlib.Path(tmp_root) / f"{algo}-{placement}-{fused}-{micro}-{packing}"
   _CURRENT.append(workdir.name)
-  return _Run(cfg, str(workdir))
+  return _Run(cfg, str(workdir), guarded=(algo, placement, fused, packing) == _GUARDED)
 
 
 @pytest.fixture(scope="module")
@@ -209,18 +233,14 @@ def test_unfused_timeline_scores_after_generation(run):
     assert all(r.start >= generate.end for r in chunks)
 
 
-def test_fused_iterations_make_only_named_host_transfers(tmp_path):
+def test_fused_iterations_make_only_named_host_transfers(run):
   """As `test_transfer_guard`, fused: micro-batches' token ids go up (named), scores stay on
-  the devices apart from the reorder's row indices (named)."""
-  cfg = _config("ppo", "disaggregated", fused_scoring=True, score_micro_batch=_MICRO)
-  runner = Runner(cfg, str(tmp_path), show_progress=False)
-  with no_host_transfers():
-    for iteration in range(2):
-      runner.flow.iteration(iteration)
-  runner.flow.close()
+  the devices apart from the reorder's row indices (named). (`_Run` ran the iterations inside
+  `no_host_transfers`.)"""
+  transfers = run("ppo", "disaggregated", True, _MICRO).host_transfers
   fused_names = {"rollout micro-batch", "scoring order"}
   named = {"generate", "rollout", "reward_fn scores", "kl_coef", "metrics"} | fused_names
-  assert fused_names <= set(runner.cluster.host_transfers) <= named, runner.cluster.host_transfers
+  assert fused_names <= transfers <= named, transfers
 
 
 def test_fused_scoring_refuses_what_it_cannot_do(tmp_path):

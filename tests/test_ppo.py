@@ -221,9 +221,12 @@ def test_colocated_stages_run_one_after_another():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["colocated", "disaggregated"])
-def test_reward_rises(variant, tmp_path):
-  cfg = _config(variant, total_steps=30, rollout__batch_size=16, reward__model_coef=0.0)
+def test_reward_rises(tmp_path):
+  # Colocated only: every placement computes the colocated numbers
+  # (test_every_placement_gives_the_colocated_numbers), and after each sync the rollout holds
+  # the trained weights (test_weights_live_on_their_roles_devices), so a learning run on
+  # another placement would check the same trajectory again.
+  cfg = _config("colocated", total_steps=30, rollout__batch_size=16, reward__model_coef=0.0)
   rewards = [
     r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   ]
