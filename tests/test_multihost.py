@@ -3,7 +3,10 @@
 for every placement; a killed process stops the others; a rerun resumes, across process layouts
 too. The config section and the placement checks are tested in test_distributed_config.py.
 
-Each single-process run the jobs compare with is made once for the module (`references`)."""
+The single-process runs the jobs compare with are made once for the module, all variants in
+turn in one process (`references`), and the placements across two processes in turn in one job
+of two processes (`placed`), by `tests/placements_job.py`: the processes start and join once,
+and the programs the placements have in common are compiled once."""
 
 import json
 import os
@@ -19,6 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _SCRIPT = _ROOT / "scripts" / "train_ppo.py"
+_JOB = _ROOT / "tests" / "placements_job.py"
 _RUN = (
   "--config=configs/ppo_tiny.py",
   "--config.total_steps=3",
@@ -27,7 +31,7 @@ _RUN = (
   "--config.reward.model_coef=0.5",  # the reward model's scores are gathered too
   "--config.eval.num_prompts=8",  # one batch: the evaluation gathers across processes too
 )
-_TIMEOUT_S = 900  # the three runs need about 4 CPU-minutes; shared CI machines can be slow
+_TIMEOUT_S = 900  # for one run of each process; shared CI machines can be slow
 _COMPARED = (
   "reward/mean",
   "reward/std",
@@ -54,22 +58,27 @@ def _env() -> dict[str, str]:
   env.pop("JAX_PROCESS_ID", None)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
   env["JAX_PLATFORMS"] = "cpu"
+  # Every line in the log, also from a process that ends by `os._exit` (a lost peer).
+  env["PYTHONUNBUFFERED"] = "1"
   return env
 
 
-def _start(args: list[str], log: pathlib.Path) -> subprocess.Popen:
+def _start(args: list[str], log: pathlib.Path, script: pathlib.Path = _SCRIPT) -> subprocess.Popen:
   log.parent.mkdir(parents=True, exist_ok=True)
   with open(log, "w") as out:
     return subprocess.Popen(
-      [sys.executable, str(_SCRIPT), *args], cwd=_ROOT, env=_env(), stdout=out,
+      [sys.executable, str(script), *args], cwd=_ROOT, env=_env(), stdout=out,
       stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 
-def _run_all(commands: dict[str, list[str]], logs: pathlib.Path) -> dict[str, tuple[int, str]]:
+def _run_all(
+  commands: dict[str, list[str]], logs: pathlib.Path, script: pathlib.Path = _SCRIPT,
+  timeout_s: float = _TIMEOUT_S,
+) -> dict[str, tuple[int, str]]:  # fmt: skip
   """Runs the commands at the same time; returns each one's exit status and output."""
-  procs = {name: _start(args, logs / f"{name}.log") for name, args in commands.items()}
-  deadline = time.monotonic() + _TIMEOUT_S
+  procs = {name: _start(args, logs / f"{name}.log", script) for name, args in commands.items()}
+  deadline = time.monotonic() + timeout_s
   try:
     for proc in procs.values():
       proc.wait(timeout=max(deadline - time.monotonic(), 1))
@@ -84,7 +93,7 @@ def _run_all(commands: dict[str, list[str]], logs: pathlib.Path) -> dict[str, tu
     name: (proc.returncode, (logs / f"{name}.log").read_text()) for name, proc in procs.items()
   }
   if timed_out:
-    pytest.fail(f"{timed_out} still running after {_TIMEOUT_S}s: {_tails(out)}")
+    pytest.fail(f"{timed_out} still running after {timeout_s}s: {_tails(out)}")
   return out
 
 
@@ -103,56 +112,63 @@ def _distributed(process_id: int, port: int, num_processes: int = 2) -> list[str
   ]
 
 
-def _config(variant: str | None) -> list[str]:
-  """The run of configs/ppo_tiny.py (colocated), or of its `variant`."""
-  run = list(_RUN)
-  if variant:
-    run[0] = f"--config=configs/ppo_tiny.py:{variant}"
-  return run
+def _config(variant: str) -> list[str]:
+  """The run of configs/ppo_tiny.py's `variant`."""
+  return [f"--config=configs/ppo_tiny.py:{variant}", *_RUN[1:]]
 
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:
   return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+_PLACED = {
+  # variant of configs/ppo_tiny.py: where its groups land with 2 processes of 4 devices
+  "colocated": "every group on both processes",
+  "disaggregated": "training roles on process 0, rollout on process 1",
+  # Generation of the next batch on process 1 while process 0 trains (two threads each).
+  "disaggregated_async": "as disaggregated, generating one batch ahead",
+  "interleaved": "reference on process 0, reward on process 1, the rest on both",
+  "explicit": "actor, reference and rollout on process 0, critic and reward on process 1",
+}
+
+
 class _References:
   """The single-process runs (one process of 8 devices) that the jobs compare with, one per
-  variant of configs/ppo_tiny.py, each made once for the module: started beside the first job
-  that needs it, as each job's own single run was (it keeps the cores busy while the job's
-  processes wait on each other), and read once that job is done."""
+  variant of configs/ppo_tiny.py in `_PLACED`, made once for the module in turn by one process
+  (`tests/placements_job.py`): started beside the first job that needs them (it keeps the
+  cores busy while the job's processes wait on each other), and read once that job is done."""
 
   def __init__(self, root: pathlib.Path):
     self.root = root
-    self.runs: dict[str | None, tuple[subprocess.Popen, float]] = {}
+    self.run: tuple[subprocess.Popen, float] | None = None
 
-  def workdir(self, variant: str | None) -> pathlib.Path:
-    return self.root / (variant or "colocated")
+  def workdir(self, variant: str) -> pathlib.Path:
+    return self.root / variant
 
-  def start(self, variant: str | None) -> None:
-    if variant not in self.runs:
-      workdir = self.workdir(variant)
-      proc = _start([*_config(variant), f"--workdir={workdir}"], workdir.with_suffix(".log"))
-      self.runs[variant] = proc, time.monotonic()
+  def start(self) -> None:
+    if self.run is None:
+      args = [*_RUN, f"--variants={','.join(_PLACED)}", f"--workdir={self.root}"]
+      self.run = _start(args, self.root / "logs" / "single.log", _JOB), time.monotonic()
 
-  def result(self, variant: str | None) -> tuple[int, str]:
-    """The run's exit status and output, once it ended (started here if it was not)."""
-    self.start(variant)
-    proc, started = self.runs[variant]
-    log = self.workdir(variant).with_suffix(".log")
+  def result(self) -> tuple[int, str]:
+    """The runs' exit status and output, once they ended (started here if they were not)."""
+    self.start()
+    proc, started = self.run
+    log = self.root / "logs" / "single.log"
+    timeout_s = _TIMEOUT_S * len(_PLACED)
     try:
-      proc.wait(timeout=max(started + _TIMEOUT_S - time.monotonic(), 1))
+      proc.wait(timeout=max(started + timeout_s - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.wait()
       tail = _tails({log.stem: (proc.returncode, log.read_text())})
-      pytest.fail(f"the single run still running after {_TIMEOUT_S}s: {tail}")
+      pytest.fail(f"the single runs still running after {timeout_s}s: {tail}")
     return proc.returncode, log.read_text()
 
   def close(self) -> None:
-    for proc, _ in self.runs.values():
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    if self.run is not None and self.run[0].poll() is None:
+      self.run[0].kill()
+      self.run[0].wait()
 
 
 @pytest.fixture(scope="module")
@@ -163,115 +179,94 @@ def references(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------
-# configs/ppo_tiny.py (colocated) as two processes and as one.
+# Every placement of configs/ppo_tiny.py as two processes and as one: one job of two processes
+# that runs the placements in turn.
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, reserve_port, references):
+def placed(tmp_path_factory, reserve_port, references):
   root = tmp_path_factory.mktemp("multihost")
   port = reserve_port()
-  references.start(None)
-  # One workdir, as multi-host checkpoints need (a shared filesystem): every process takes
-  # part in the checkpoints, process 0 alone writes the files and prints.
-  results = _run_all({f"process{k}": [*_RUN, f"--workdir={root / 'multi'}", *_distributed(k, port)]
-                      for k in (0, 1)}, root / "logs")  # fmt: skip
-  return root, {"single": references.result(None), **results}
+  references.start()
+  # One workdir per placement, as multi-host checkpoints need (a shared filesystem): every
+  # process takes part in the checkpoints, process 0 alone writes the files and prints.
+  results = _run_all({
+    f"process{k}": [*_RUN, f"--variants={','.join(_PLACED)}", f"--workdir={root}",
+                    *_distributed(k, port)]
+    for k in (0, 1)
+  }, root / "logs", _JOB, _TIMEOUT_S * len(_PLACED))  # fmt: skip
+  return root, {"single": references.result(), **results}
 
 
 @pytest.mark.slow
-def test_every_process_exits_cleanly(runs):
-  _, results = runs
+def test_every_process_exits_cleanly(placed):
+  _, results = placed
   assert {name: rc for name, (rc, _) in results.items()} == {
     "single": 0,
     "process0": 0,
     "process1": 0,
   }, _tails(results)
-
-
-@pytest.mark.slow
-def test_two_processes_give_the_single_process_numbers(runs, references):
-  root, results = runs
-  single = _metrics(references.workdir(None))
-  multi = _metrics(root / "multi")
-  assert [r["step"] for r in single] == [r["step"] for r in multi] == [0, 1, 2]
-  for a, b in zip(single, multi, strict=True):
-    for key in _COMPARED:
-      # Measured: at most 1.1e-5 relative (loss/value); the sampled tokens are identical. The
-      # rest is the order of cross-process (gloo) reductions against in-process ones.
-      assert b[key] == pytest.approx(a[key], rel=5e-5, abs=1e-7), (a["step"], key)
-  # Not trivially equal: training moved the numbers.
-  assert single[0]["loss/policy"] != single[1]["loss/policy"]
-
-
-@pytest.mark.slow
-def test_only_process_zero_writes_and_prints(runs):
-  root, results = runs
-  for name in _OUTPUTS:
-    assert (root / "multi" / name).exists(), name
-  # Written once: a second writer would have doubled the rows.
-  rows = (root / "multi" / "metrics.jsonl").read_text().splitlines()
-  assert [json.loads(x)["step"] for x in rows] == [0, 1, 2]
-  # The final checkpoint is complete: both processes took part.
-  assert (root / "multi" / "checkpoints" / "3" / "commit_success.txt").exists()
-  assert "over iterations 0..2" in results["process0"][1]
-  assert "over iterations 0..2" not in results["process1"][1]
-  assert "ppo: 100%" not in results["process1"][1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Every placement with its groups on different processes.
-
-_PLACED = {
-  # variant of configs/ppo_tiny.py: where its groups land with 2 processes of 4 devices
-  "disaggregated": "training roles on process 0, rollout on process 1",
-  # Generation of the next batch on process 1 while process 0 trains (two threads each).
-  "disaggregated_async": "as disaggregated, generating one batch ahead",
-  "interleaved": "reference on process 0, reward on process 1, the rest on both",
-  "explicit": "actor, reference and rollout on process 0, critic and reward on process 1",
-}
 
 
 def _assert_same_numbers(single: list[dict], multi: list[dict]) -> None:
   assert [r["step"] for r in single] == [r["step"] for r in multi] == [0, 1, 2]
   for a, b in zip(single, multi, strict=True):
     for key in _COMPARED:
-      # As in the colocated test: the programs are the same; XLA's CPU thread pool splits
-      # reductions by the devices in a process (4 against 8), measured at most 4.9e-5 relative
-      # (kl/mean, a mean of differences near 0) and otherwise under 5e-6.
+      # The programs are the same; the rest is the order of cross-process (gloo) reductions
+      # against in-process ones, and XLA's CPU thread pool splitting reductions by the devices
+      # in a process (4 against 8): measured at most 4.9e-5 relative (kl/mean, a mean of
+      # differences near 0) and otherwise under 1.1e-5 (loss/value); the sampled tokens are
+      # identical.
       assert b[key] == pytest.approx(a[key], rel=5e-5, abs=1e-7), (a["step"], key)
+  # Not trivially equal: training moved the numbers.
   assert single[0]["loss/policy"] != single[1]["loss/policy"]
-
-
-def _placed_runs(root: pathlib.Path, variant: str, num_processes: int, port: int, references):
-  """configs/ppo_tiny.py:`variant` as `num_processes` processes, and as one process of 8
-  devices (`references`, beside them the first time)."""
-  references.start(variant)
-  results = _run_all({
-    f"process{k}": [*_config(variant), f"--workdir={root / 'multi'}",
-                    *_distributed(k, port, num_processes)]
-    for k in range(num_processes)
-  }, root / "logs")  # fmt: skip
-  return {"single": references.result(variant), **results}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(_PLACED))
-def test_placements_across_two_processes(variant, tmp_path, reserve_port, references):
-  results = _placed_runs(tmp_path, variant, 2, reserve_port(), references)
+def test_placements_across_two_processes(variant, placed, references):
+  root, results = placed
   assert {name: rc for name, (rc, _) in results.items()} == {
     "single": 0,
     "process0": 0,
     "process1": 0,
   }, _tails(results)
-  _assert_same_numbers(_metrics(references.workdir(variant)), _metrics(tmp_path / "multi"))
-  assert (tmp_path / "multi" / "checkpoints" / "3" / "commit_success.txt").exists()
+  _assert_same_numbers(_metrics(references.workdir(variant)), _metrics(root / variant))
+  assert (root / variant / "checkpoints" / "3" / "commit_success.txt").exists()
+
+
+@pytest.mark.slow
+def test_only_process_zero_writes_and_prints(placed):
+  root, results = placed
+  for variant in _PLACED:
+    for name in _OUTPUTS:
+      assert (root / variant / name).exists(), (variant, name)
+    # Written once: a second writer would have doubled the rows.
+    rows = (root / variant / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in rows] == [0, 1, 2], variant
+    # The final checkpoint is complete: both processes took part.
+    assert (root / variant / "checkpoints" / "3" / "commit_success.txt").exists(), variant
+  # Each placement's summary, by process 0 alone.
+  assert results["process0"][1].count("over iterations 0..2") == len(_PLACED)
+  assert "over iterations 0..2" not in results["process1"][1]
+  assert "ppo: 100%" not in results["process1"][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Four processes; a killed process, and resuming across process layouts.
 
 
 @pytest.mark.slow
 def test_disaggregated_across_four_processes(tmp_path, reserve_port, references):
   # 4 processes of 2 devices: training on processes 0-1, rollout on processes 2-3, every
   # group's mesh spanning two processes.
-  results = _placed_runs(tmp_path, "disaggregated", 4, reserve_port(), references)
+  port = reserve_port()
+  results = _run_all({
+    f"process{k}": [*_config("disaggregated"), f"--workdir={tmp_path / 'multi'}",
+                    *_distributed(k, port, 4)]
+    for k in range(4)
+  }, tmp_path / "logs")  # fmt: skip
+  results = {"single": references.result(), **results}
   assert {name: rc for name, (rc, _) in results.items()} == {
     "single": 0, **{f"process{k}": 0 for k in range(4)}
   }, _tails(results)  # fmt: skip
@@ -280,76 +275,63 @@ def test_disaggregated_across_four_processes(tmp_path, reserve_port, references)
 
 @pytest.mark.slow
 def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, references):
-  """A disaggregated run across 2 processes: one killed with SIGKILL mid-run stops the other
+  """One chain of runs of the disaggregated placement in one workdir: step 0 by one process of
+  8 devices; its checkpoint of step 1 resumed by two processes of 4 devices, one of which is
+  killed with SIGKILL mid-run once the checkpoint of step 2 is complete, which stops the other
   within a bounded time with one line; rerunning both resumes and ends with the numbers of an
-  uninterrupted run. A checkpoint of 1 process x 8 devices resumes as 2 x 4 too."""
+  uninterrupted run."""
   run = [*_config("disaggregated"), "--config.checkpoint.every_steps=1",
          "--config.distributed.peer_timeout_s=10"]  # fmt: skip
   logs = tmp_path / "logs"
+  multi = tmp_path / "multi"
   # The uninterrupted run is the module's single-process one (checkpoint frequency and
   # peer_timeout_s change no number).
-  references.start("disaggregated")
-  # Beside the killed run: the same run saved at step 1 by one process of 8 devices, continued
-  # below by two (beside the rerun).
-  first_step = _start([*run, "--config.total_steps=1", f"--workdir={tmp_path / 'relaid'}"],
-                      logs / "first_step.log")  # fmt: skip
+  references.start()
+  first_step = _run_all({"first_step": [*run, "--config.total_steps=1", f"--workdir={multi}"]},
+                        logs)  # fmt: skip
+  assert first_step["first_step"][0] == 0, _tails(first_step)
 
-  # Killed mid-run: process 1 dies once the checkpoint of step 1 is complete.
+  # Resumed as 2 x 4, then killed mid-run: process 1 dies once the checkpoint of step 2 is
+  # complete.
   port = reserve_port()
-  multi = tmp_path / "multi"
   procs = [_start([*run, f"--workdir={multi}", *_distributed(k, port)], logs / f"killed{k}.log")
            for k in (0, 1)]  # fmt: skip
-  committed = multi / "checkpoints" / "1" / "commit_success.txt"
+  committed = multi / "checkpoints" / "2" / "commit_success.txt"
   deadline = time.monotonic() + _TIMEOUT_S
   try:
     while not committed.exists() and time.monotonic() < deadline:
-      assert procs[0].poll() is None and procs[1].poll() is None, "a process ended before step 1"
+      assert procs[0].poll() is None and procs[1].poll() is None, "a process ended before step 2"
       time.sleep(0.2)  # polling the file system for the checkpoint; the assertion is the kill
-    assert committed.exists(), "no checkpoint of step 1"
+    assert committed.exists(), "no checkpoint of step 2"
     procs[1].kill()
     killed_at = time.monotonic()
     procs[1].wait()
     # Process 0 notices within distributed.peer_timeout_s (10 s) and its once-a-second check.
     rc = procs[0].wait(timeout=10 + 60)
     waited = time.monotonic() - killed_at
-    first_step.wait(timeout=max(deadline - time.monotonic(), 1))
   finally:
-    for proc in (*procs, first_step):
+    for proc in procs:
       if proc.poll() is None:
         proc.kill()
         proc.wait()
   text = (logs / "killed0.log").read_text()
+  # The single process's checkpoint of step 1 resumed as two processes.
+  assert "resuming from the checkpoint of step 1" in text, text[-2000:]
   errors = [x for x in text.splitlines() if x.startswith("error:")]
   # Named by the liveness watch, or first by the collective that lost its peer.
   clear = ("process 1 of 2", "another process of the job ended or failed")
   assert rc != 0 and len(errors) == 1 and any(c in errors[0] for c in clear), text[-2000:]
   assert waited < 10 + 60
-  baseline = {
-    "single": references.result("disaggregated"),
-    "first_step": (first_step.returncode, (logs / "first_step.log").read_text()),
-  }
-  assert {name: rc for name, (rc, _) in baseline.items()} == {"single": 0, "first_step": 0}, _tails(
-    baseline
-  )
-  single = _metrics(references.workdir("disaggregated"))
 
-  # Both rerun: resumed, then the numbers of the uninterrupted run. Beside them, the
-  # one-process checkpoint of step 1 resumed by two processes of 4 devices.
-  ports = {"rerun": reserve_port(), "relaid": reserve_port()}
-  workdirs = {"rerun": multi, "relaid": tmp_path / "relaid"}
-  both = _run_all({f"{job}/process{k}": [*run, f"--workdir={workdirs[job]}",
-                                         *_distributed(k, ports[job])]
-                   for job in ("rerun", "relaid") for k in (0, 1)}, logs)  # fmt: skip
-  rerun, relaid = ({name.split("/")[1]: out for name, out in both.items()
-                    if name.startswith(f"{job}/")} for job in ("rerun", "relaid"))  # fmt: skip
+  # Both rerun: resumed, then the numbers of the uninterrupted run (step 0 by one process,
+  # step 1 by the killed job, step 2 by the rerun).
+  port = reserve_port()
+  rerun = _run_all({f"process{k}": [*run, f"--workdir={multi}", *_distributed(k, port)]
+                    for k in (0, 1)}, logs / "rerun")  # fmt: skip
   assert {name: rc for name, (rc, _) in rerun.items()} == {"process0": 0, "process1": 0}, _tails(
     rerun
   )
-  assert "resuming from the checkpoint of step" in rerun["process0"][1]
-  _assert_same_numbers(single, _metrics(multi))
-
-  assert {name: rc for name, (rc, _) in relaid.items()} == {"process0": 0, "process1": 0}, _tails(
-    relaid
-  )
-  assert "resuming from the checkpoint of step 1" in relaid["process0"][1]
-  _assert_same_numbers(single, _metrics(tmp_path / "relaid"))
+  assert "resuming from the checkpoint of step 2" in rerun["process0"][1]
+  single = references.result()
+  assert single[0] == 0, _tails({"single": single})
+  _assert_same_numbers(_metrics(references.workdir("disaggregated")), _metrics(multi))
