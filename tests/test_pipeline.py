@@ -1,12 +1,13 @@
 """The README's main job, scripts/run_pipeline.py, end to end on short schedules: SFT, reward
 model and PPO chained through their checkpoints, the outputs a user reads, a rerun of a finished
-pipeline that changes nothing, an interrupted one that ends as the uninterrupted one, the stage
-directories held while it runs, and the evaluation turned off."""
+pipeline that changes nothing, an interrupted one that ends as the uninterrupted one (and holds
+its stage directories while it runs), and the evaluation turned off."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,55 +130,21 @@ def _assert_same_outputs(workdir: str, reference: str) -> None:
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
 
 
-@pytest.mark.slow
-def test_an_interrupted_pipeline_ends_as_the_uninterrupted_one(uninterrupted, tmp_path):
-  workdir = str(tmp_path / "w")
-
-  # SIGTERM mid-SFT: it stops after step 2 with a checkpoint.
-  proc = _start(workdir)
-  runs_testing.wait_for_row(proc, os.path.join(workdir, "sft"), 1)
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=300)
-  assert proc.returncode == 0, err[-3000:]
-  assert "stopped: SFT checkpoint written" in out
-
-  # kill -9 between the stages: as soon as SFT has finished and the reward model begins.
-  proc = _start(workdir)
-  while not (line := proc.stdout.readline()).startswith("stage 2/3"):
-    assert line, proc.communicate()
-  proc.kill()
-  proc.wait(timeout=60)
-
-  # kill -9 mid-PPO, once iteration 1 is written (its checkpoint is due right after it).
-  proc = _start(workdir)
-  runs_testing.wait_for_row(proc, os.path.join(workdir, "ppo"), 1)
-  proc.kill()
-  proc.wait(timeout=60)
-  assert not os.path.exists(os.path.join(workdir, "summary.md"))
-
-  done = _run(workdir)
-  assert done.returncode == 0, done.stderr[-3000:]
-  _assert_same_outputs(workdir, uninterrupted)
-  # The stages finished before are not even built again.
-  assert "stage 1/3: supervised fine-tuning: finished at step 4" in done.stdout
-  assert "stage 2/3: reward model: finished at step 4" in done.stdout
+def _holder_pid(lock: str) -> int | None:
+  """The pid in a lock file's holder record; None while it is empty (or being written)."""
+  try:
+    return json.loads(_read(lock))["pid"]
+  except (FileNotFoundError, json.JSONDecodeError):
+    return None
 
 
-@pytest.mark.slow
-def test_a_pipeline_without_evaluation_finishes_and_holds_its_stage_directories(tmp_path):
-  workdir = str(tmp_path)
+def _assert_rm_script_refused(proc: subprocess.Popen, workdir: str) -> None:
+  """While the pipeline `proc` runs on `workdir`, the reward model's own script started on the
+  pipeline's rm/ directory is refused at start, in one line naming the pipeline."""
   rm_dir = os.path.join(workdir, "rm")
-  short = (
-    "--config.sft.total_steps=2",
-    "--config.rm.total_steps=2",
-    "--config.ppo.total_steps=1",
-    "--config.ppo.eval.num_prompts=0",
-  )
-  proc = _start(workdir, *short)
-  # While it runs, the reward model's own script on its stage directory is refused at start,
-  # naming the pipeline.
   lock = os.path.join(rm_dir, ".lock")
-  runs_testing.wait_until(proc, lambda: os.path.exists(lock) and _read(lock), "rm/ held")
+  # This run's record: an earlier, killed run's is left in the file until this one takes over.
+  runs_testing.wait_until(proc, lambda: _holder_pid(lock) == proc.pid, "rm/ held")
   beside = subprocess.run(
     [
       sys.executable,
@@ -198,9 +165,58 @@ def test_a_pipeline_without_evaluation_finishes_and_holds_its_stage_directories(
     f"{holder['started']}, the run of {workdir}); wait for it to end, stop it, or choose "
     "another --workdir"
   ]
-  out, err = proc.communicate(timeout=900)
+
+
+@pytest.mark.slow
+def test_an_interrupted_pipeline_ends_as_the_uninterrupted_one(uninterrupted, tmp_path):
+  workdir = str(tmp_path / "w")
+
+  # SIGTERM mid-SFT: it stops after step 2 with a checkpoint.
+  proc = _start(workdir)
+  runs_testing.wait_for_row(proc, os.path.join(workdir, "sft"), 1)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err[-3000:]
-  assert [row["step"] for row in runs_testing.rows(rm_dir)] == [0, 1, 2]  # the pipeline's alone
+  assert "stopped: SFT checkpoint written" in out
+
+  # kill -9 between the stages: as soon as SFT has finished and the reward model begins.
+  proc = _start(workdir)
+  while not (line := proc.stdout.readline()).startswith("stage 2/3"):
+    assert line, proc.communicate()
+  proc.kill()
+  proc.wait(timeout=60)
+
+  # This run trains the reward model (and holds its directory: the stage's own script is
+  # refused there), then is killed -9 mid-PPO, once iteration 1 is written (its checkpoint is
+  # due right after it).
+  proc = _start(workdir)
+  _assert_rm_script_refused(proc, workdir)
+  runs_testing.wait_for_row(proc, os.path.join(workdir, "ppo"), 1)
+  proc.kill()
+  proc.wait(timeout=60)
+  assert not os.path.exists(os.path.join(workdir, "summary.md"))
+
+  done = _run(workdir)
+  assert done.returncode == 0, done.stderr[-3000:]
+  # The same rows as the uninterrupted run's: rm/ has the pipeline's rows alone.
+  _assert_same_outputs(workdir, uninterrupted)
+  # The stages finished before are not even built again.
+  assert "stage 1/3: supervised fine-tuning: finished at step 4" in done.stdout
+  assert "stage 2/3: reward model: finished at step 4" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_pipeline_without_evaluation_finishes(uninterrupted, tmp_path):
+  # The SFT and reward model stages of the uninterrupted run, finished: this run only trains
+  # PPO, with the evaluation off, from them.
+  workdir = str(tmp_path)
+  for stage in ("sft", "rm"):
+    shutil.copytree(os.path.join(uninterrupted, stage), os.path.join(workdir, stage))
+  short = ("--config.ppo.total_steps=1", "--config.ppo.eval.num_prompts=0")
+  done = _run(workdir, *short)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "stage 2/3: reward model: finished at step 4" in done.stdout
+  assert [row["step"] for row in runs_testing.rows(os.path.join(workdir, "ppo"))] == [0]
 
   summary = _read(os.path.join(workdir, "summary.md"))
   assert "- Held-out task reward before -> after PPO: evaluation off" in summary
