@@ -43,9 +43,6 @@ _FIELDS = (
 )
 _MICRO = 2
 _RULE_CALLS: dict[str, list] = {}
-_GUARDED = ("ppo", "disaggregated", True, False)
-"""The run whose iterations run inside `no_host_transfers` (algorithm, placement, fused,
-packed): `test_fused_iterations_make_only_named_host_transfers` checks its transfers."""
 _CURRENT: list[str] = []
 
 
@@ -85,10 +82,10 @@ def _host_allowed():
 
 class _Run:
   """A finished run: the experience each update got, the metrics, the trained weights, and the
-  names of the host transfers its iterations made. `guarded`: each iteration runs inside
+  names of the host transfers its iterations made. Each iteration runs inside
   `no_host_transfers`, as `test_transfer_guard` runs them, so one that crosses unnamed fails."""
 
-  def __init__(self, cfg, workdir: str, guarded: bool = False):
+  def __init__(self, cfg, workdir: str):
     runner = Runner(cfg, workdir, show_progress=False)
     self.experiences = []
     update, iterate = runner.flow._update, runner.flow.iteration
@@ -99,7 +96,7 @@ class _Run:
       return update(iteration, exp, seqs)
 
     def guarded_iteration(iteration):
-      with no_host_transfers() if guarded else contextlib.nullcontext():
+      with no_host_transfers():
         row = iterate(iteration)
       self.host_transfers = set(runner.cluster.host_transfers)
       return row
@@ -123,7 +120,7 @@ def _run(
   cfg = _config(algo, placement, packing, fused_scoring=fused, score_micro_batch=micro)
   workdir = pathlib.Path(tmp_root) / f"{algo}-{placement}-{fused}-{micro}-{packing}"
   _CURRENT.append(workdir.name)
-  return _Run(cfg, str(workdir), guarded=(algo, placement, fused, packing) == _GUARDED)
+  return _Run(cfg, str(workdir))
 
 
 @pytest.fixture(scope="module")

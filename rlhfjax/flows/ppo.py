@@ -81,8 +81,11 @@ def compute_advantages(
     )
   kl_bt = alg.get_kl_estimator(settings.kl_estimator)(old_bt, exp.ref_logprobs_bt) * mask_bt
   rewards_bt = alg.shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
+  # A flow without a critic has no values: zeros here, in the program (made on the host, they
+  # would be an unnamed upload each iteration).
+  values_bt = jnp.zeros_like(old_bt) if exp.values_bt is None else exp.values_bt
   advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator](
-    scores_b, kl_bt, exp.values_bt, mask_bt, kl_coef, settings.settings
+    scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings.settings
   )
   if settings.whiten:
     advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
@@ -97,7 +100,7 @@ def compute_advantages(
     "logprob_mismatch/max": jnp.max(jnp.where(mask_bt > 0, mismatch_bt, 0.0)),
     "logprob_mismatch/mean": masked_mean(mismatch_bt, mask_bt),
   }
-  return exp.replace(advantages_bt=advantages_bt, returns_bt=returns_bt), stats
+  return exp.replace(values_bt=values_bt, advantages_bt=advantages_bt, returns_bt=returns_bt), stats
 
 
 def check_batch(cfg, group_size: int, mini_batches: int, micro_batches: int) -> None:
@@ -522,8 +525,6 @@ class PPOFlow:
 
   def _compute_advantages(self, iteration: int, exp: Experience):
     cluster = self.ctx.cluster
-    if exp.values_bt is None:
-      exp = exp.replace(values_bt=jnp.zeros_like(exp.old_logprobs_bt))
     coef = cluster.upload(Role.ACTOR, np.float32(self.kl_state.coef), "kl_coef", replicated=True)
     with cluster.timeline.stage(
       iteration, "actor", "advantages", cluster.roles[Role.ACTOR].devices
