@@ -7,7 +7,6 @@ metrics and weights. (Against scoring the whole batch in one call, micro-batches
 last bits: see `rlhfjax.flows.scoring`.)
 """
 
-import contextlib
 import functools
 import json
 import pathlib
@@ -21,7 +20,7 @@ from runs_testing import assert_same_numbers
 from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.data import packing
-from rlhfjax.mesh.transfer import no_host_transfers
+from rlhfjax.mesh.transfer import host_transfers_allowed, no_host_transfers
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.runner import Runner
 
@@ -70,16 +69,6 @@ def _config(algo: str, placement: str, packing: bool = False, **rollout):
   return from_config_dict(cd)
 
 
-@contextlib.contextmanager
-def _host_allowed():
-  with (
-    jax.transfer_guard("allow"),
-    jax.transfer_guard_host_to_device("allow"),
-    jax.transfer_guard_device_to_host("allow"),
-  ):
-    yield
-
-
 class _Run:
   """A finished run: the experience each update got, the metrics, the trained weights, and the
   names of the host transfers its iterations made. Each iteration runs inside
@@ -91,7 +80,7 @@ class _Run:
     update, iterate = runner.flow._update, runner.flow.iteration
 
     def record(iteration, exp, seqs):
-      with _host_allowed():  # the test's own copy, not the flow's
+      with host_transfers_allowed():  # the test's own copy, not the flow's
         self.experiences.append(jax.tree.map(np.asarray, exp))
       return update(iteration, exp, seqs)
 

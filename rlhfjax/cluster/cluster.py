@@ -376,11 +376,7 @@ class Cluster:
     `rlhfjax.mesh.transfer.no_host_transfers` in the transfer-guard test.
     """
     self.host_transfers[name] += 1
-    with (
-      jax.transfer_guard("allow"),
-      jax.transfer_guard_host_to_device("allow"),
-      jax.transfer_guard_device_to_host("allow"),
-    ):
+    with transfer.host_transfers_allowed():
       yield
 
   def fetch(self, tree: Any, name: str = "metrics") -> Any:

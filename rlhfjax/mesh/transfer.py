@@ -812,6 +812,18 @@ def no_host_transfers() -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def host_transfers_allowed() -> Iterator[None]:
+  """Lets every host<->device transfer through inside the block, also inside
+  `no_host_transfers` (a deliberate crossing: `Cluster.host`)."""
+  with (
+    jax.transfer_guard("allow"),
+    jax.transfer_guard_host_to_device("allow"),
+    jax.transfer_guard_device_to_host("allow"),
+  ):
+    yield
+
+
 def verify_transfer(src_tree: Any, dst_tree: Any, target_shardings: Any) -> None:
   """Checks a moved tree against its source: values, shardings and where every shard lives.
 
