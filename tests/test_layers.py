@@ -31,6 +31,8 @@ LAYERS = (
   "config",
   # Pipeline schedules as tables: no JAX.
   "schedules",
+  # Compiled programs shared within a process, and their traces counted.
+  "programs",
   # Pure building blocks: the transformer, the RL maths, datasets, rewards, what is recorded.
   "models",
   "algorithms",

@@ -33,10 +33,10 @@ from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ExperimentConfig, RolloutSection
 from rlhfjax.mesh import rules, sharing, transfer
-from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import reverse_stages
+from rlhfjax.programs import TraceCounter
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.training import pipeline, steps, weights
 from rlhfjax.training.state import TrainState
@@ -275,8 +275,9 @@ class Cluster:
     if role is not None:
       rt = self.roles[role]
       fn = rules.constrained(fn, rt.spec.layout, rt.mesh)
-    return jax.jit(
-      self.traces.wrap(name, fn),
+    return self.traces.jit(
+      name,
+      fn,
       in_shardings=in_shardings,
       out_shardings=out_shardings,
       donate_argnums=donate_argnums,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlhfjax import models
+from rlhfjax import models, programs
 from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.mesh import meshes, rules, transfer
 from rlhfjax.placement.spec import Role, RoleSpec
@@ -86,8 +87,10 @@ class RoleRuntime:
     """A `TrainState` of `params` (already in this role's shards; donated) with a fresh
     optimizer state created in its shards, and the state's shardings."""
     shardings = self.train_state_shardings(tx)
-    create = jax.jit(init_train_state, static_argnums=1, out_shardings=shardings, donate_argnums=0)
-    return create(params, tx), shardings
+    create = programs.jit(
+      functools.partial(init_train_state, tx=tx), out_shardings=shardings, donate_argnums=0
+    )
+    return create(params), shardings
 
   def abstract_train_state(self, tx: optax.GradientTransformation) -> TrainState:
     """Shapes, dtypes and shardings of this role's `TrainState`: what a checkpoint restores."""

@@ -117,6 +117,10 @@ class SupervisedFlow(Flow):
     )
     self.train = self.batches(dataset.source(d.train_split), batch_size=sup.batch_size)
     self._held_out = dataset.source(d.eval_split)
+    # The losses as functions of values (not of this flow), so a second run of the same config
+    # in this process reuses the compiled steps (`rlhfjax.programs`).
+    self._loss = functools.partial(type(self).loss, config=self.model)
+    self._packed_loss = functools.partial(type(self).packed_loss, config=self.model)
     self._step = cluster.train_step("train_step", self.role, self._loss)
     if sup.packing:
       k, budget = len(self.sides), sup.max_tokens_per_micro_batch
@@ -140,7 +144,7 @@ class SupervisedFlow(Flow):
     }
     self._eval = cluster.compile(
       "eval_step",
-      self._eval_sums,
+      functools.partial(type(self).eval_sums, config=self.model),
       in_shardings=(runtime.param_shardings, runtime.batch_shardings(example)),
       out_shardings=runtime.replicated,
       role=self.role,
@@ -151,12 +155,6 @@ class SupervisedFlow(Flow):
       return data.bundled_path(cfg.data.task, self.data_kind)
     except ValueError as e:
       raise ConfigError(f"data.task: {e}") from None
-
-  def _loss(self, params, batch):
-    return type(self).loss(params, batch, config=self.model)
-
-  def _packed_loss(self, params, micro):
-    return type(self).packed_loss(params, micro, config=self.model)
 
   def packed_micro_batches(self, host: Batch) -> list[Batch]:
     """The packed micro-batches of a host batch (`packed_batches.right_padded_micro_batches`)."""
@@ -169,9 +167,6 @@ class SupervisedFlow(Flow):
       multiple=self._rows_multiple,
       pad_id=self.ctx.tokenizer.pad_id,
     )
-
-  def _eval_sums(self, params, batch):
-    return type(self).eval_sums(params, batch, config=self.model)
 
   def iteration(self, iteration: int) -> dict[str, float]:
     """One optimizer update on the next training batch; its row is step `iteration + 1`."""

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from rlhfjax import programs
 from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
 
 Params = Any
@@ -762,22 +763,27 @@ def init_params(
   created directly in its shards by a jitted init: no device ever holds the whole model.
   """
   rng = jax.random.key(0) if rng is None else rng
-
-  def init(rng):
-    return nn.unbox(Transformer(config, head).init(rng, *_dummy_inputs())["params"])
-
+  init = functools.partial(_init, config, head)
   if shardings is None:
     return init(rng)
-  return jax.jit(init, out_shardings=shardings)(rng)
+  return programs.jit(init, out_shardings=shardings)(rng)
 
 
+def _init(config: ModelConfig, head: HeadKind, rng: jax.Array):
+  return nn.unbox(Transformer(config, head).init(rng, *_dummy_inputs())["params"])
+
+
+@functools.cache
 def abstract_params(config: ModelConfig, head: HeadKind = "lm"):
-  """`jax.ShapeDtypeStruct` tree of the parameters, with no allocation."""
-  return jax.eval_shape(lambda: init_params(config, head))
+  """`jax.ShapeDtypeStruct` tree of the parameters, with no allocation (traced once per model
+  and head in a process: do not change the tree you get)."""
+  return jax.eval_shape(functools.partial(_init, config, head), jax.random.key(0))
 
 
+@functools.cache
 def logical_axes(config: ModelConfig, head: HeadKind = "lm"):
-  """Tree matching the parameters whose leaves are tuples of logical axis names."""
+  """Tree matching the parameters whose leaves are tuples of logical axis names (traced once
+  per model and head in a process: do not change the tree you get)."""
   boxed = jax.eval_shape(
     lambda: Transformer(config, head).init(jax.random.key(0), *_dummy_inputs())["params"]
   )

@@ -153,16 +153,16 @@ class Compactor:
       mesh=mesh,
       state_shardings=state_shardings,
       param_shardings=param_shardings,
-      gather=jax.jit(
-        traces.wrap(f"compact[{size}]", take_rows),
+      gather=traces.jit(
+        f"compact[{size}]",
+        take_rows,
         in_shardings=(source_shardings, replicated_src),
         out_shardings=gathered,
       ),
       gathered_shardings=gathered,
-      generate_steps=jax.jit(
-        traces.wrap(
-          f"generate_steps[{size}]", functools.partial(decode.generate_steps, engine.model_config)
-        ),
+      generate_steps=traces.jit(
+        f"generate_steps[{size}]",
+        functools.partial(decode.generate_steps, engine.model_config),
         in_shardings=(param_shardings, state_shardings, replicated, replicated),
         out_shardings=(state_shardings, replicated),
         donate_argnums=1,

@@ -48,8 +48,8 @@ from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.models.transformer import PAGED_KERNELS
-from rlhfjax.observe.compiles import TraceCounter
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
+from rlhfjax.programs import TraceCounter
 from rlhfjax.rollout import batching, compaction, decode, paged_engine
 from rlhfjax.rollout.decode import DecodeState
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
@@ -283,17 +283,16 @@ class Engine:
     config = self.config
     self.state_shardings = self.state_shardings_for(config.num_slots)
     r, cfg = config.max_new_tokens, self.model_config
-    self._init_state = jax.jit(
-      self.traces.wrap(
-        "init_decode_state",
-        functools.partial(
-          decode.empty_state, cfg, config.num_slots, config.cache_length, r, config.max_stop_tokens
-        ),
+    self._init_state = self.traces.jit(
+      "init_decode_state",
+      functools.partial(
+        decode.empty_state, cfg, config.num_slots, config.cache_length, r, config.max_stop_tokens
       ),
       out_shardings=self.state_shardings,
     )
-    self._generate_steps = jax.jit(
-      self.traces.wrap("generate_steps", functools.partial(decode.generate_steps, cfg)),
+    self._generate_steps = self.traces.jit(
+      "generate_steps",
+      functools.partial(decode.generate_steps, cfg),
       in_shardings=(self.param_shardings, self.state_shardings, self._replicated, self._replicated),
       out_shardings=(self.state_shardings, self._replicated),
       donate_argnums=1,
@@ -306,13 +305,15 @@ class Engine:
     for m in config.prefill_batch_sizes:
       prefix_shardings = self.prefix_shardings[m] = self.state_shardings_for(m)
       self._request_shardings[m] = self._requests_shardings(m)
-      self._prefill[m] = jax.jit(
-        self.traces.wrap("prefill", functools.partial(decode.prefill, cfg, r)),
+      self._prefill[m] = self.traces.jit(
+        "prefill",
+        functools.partial(decode.prefill, cfg, r),
         in_shardings=(self.param_shardings, self._request_shardings[m]),
         out_shardings=prefix_shardings,
       )
-      self._insert[m] = jax.jit(
-        self.traces.wrap("insert", decode.insert),
+      self._insert[m] = self.traces.jit(
+        "insert",
+        decode.insert,
         in_shardings=(prefix_shardings, self.state_shardings, self._replicated),
         out_shardings=self.state_shardings,
         donate_argnums=1,

@@ -92,8 +92,8 @@ class PagedPrograms:
       plan_axes, jax.eval_shape(lambda: self._host_plan(np.zeros((), np.int32))), mesh, "generation"
     )
     traces = engine.traces
-    self._init_state = jax.jit(
-      traces.wrap("init_decode_state", self._empty_state), out_shardings=self.state_shardings
+    self._init_state = traces.jit(
+      "init_decode_state", self._empty_state, out_shardings=self.state_shardings
     )
     self.batch_sizes = paging.live_batch_sizes(cfg.num_slots, self.replicas)
     self.widths = paging.table_widths(w, self._width_floor())
@@ -106,14 +106,12 @@ class PagedPrograms:
       return "generate_steps" if (size, width) == full else f"generate_steps[{size}x{width}]"
 
     self._generate_steps = {
-      (size, width): jax.jit(
-        traces.wrap(
-          name(size, width),
-          rules.constrained(
-            functools.partial(paged_decode.generate_steps, model, self.kernel, width=width),
-            Layout.GENERATION,
-            mesh,
-          ),
+      (size, width): traces.jit(
+        name(size, width),
+        rules.constrained(
+          functools.partial(paged_decode.generate_steps, model, self.kernel, width=width),
+          Layout.GENERATION,
+          mesh,
         ),
         in_shardings=(
           engine.param_shardings,
@@ -153,13 +151,15 @@ class PagedPrograms:
       self.prefix_shardings[m] = rules.named_shardings(
         prefix_axes, prefix_shapes, mesh, Layout.GENERATION
       )
-      self._prefill[m] = jax.jit(
-        traces.wrap("prefill", functools.partial(paged_decode.prefill, model)),
+      self._prefill[m] = traces.jit(
+        "prefill",
+        functools.partial(paged_decode.prefill, model),
         in_shardings=(engine.param_shardings, self.requests_shardings[m]),
         out_shardings=self.prefix_shardings[m],
       )
-      self._insert[m] = jax.jit(
-        traces.wrap("insert", paged_decode.insert),
+      self._insert[m] = traces.jit(
+        "insert",
+        paged_decode.insert,
         in_shardings=(self.prefix_shardings[m], self.state_shardings) + (self._replicated,) * 3,
         out_shardings=self.state_shardings,
         donate_argnums=1,
