@@ -11,7 +11,7 @@ import pytest
 from runs_testing import deterministic, shipped_config
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import models, rollout
+from rlhfjax import models, programs, rollout
 from rlhfjax.algorithms import losses
 from rlhfjax.config import ConfigError
 from rlhfjax.config.model import get_model_config
@@ -217,8 +217,19 @@ def test_every_token_is_within_the_bound_and_syncs_land_mid_batch(tmp_path, k):
   assert worker._version == steps
 
 
+@pytest.fixture
+def programs_built_anew():
+  """The test patches a function the programs trace: no program built before it (without the
+  patch) is shared with it, and none built with the patch outlives it."""
+  programs.clear()
+  yield
+  programs.clear()
+
+
 @pytest.mark.parametrize("packing", [True, False])
-def test_the_actor_loss_weighs_tokens_by_their_behaviour_logprobs(tmp_path, monkeypatch, packing):
+def test_the_actor_loss_weighs_tokens_by_their_behaviour_logprobs(
+  tmp_path, monkeypatch, packing, programs_built_anew
+):
   """The behaviour log-probs the actor's loss (padded or packed) reads are the rollout's own,
   token by token, in a batch whose tokens span two versions."""
   seen = []
