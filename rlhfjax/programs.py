@@ -12,7 +12,8 @@ A program is its function and its `jax.jit` arguments, compared by value (`key`)
 frozen dataclasses such as the configs, meshes and shardings, and such functions again). A
 function over anything else (an array, a mutable object) is not shared: it gets a `jax.jit` of
 its own, as before. The same rule as JAX's own cache for a module-level jitted function applies:
-what the function reads from module globals at trace time is not part of the key.
+what the function reads from module globals at trace time is not part of the key (a test that
+patches such a global calls `clear` before and after).
 
 `TraceCounter` counts, per name, the traces each builder (a cluster, an engine) needs: a
 program it calls that another builder already traced for the same arguments counts once, as
@@ -66,7 +67,9 @@ def key(value: Any, depth: int = 0) -> Any:
   if isinstance(value, types.FunctionType):
     cells = tuple(key(c.cell_contents, d) for c in value.__closure__ or ())
     defaults = (key(value.__defaults__, d), key(value.__kwdefaults__, d))
-    name = (value.__module__, value.__qualname__, value.__code__)
+    # The module's namespace itself, not its name: two files loaded under one module name
+    # (users' reward or flow files) are different programs.
+    name = (value.__module__, value.__qualname__, value.__code__, _Same(value.__globals__))
     return (types.FunctionType, name, cells, defaults)
   if isinstance(value, types.MethodType):
     return (types.MethodType, key(value.__func__, d), key(value.__self__, d))
@@ -76,6 +79,21 @@ def key(value: Any, depth: int = 0) -> Any:
     fields = dataclasses.fields(value)
     return (type(value), tuple((f.name, key(getattr(value, f.name), d)) for f in fields))
   raise _Unkeyable(type(value).__qualname__)
+
+
+class _Same:
+  """Stands for an object by its identity (and keeps it alive, so the identity is not reused)."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def __hash__(self) -> int:
+    return id(self.obj)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Same) and other.obj is self.obj
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,14 +124,12 @@ def _counted(fn: Callable) -> Callable:
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
-  """What of a call's arguments a trace depends on: each array's shape, dtype and sharding,
-  every other leaf's type."""
+  """The shapes of a call: its tree, each array's shape and dtype, every other leaf's type.
+  (Not the arrays' shardings: calls whose shardings differ in form only run one executable.
+  Two shardings of the same shapes that another builder traced both count once here.)"""
   leaves, tree = jax.tree.flatten((args, kwargs))
   return tree, tuple(
-    (x.shape, x.dtype, getattr(x, "sharding", None))
-    if isinstance(x, jax.Array | np.ndarray)
-    else type(x)
-    for x in leaves
+    (x.shape, x.dtype) if isinstance(x, jax.Array | np.ndarray) else type(x) for x in leaves
   )
 
 
@@ -201,6 +217,14 @@ def jit(fn: Callable, **jit_kwargs) -> Callable:
     while len(_programs) > _MAX_PROGRAMS:
       _programs.popitem(last=False)
     return jitted
+
+
+def clear() -> None:
+  """Forgets the shared programs: each is built anew by its next builder. For code that
+  changes what a program reads at trace time besides its key (a test patching a module's
+  function), before and after the change."""
+  with _lock:
+    _programs.clear()
 
 
 def stats() -> dict[str, Any]:

@@ -64,6 +64,13 @@ def test_keys_compare_programs_by_value():
     functools.partial(scaled, Settings(3.0))
   )
   assert key(closure(2.0)) == key(closure(2.0)) != key(closure(3.0))
+  # The same code in another module's namespace (a file loaded twice) is another program.
+  namespace = {}
+  exec(compile("def f(x):\n  return x * SCALE\n", __file__, "exec"), namespace)
+  other = dict(namespace)
+  exec(compile("def f(x):\n  return x * SCALE\n", __file__, "exec"), other)
+  assert namespace["f"].__code__ == other["f"].__code__
+  assert key(namespace["f"]) != key(other["f"])
   assert key(1) != key(1.0) != key(True)  # the type is part of a value
   mesh = jax.make_mesh((8,), ("data",))
   assert key({"s": NamedSharding(mesh, PartitionSpec("data"))}) == key(
