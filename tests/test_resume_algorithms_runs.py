@@ -20,7 +20,7 @@ import pytest
 from runs_testing import shipped_config, timeline_entries
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import rerun
+from rlhfjax import programs, rerun
 from rlhfjax.runner import Runner
 
 pytestmark = pytest.mark.integration
@@ -118,10 +118,14 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(
   whole, workdir = uninterrupted_run(name, tmp_path_factory), tmp_path / "run"
   shutil.copytree(whole, workdir)
   _as_if_killed_in_the_last_save(workdir)
+  built = programs.stats().get("built", 0)
   resumed = Runner(config(name), str(workdir), show_progress=False)
   assert resumed.start_step == 2
   resumed.run()
   assert_same_run(workdir, whole, name, 2)
+  # The same config in the same process: every program of the resumed run is one the
+  # uninterrupted run built (`rlhfjax.programs`), nothing is traced and lowered again.
+  assert programs.stats().get("built", 0) == built
   # The killed save's temporary directory is cleaned up.
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", str(STEPS)]
 
