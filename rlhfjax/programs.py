@@ -54,6 +54,8 @@ def key(value: Any, depth: int = 0) -> Any:
   if depth > _DEPTH:
     raise _Unkeyable("nested too deeply")
   d = depth + 1
+  if isinstance(value, float | complex):  # by repr: -0.0 is not 0.0, nan is nan
+    return (type(value), repr(value))
   if isinstance(value, _VALUES):
     return (type(value), value)
   if isinstance(value, _JAX_VALUES):

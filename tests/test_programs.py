@@ -72,6 +72,7 @@ def test_keys_compare_programs_by_value():
   assert namespace["f"].__code__ == other["f"].__code__
   assert key(namespace["f"]) != key(other["f"])
   assert key(1) != key(1.0) != key(True)  # the type is part of a value
+  assert key(-0.0) != key(0.0) and key(float("nan")) == key(float("nan"))
   mesh = jax.make_mesh((8,), ("data",))
   assert key({"s": NamedSharding(mesh, PartitionSpec("data"))}) == key(
     {"s": NamedSharding(jax.make_mesh((8,), ("data",)), PartitionSpec("data"))}
