@@ -42,7 +42,7 @@ class _Unkeyable(Exception):
 
 
 _DEPTH = 64
-_VALUES = (type(None), bool, int, float, complex, str, bytes, type, enum.Enum, np.dtype)
+_VALUES = (type(None), bool, int, str, bytes, type, enum.Enum, np.dtype)
 _JAX_VALUES = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.PartitionSpec)
 
 

@@ -769,8 +769,13 @@ def init_params(
   return programs.jit(init, out_shardings=shardings)(rng)
 
 
+def _boxed(config: ModelConfig, head: HeadKind, rng: jax.Array):
+  """The parameters with their partitioning boxes (logical axis names)."""
+  return Transformer(config, head).init(rng, *_dummy_inputs())["params"]
+
+
 def _init(config: ModelConfig, head: HeadKind, rng: jax.Array):
-  return nn.unbox(Transformer(config, head).init(rng, *_dummy_inputs())["params"])
+  return nn.unbox(_boxed(config, head, rng))
 
 
 @functools.cache
@@ -784,9 +789,7 @@ def abstract_params(config: ModelConfig, head: HeadKind = "lm"):
 def logical_axes(config: ModelConfig, head: HeadKind = "lm"):
   """Tree matching the parameters whose leaves are tuples of logical axis names (traced once
   per model and head in a process: do not change the tree you get)."""
-  boxed = jax.eval_shape(
-    lambda: Transformer(config, head).init(jax.random.key(0), *_dummy_inputs())["params"]
-  )
+  boxed = jax.eval_shape(functools.partial(_boxed, config, head), jax.random.key(0))
   specs = nn.get_partition_spec(boxed)
   return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
