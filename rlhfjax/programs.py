@@ -221,6 +221,14 @@ def jit(fn: Callable, **jit_kwargs) -> Callable:
     return jitted
 
 
+def eval_shape(fn: Callable, *args, **kwargs) -> Any:
+  """`jax.eval_shape(fn, *args, **kwargs)` through `jit`'s shared function, whose traces JAX
+  keeps: shapes a builder derives from a whole model (a rollout engine's prefill, a train
+  state's optimizer state) are traced once per process for each program and argument shapes,
+  not again by every engine or train state built for the same model."""
+  return jit(fn).eval_shape(*args, **kwargs)
+
+
 def clear() -> None:
   """Forgets the shared programs: each is built anew by its next builder. For code that
   changes what a program reads at trace time besides its key (a test patching a module's

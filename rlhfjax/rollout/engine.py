@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlhfjax import models
+from rlhfjax import models, programs
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.models.transformer import PAGED_KERNELS
@@ -343,7 +343,7 @@ class Engine:
   def state_shardings_for(self, rows: int, mesh: Mesh | None = None) -> DecodeState:
     """Shardings of a decode batch of `rows` rows on `mesh` (default: the engine's)."""
     cfg = self.config
-    shapes = jax.eval_shape(
+    shapes = programs.eval_shape(
       functools.partial(
         decode.empty_state,
         self.model_config,

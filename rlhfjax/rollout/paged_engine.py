@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rlhfjax import programs
 from rlhfjax.mesh import rules, transfer
 from rlhfjax.placement.spec import Layout
 from rlhfjax.rollout import paged_decode, paging
@@ -139,7 +140,7 @@ class PagedPrograms:
       self.requests_shardings[m] = rules.named_shardings(
         requests_axes, requests, mesh, Layout.GENERATION
       )
-      prefix_shapes = jax.eval_shape(
+      prefix_shapes = programs.eval_shape(
         functools.partial(paged_decode.prefill, model),
         engine.abstract_params,
         jax.tree.map(

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rlhfjax import programs
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -29,7 +31,7 @@ def train_state_shardings(
 ) -> TrainState:
   """Shardings for a `TrainState`: optimizer moments follow their parameter's sharding and
   everything else in the optimizer state (step counts) is replicated."""
-  abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+  abstract_opt_state = programs.eval_shape(tx.init, abstract_params)
   opt_shardings = optax.tree_map_params(
     tx,
     lambda _, sharding: sharding,
