@@ -51,6 +51,14 @@ def one_line(text: object) -> str:
   return " ".join(str(text).split())
 
 
+def error_line(message: object) -> str:
+  """`error: <one line>` and a newline, as the scripts end, starting on a line of its own: after
+  a newline when a progress bar (tqdm) is open, whose line has none yet."""
+  bars = getattr(sys.modules.get("tqdm"), "tqdm", None)
+  open_bar = bool(getattr(bars, "_instances", None))
+  return ("\n" if open_bar else "") + f"error: {one_line(message)}\n"
+
+
 def _os_error_line(error: OSError) -> str:
   reason = _DISK_ERRNOS.get(error.errno) or error.strerror or one_line(error)
   where = error.filename or ""

@@ -26,7 +26,7 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 def fail(error: object, status: int = errors.USER_ERROR) -> NoReturn:
   """Prints `error: <one line>` on stderr and exits with `status` (2: bad input)."""
-  print("error: " + errors.one_line(error), file=sys.stderr)
+  sys.stderr.write(errors.error_line(error))
   sys.exit(status)
 
 

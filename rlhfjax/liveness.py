@@ -53,7 +53,7 @@ _watch: _Watch | None = None  # this process's, once `watch_peers` started it
 def _die(message: str, leave: bool = False) -> None:
   """Ends the process from any thread: the main one may be blocked in a collective. `leave`:
   through JAX's shutdown first (`_leave`)."""
-  os.write(2, f"error: {errors.one_line(message)}\n".encode())
+  os.write(2, errors.error_line(message).encode())
   if leave:
     _leave()
   os._exit(errors.USER_ERROR)
