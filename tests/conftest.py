@@ -125,10 +125,10 @@ def _python_subprocesses_only_in_e2e_tiers(request, monkeypatch):
   monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
-# Where a test's time goes inside JAX (`RLHFJAX_TEST_PROFILE=DIR`): each test's seconds of
-# tracing, lowering and XLA compiling and its number of compiles and persistent-cache hits, one
-# JSON line per test in DIR/<worker>.jsonl. In-process work only: a test's subprocesses are not
-# counted.
+# Where a test's time goes (`RLHFJAX_TEST_PROFILE=DIR`): each test's wall seconds, the CPU
+# seconds of its process and of the subprocesses it waited for (what competes for the cores),
+# and, in its process, the seconds of JAX tracing, lowering and XLA compiling and its number of
+# compiles and persistent-cache hits: one JSON line per test in DIR/<worker>.jsonl.
 _PROFILE_DIR = os.environ.get("RLHFJAX_TEST_PROFILE")
 _PROFILE_EVENTS = {
   "/jax/core/compile/jaxpr_trace_duration": "trace_s",
@@ -154,12 +154,21 @@ if _PROFILE_DIR:
   jax.monitoring.register_event_duration_secs_listener(_on_duration)
   jax.monitoring.register_event_listener(_on_event)
 
+  def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user and system) of this process and of its ended, waited-for children."""
+    import resource
+
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(item, nextitem):
     _profile.clear()
-    start = time.perf_counter()
+    start, (own, kids) = time.perf_counter(), _cpu_seconds()
     yield
     row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3)}
+    own_after, kids_after = _cpu_seconds()
+    row.update(cpu_s=round(own_after - own, 3), child_cpu_s=round(kids_after - kids, 3))
     row.update({k: round(v, 3) for k, v in _profile.items()})
     os.makedirs(_PROFILE_DIR, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

@@ -23,6 +23,13 @@ any two runs by nature. Every other key, and every value of it, must repeat exac
 exact (every random choice is a function of the seed and the step)."""
 
 
+LEARNING_DEVICES = {"placement__num_devices": 2}
+"""The learning runs' devices: 2 of the 8 (the co-located placement, rollout tensor-parallel 2).
+Every placement gives the co-located numbers (each flow's placement tests), so a learning run
+on more devices repeats the trajectory at more cost: on 2 cores a GRPO iteration takes about a
+fifth less time on 2 devices than on 8."""
+
+
 def assert_same_numbers(base: list[dict], other: list[dict], keys: Iterable[str]) -> None:
   """Two runs' metric rows agree on `keys`, row by row: the same computation on other meshes,
   where only the order of reductions may differ."""

@@ -9,8 +9,12 @@ import runpy
 
 import numpy as np
 import pytest
+from runs_testing import (
+  LEARNING_DEVICES,
+  assert_packed_gives_the_padded_numbers,
+  assert_same_numbers,
+)
 from runs_testing import assert_packed_compiles_once_per_row_bucket as compiles_per_bucket
-from runs_testing import assert_packed_gives_the_padded_numbers, assert_same_numbers
 
 from rlhfjax import data, tasks
 from rlhfjax.config import ConfigError, from_config_dict
@@ -163,7 +167,7 @@ def test_group_relative_needs_groups(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _ALGORITHMS)
 def test_reward_rises(name, tmp_path):
-  cfg = _config(name, total_steps=40, rollout__batch_size=16)
+  cfg = _config(name, total_steps=40, rollout__batch_size=16, **LEARNING_DEVICES)
   rewards = [
     r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   ]
