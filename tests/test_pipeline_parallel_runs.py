@@ -21,7 +21,8 @@ _PPO = {
   # One device and one layer a stage: a collective inside a stage (FSDP, tensor parallel) of a
   # pipelined step can hang XLA's CPU runtime (see `rlhfjax.cluster.cluster._alone`);
   # `test_pipeline_parallel` covers stages of several devices.
-  "model.overrides": {"num_layers": 8},
+  "model.overrides": {"num_layers": 4},
+  "placement.num_devices": 4,
   "ppo.packing": False,  # pipelines run padded micro-batches
   "ppo.micro_batches": 4,  # 4 micro-batches of 2 rows through the stages
   "eval.num_prompts": 0,
@@ -29,7 +30,7 @@ _PPO = {
   "actor_optimizer.decay": "constant",
   "critic_optimizer.decay": "constant",
 }
-_STAGED = {"placement.pipeline_stages": 8}
+_STAGED = {"placement.pipeline_stages": 4}
 _FUSED = {**_STAGED, "ppo.fuse_actor_critic": True}
 _COMPARED = (
   "reward/mean",
