@@ -76,7 +76,8 @@ def run(main: Callable[[list[str]], None]) -> None:
       if "jax" in sys.modules and sys.modules["jax"].process_count() > 1:
         # Not through atexit: the others learn of the failure first (`report_failure`), so
         # that they too come to JAX's shutdown barrier, which it then passes through.
-        print("error: " + line, file=sys.stderr, flush=True)
+        sys.stderr.write(errors.error_line(line))
+        sys.stderr.flush()
         sys.stdout.flush()
         liveness.report_failure(line, leave=not line.startswith(errors.PEER_LOST))
         os._exit(status)

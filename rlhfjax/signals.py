@@ -89,7 +89,7 @@ def install_default_interrupt() -> None:
 
   def handle(signum, frame):
     del signum, frame
-    os.write(2, b"error: interrupted\n")
+    os.write(2, errors.error_line("interrupted").encode())
     sys.stderr.flush()
     os._exit(errors.INTERRUPTED)
 

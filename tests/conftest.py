@@ -139,6 +139,7 @@ _profile: dict[str, float] = {}
 
 if _PROFILE_DIR:
   import json
+  import resource
   import time
 
   def _on_duration(event: str, seconds: float, **_) -> None:
@@ -156,8 +157,6 @@ if _PROFILE_DIR:
 
   def _cpu_seconds() -> tuple[float, float]:
     """CPU seconds (user and system) of this process and of its ended, waited-for children."""
-    import resource
-
     own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
