@@ -10,6 +10,7 @@ backend starts.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -57,6 +58,7 @@ def run(main: Callable[[list[str]], None]) -> None:
   `RLHFJAX_DEBUG=1` also print the traceback."""
 
   def guarded(argv: list[str]) -> None:
+    collect_garbage_less()
     if supervisor.in_child():
       supervisor.adopt()
     import_from_current_directory()
@@ -84,6 +86,22 @@ def run(main: Callable[[list[str]], None]) -> None:
       fail(line, status)
 
   app.run(guarded, flags_parser=parse_flags)
+
+
+_GC_YOUNG_THRESHOLD = 100_000
+
+
+def collect_garbage_less() -> None:
+  """Python's cyclic garbage collector, tuned for JAX: what is loaded so far (the modules) is
+  frozen out of its scans, and its youngest generation is collected every 100,000 net
+  allocations instead of 700. Tracing and lowering a program allocate millions of short-lived
+  objects, so at the default a collection runs every few microseconds of tracing and the older
+  generations' scans walk every live object: about a tenth of a short run's CPU time (a
+  1-iteration GRPO run of the tiny model, 10.5-11.5 CPU-s at the default, 8.7-9.8 s tuned).
+  Memory freed by reference counting (nearly everything, arrays included) is unaffected."""
+  gc.freeze()
+  young, middle, old = gc.get_threshold()
+  gc.set_threshold(max(young, _GC_YOUNG_THRESHOLD), middle, old)
 
 
 def import_from_current_directory() -> None:

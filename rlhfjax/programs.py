@@ -111,8 +111,10 @@ class _Call:
   traced: bool = False
 
 
-def _counted(fn: Callable) -> Callable:
-  """`fn`, telling the builder whose call traces it (see `Program.__call__`)."""
+def _counted(fn: Callable, name: str | None = None) -> Callable:
+  """`fn`, telling the builder whose call traces it (see `Program.__call__`), under `name`:
+  JAX names the program after the function (the compile log, the profiler's traces, XLA's
+  dumps), so a program reads `jit(generate_steps)`, not the name of a wrapper."""
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
@@ -122,6 +124,8 @@ def _counted(fn: Callable) -> Callable:
       call.counter._add(call.name)
     return fn(*args, **kwargs)
 
+  if name is not None:
+    traced.__name__ = traced.__qualname__ = name
   return traced
 
 
@@ -176,7 +180,7 @@ class TraceCounter:
   def jit(self, name: str, fn: Callable, **jit_kwargs) -> Program:
     """`jax.jit(fn, **jit_kwargs)`, shared with every builder of the same program in this
     process (`jit` below), its traces counted under `name`."""
-    return Program(jit(fn, **jit_kwargs), self, name)
+    return Program(jit(fn, name=name, **jit_kwargs), self, name)
 
   @property
   def counts(self) -> dict[str, int]:
@@ -198,7 +202,7 @@ _stats: collections.Counter[str] = collections.Counter()
 _unshared: collections.Counter[str] = collections.Counter()
 
 
-def jit(fn: Callable, **jit_kwargs) -> Callable:
+def jit(fn: Callable, name: str | None = None, **jit_kwargs) -> Callable:
   """`jax.jit(fn, **jit_kwargs)`: the one this process already built for the same program
   (`key` of the function and of the arguments) when there is one. A function whose key cannot
   be taken gets a jitted function of its own."""
@@ -207,14 +211,14 @@ def jit(fn: Callable, **jit_kwargs) -> Callable:
   except _Unkeyable as why:
     _stats["unshared"] += 1
     _unshared[f"{getattr(fn, '__qualname__', type(fn).__qualname__)}: {why}"] += 1
-    return jax.jit(_counted(fn), **jit_kwargs)
+    return jax.jit(_counted(fn, name), **jit_kwargs)
   with _lock:
     jitted = _programs.get(program)
     if jitted is not None:
       _programs.move_to_end(program)
       _stats["shared"] += 1
       return jitted
-    jitted = _programs[program] = jax.jit(_counted(fn), **jit_kwargs)
+    jitted = _programs[program] = jax.jit(_counted(fn, name), **jit_kwargs)
     _stats["built"] += 1
     while len(_programs) > _MAX_PROGRAMS:
       _programs.popitem(last=False)

@@ -62,6 +62,14 @@ def pytest_configure(config):
     config.option.loadscopereorder = False
 
 
+def pytest_collection_finish(session):
+  # The test modules are imported: tune the garbage collector as the scripts do (most of the
+  # suite is tracing and compiling, which allocates millions of short-lived objects).
+  from rlhfjax import launch
+
+  launch.collect_garbage_less()
+
+
 _SOLO_COMMAND = "python -m pytest -q -m solo"
 
 

@@ -91,7 +91,7 @@ def test_chunked_stats_equal_numpy_and_whole_logits_with_gradients(chunk, temper
   (logp, logp_err), (entropy, entropy_err), argmax, grads = _exact_stats_and_fp32_bounds(
     hidden, head, targets, temperature, weights
   )
-  got = chunked(hidden, head)
+  got = jax.jit(chunked)(hidden, head)
   _assert_within(got.logp_bt, logp, logp_err)
   _assert_within(got.entropy_bt, entropy, entropy_err)
   np.testing.assert_array_equal(got.argmax_bt, argmax)
@@ -99,8 +99,8 @@ def test_chunked_stats_equal_numpy_and_whole_logits_with_gradients(chunk, temper
   def objective(fn):
     return lambda h, w: jnp.sum(weights * (fn(h, w).logp_bt + 0.3 * fn(h, w).entropy_bt))
 
-  g_whole = jax.grad(objective(whole), argnums=(0, 1))(hidden, head)
-  g_chunk = jax.grad(objective(chunked), argnums=(0, 1))(hidden, head)
+  g_whole = jax.jit(jax.grad(objective(whole), argnums=(0, 1)))(hidden, head)
+  g_chunk = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, head)
   for x, y, (exact, err) in zip(g_whole, g_chunk, grads, strict=True):
     _assert_within(y, exact, err)
     _assert_within(y, np.asarray(x, np.float64), 2 * err)  # both fp32: each within err of exact
@@ -133,21 +133,26 @@ def test_actor_loss_and_gradients_chunked_equal_unchunked(model):
   config, params = model
   batch = _ppo_batch(config)
   kw = dict(prompt_len=5, clip_eps=0.2, entropy_coef=0.01, temperature=0.9)
-  grad = jax.grad(steps.actor_loss, has_aux=True)
+  # Compiled, not op by op (each operation would compile on its own); `c` is the config.
   loss_fn = jax.jit(lambda c, p: steps.actor_loss(p, batch, config=c, **kw), static_argnums=0)
+  grad_fn = jax.jit(
+    lambda c, p: jax.grad(steps.actor_loss, has_aux=True)(p, batch, config=c, **kw),
+    static_argnums=0,
+  )
+  logp_fn = jax.jit(steps.response_logprobs, static_argnums=(0, 4))
   whole_loss, whole_metrics = loss_fn(config, params)
   chunked = config.replace(logprob_chunk_size=3)  # 8 response tokens: a ragged last chunk
   loss, metrics = loss_fn(chunked, params)
   np.testing.assert_allclose(float(loss), float(whole_loss), rtol=1e-6)
   for name in whole_metrics:
     np.testing.assert_allclose(float(metrics[name]), float(whole_metrics[name]), atol=1e-6)
-  g_whole, _ = grad(params, batch, config=config, **kw)
-  g_chunk, _ = grad(params, batch, config=chunked, **kw)
+  g_whole, _ = grad_fn(config, params)
+  g_chunk, _ = grad_fn(chunked, params)
   for x, y in zip(jax.tree.leaves(g_whole), jax.tree.leaves(g_chunk), strict=True):
     scale = float(jnp.max(jnp.abs(x)))
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=2e-6 * scale)
-  logp = steps.response_logprobs(chunked, params, batch["tokens"], batch["attention_mask"], 5)
-  ref = steps.response_logprobs(config, params, batch["tokens"], batch["attention_mask"], 5)
+  logp = logp_fn(chunked, params, batch["tokens"], batch["attention_mask"], 5)
+  ref = logp_fn(config, params, batch["tokens"], batch["attention_mask"], 5)
   np.testing.assert_allclose(np.asarray(logp), np.asarray(ref), atol=1e-5)
 
 
@@ -155,8 +160,9 @@ def test_sft_loss_chunked_equals_unchunked(model):
   config, params = model
   batch = _ppo_batch(config, seed=1)
   batch = {**batch, "loss_mask": batch["attention_mask"].at[:, :5].set(0)}
-  loss, metrics = sft.sft_loss(params, batch, config=config)
-  loss_c, metrics_c = sft.sft_loss(params, batch, config=config.replace(logprob_chunk_size=4))
+  loss_fn = jax.jit(lambda c, p: sft.sft_loss(p, batch, config=c), static_argnums=0)
+  loss, metrics = loss_fn(config, params)
+  loss_c, metrics_c = loss_fn(config.replace(logprob_chunk_size=4), params)
   np.testing.assert_allclose(float(loss_c), float(loss), rtol=1e-6)
   assert float(metrics_c["token_accuracy"]) == float(metrics["token_accuracy"])
 

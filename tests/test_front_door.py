@@ -31,6 +31,24 @@ from rlhfjax.reward_fn_check import RewardFnError
 pytestmark = pytest.mark.unit
 
 
+def test_entry_points_collect_garbage_less():
+  """`launch.run` (every script) freezes what is loaded and collects the youngest generation
+  every 100,000 net allocations, not 700."""
+  import gc
+
+  from rlhfjax import launch
+
+  before = gc.get_threshold()
+  gc.unfreeze()
+  gc.set_threshold(700, 10, 10)
+  try:
+    launch.collect_garbage_less()
+    assert gc.get_threshold() == (100_000, 10, 10)
+    assert gc.get_freeze_count() > 0
+  finally:
+    gc.set_threshold(*before)
+
+
 # ---------------------------------------------------------------------------------------------
 # Paths and the workdir.
 

@@ -55,12 +55,19 @@ def _params(head="lm", seed=0):
   return models.init_params(CONFIG, head, jax.random.key(seed))
 
 
+_response_logprobs = jax.jit(functools.partial(steps.response_logprobs, CONFIG, prompt_len=P))
+_response_values = jax.jit(functools.partial(steps.response_values, CONFIG, prompt_len=P))
+_sequence_scores = jax.jit(functools.partial(steps.sequence_scores, CONFIG))
+_packed_logp = jax.jit(lambda p, *rows: models.packed_token_stats(CONFIG, p, *rows).logp_bt)
+_packed_values = jax.jit(lambda p, *rows: models.forward_packed(CONFIG, p, *rows, head="value"))
+
+
 def _padded_fields(params, seqs, seed=1):
   """The padded actor/critic batch: tokens, masks and random update fields."""
   rng = np.random.default_rng(seed)
   tokens, attention = jnp.asarray(seqs.tokens_bs), jnp.asarray(seqs.attention_mask_bs)
   mask = jnp.asarray(seqs.response_mask_bt)
-  logp = steps.response_logprobs(CONFIG, params, tokens, attention, P)
+  logp = _response_logprobs(params, tokens, attention)
   noise = lambda scale: jnp.asarray(rng.normal(0, scale, (B, T)).astype(np.float32))
   return {
     "tokens": tokens,
@@ -84,10 +91,12 @@ def _packed_micro_batches(fields, seqs, aggregation, max_rows):
 
 
 def _summed(loss_fn, params, micros):
-  """Loss, metrics and gradients summed over packed micro-batches."""
+  """Loss, metrics and gradients summed over packed micro-batches (one compiled gradient per
+  micro-batch shape: op by op, each of the model's operations would compile on its own)."""
+  grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   total = None
   for micro in micros:
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
+    (loss, metrics), grads = grad(params, micro)
     out = (loss, metrics, grads)
     total = out if total is None else jax.tree.map(jnp.add, total, out)
   return total
@@ -109,9 +118,9 @@ def test_packed_scores_unpack_to_the_padded_ones():
   tokens, attention = jnp.asarray(seqs.tokens_bs), jnp.asarray(seqs.attention_mask_bs)
   mask = seqs.response_mask_bt > 0
   want = {
-    "logp": np.asarray(steps.response_logprobs(CONFIG, lm, tokens, attention, P)),
-    "values": np.asarray(steps.response_values(CONFIG, value, tokens, attention, P)),
-    "scores": np.asarray(steps.sequence_scores(CONFIG, value, tokens, attention)),
+    "logp": np.asarray(_response_logprobs(lm, tokens, attention)),
+    "values": np.asarray(_response_values(value, tokens, attention)),
+    "scores": np.asarray(_sequence_scores(value, tokens, attention)),
   }
   _, response_n = packed.lengths(seqs)
   # Two rows per call: the samples spread over several calls, as a long batch's do.
@@ -122,8 +131,8 @@ def test_packed_scores_unpack_to_the_padded_ones():
     rows = [jnp.asarray(x) for x in (lay.take(seqs.tokens_bs), lay.positions, lay.segments)]
     base_b, last_b = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
     base_b[idx], last_b[idx] = lay.response_slot[:, 0], lay.last_slot
-    logp = models.packed_token_stats(CONFIG, lm, *rows).logp_bt
-    values = models.forward_packed(CONFIG, value, *rows, head="value")
+    logp = _packed_logp(lm, *rows)
+    values = _packed_values(value, *rows)
     got["logp"] = packed.unpack_response(got["logp"], logp, base_b, response_n)
     got["values"] = packed.unpack_response(got["values"], values, base_b, response_n)
     got["scores"] = packed.unpack_last(got["scores"], values, last_b)
@@ -145,7 +154,7 @@ def test_packed_actor_loss_and_gradients_equal_the_padded_ones(aggregation):
   padded_loss = functools.partial(
     steps.actor_loss, config=CONFIG, prompt_len=P, loss_agg=aggregation, **options
   )
-  (loss, metrics), grads = jax.value_and_grad(padded_loss, has_aux=True)(params, fields)
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(padded_loss, has_aux=True))(params, fields)
   micros = _packed_micro_batches(fields, seqs, aggregation, max_rows=2)
   assert len(micros) > 1
   packed_loss = functools.partial(steps.packed_actor_loss, config=CONFIG, **options)
@@ -162,12 +171,21 @@ def test_packed_critic_loss_and_gradients_equal_the_padded_ones():
   seqs, params = _seqs(), _params("value", 2)
   fields = _padded_fields(_params(), seqs)
   padded_loss = functools.partial(steps.critic_loss, config=CONFIG, prompt_len=P, clip_eps=0.2)
-  (loss, metrics), grads = jax.value_and_grad(padded_loss, has_aux=True)(params, fields)
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(padded_loss, has_aux=True))(params, fields)
   micros = _packed_micro_batches(fields, seqs, "token_mean", max_rows=3)
   packed_loss = functools.partial(steps.packed_critic_loss, config=CONFIG, clip_eps=0.2)
   p_loss, p_metrics, p_grads = _summed(packed_loss, params, micros)
   np.testing.assert_allclose(p_loss, loss, atol=1e-5)
-  np.testing.assert_allclose(p_metrics["value/clipfrac"], metrics["value/clipfrac"], atol=1e-6)
+  # A token whose value moved by within 1e-5 (the bound on packed against padded values) of
+  # the clip range may be clipped in one and not the other: each such token may flip.
+  values = _response_values(params, fields["tokens"], fields["attention_mask"])
+  mask = np.asarray(fields["response_mask"]) > 0
+  moved = np.abs(np.asarray(values) - np.asarray(fields["old_values"]))[mask]
+  ambiguous = np.sum(np.abs(moved - 0.2) <= 1e-5)
+  assert abs(float(p_metrics["value/clipfrac"]) - float(metrics["value/clipfrac"])) <= (
+    ambiguous / mask.sum() + 1e-6
+  )
+  assert 0 < float(metrics["value/clipfrac"]) < 1  # the clip is exercised
   _assert_trees_close(p_grads, grads, _grad_atol(grads))
 
 

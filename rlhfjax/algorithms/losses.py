@@ -151,8 +151,14 @@ def value_token_terms(
   values_bt: jax.Array, old_values_bt: jax.Array, returns_bt: jax.Array, *, clip_eps: float
 ) -> tuple[jax.Array, jax.Array]:
   """`clipped_value_loss`'s per-token squared error (the larger of the clipped and unclipped
-  ones) and where the clipped one is larger (1.0). Any layout."""
-  clipped_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip_eps, clip_eps)
+  ones) and where the clipped one is larger (1.0). Any layout.
+
+  Within the clip range the clipped value is the value itself, not `V^old + (V - V^old)`,
+  whose rounding would count some unclipped tokens as clipped."""
+  moved_bt = values_bt - old_values_bt
+  clipped_bt = jnp.where(
+    jnp.abs(moved_bt) > clip_eps, old_values_bt + jnp.clip(moved_bt, -clip_eps, clip_eps), values_bt
+  )
   err_bt = jnp.square(values_bt - returns_bt)
   err_clipped_bt = jnp.square(clipped_bt - returns_bt)
   return jnp.maximum(err_bt, err_clipped_bt), (err_clipped_bt > err_bt).astype(jnp.float32)
