@@ -456,6 +456,32 @@ def test_bad_paged_configs_raise_one_line_errors(params):
     small.insert(small.prefill([[1, 2]]), small.init_decode_state(), [3])
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_prefix_shapes_are_the_prefills_without_tracing_the_model(window):
+  """The engine's prefill shardings come from `prefix_shapes`: every field's shape and dtype
+  is the prefill's own (grouped-query heads, a sliding window, a bf16 cache)."""
+  config = CONFIG.replace(sliding_window=window, dtype="bfloat16")
+  m, p = 3, 5
+  requests = paged_decode.Requests(
+    tokens_bp=jax.ShapeDtypeStruct((m, p), jnp.int32),
+    lengths_b=jax.ShapeDtypeStruct((m,), jnp.int32),
+    last_b=jax.ShapeDtypeStruct((m,), jnp.int32),
+    max_new_b=jax.ShapeDtypeStruct((m,), jnp.int32),
+    stop_bm=jax.ShapeDtypeStruct((m, 2), jnp.int32),
+    temperature_b=jax.ShapeDtypeStruct((m,), jnp.float32),
+    top_k_b=jax.ShapeDtypeStruct((m,), jnp.int32),
+    top_p_b=jax.ShapeDtypeStruct((m,), jnp.float32),
+    seed_b=jax.ShapeDtypeStruct((m,), jnp.int32),
+    request_id_b=jax.ShapeDtypeStruct((m,), jnp.int32),
+  )
+  params = models.abstract_params(config)
+  want = jax.eval_shape(functools.partial(paged_decode.prefill, config), params, requests)
+  got = paged_decode.prefix_shapes(config, requests)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert jax.tree.leaves(got) == jax.tree.leaves(want)
+  assert got.cache["k"].dtype == jnp.bfloat16 and config.num_kv_heads < config.num_heads
+
+
 def test_page_pool_counts_references():
   pool = paging.PagePool(5)
   a = pool.alloc(3)

@@ -322,6 +322,17 @@ def prefill(config: ModelConfig, params, requests: Requests) -> Prefix:
     cache=models.init_cache(config, b, p),
     cache_index_b=jnp.zeros((b,), jnp.int32),
   )
+  return _prefix(cache, requests)
+
+
+def prefix_shapes(config: ModelConfig, requests: Requests) -> Prefix:
+  """The shapes and dtypes of `prefill`'s output for `requests` (arrays or shapes), without
+  tracing the model: its cache is the zeroed one it writes into, in place."""
+  b, p = requests.tokens_bp.shape
+  return jax.eval_shape(lambda r: _prefix(models.init_cache(config, b, p), r), requests)
+
+
+def _prefix(cache: Cache, requests: Requests) -> Prefix:
   return Prefix(
     cache=cache,
     tokens_b=requests.last_b,

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlhfjax import programs
 from rlhfjax.mesh import rules, transfer
 from rlhfjax.placement.spec import Layout
 from rlhfjax.rollout import paged_decode, paging
@@ -140,9 +139,8 @@ class PagedPrograms:
       self.requests_shardings[m] = rules.named_shardings(
         requests_axes, requests, mesh, Layout.GENERATION
       )
-      prefix_shapes = programs.eval_shape(
-        functools.partial(paged_decode.prefill, model),
-        engine.abstract_params,
+      prefix_shapes = paged_decode.prefix_shapes(
+        model,
         jax.tree.map(
           lambda s: jax.ShapeDtypeStruct(s, np.int32),
           requests,
