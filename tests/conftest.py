@@ -144,17 +144,24 @@ _PROFILE_EVENTS = {
   "/jax/core/compile/backend_compile_duration": "compile_s",
 }
 _profile: dict[str, float] = {}
+_PROFILE_PROGRAMS = 8
+"""The programs whose tracing, lowering and compiling took longest, listed per test."""
 
 if _PROFILE_DIR:
   import json
   import resource
   import time
 
-  def _on_duration(event: str, seconds: float, **_) -> None:
+  _by_program: dict[str, float] = {}
+
+  def _on_duration(event: str, seconds: float, fun_name: str | None = None, **_) -> None:
     if (key := _PROFILE_EVENTS.get(event)) is not None:
       _profile[key] = _profile.get(key, 0.0) + seconds
       if key == "compile_s":
         _profile["compiles"] = _profile.get("compiles", 0) + 1
+      if fun_name is not None:  # tracing, lowering and compiling, by program
+        name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name  # as traced
+        _by_program[name] = _by_program.get(name, 0.0) + seconds
 
   def _on_event(event: str, **_) -> None:
     if event == "/jax/compilation_cache/cache_hits":
@@ -171,12 +178,15 @@ if _PROFILE_DIR:
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(item, nextitem):
     _profile.clear()
+    _by_program.clear()
     start, (own, kids) = time.perf_counter(), _cpu_seconds()
     yield
     row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3)}
     own_after, kids_after = _cpu_seconds()
     row.update(cpu_s=round(own_after - own, 3), child_cpu_s=round(kids_after - kids, 3))
     row.update({k: round(v, 3) for k, v in _profile.items()})
+    top = sorted(_by_program.items(), key=lambda kv: -kv[1])[:_PROFILE_PROGRAMS]
+    row["programs_s"] = {name: round(seconds, 3) for name, seconds in top}
     os.makedirs(_PROFILE_DIR, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(_PROFILE_DIR, f"{worker}.jsonl"), "a") as f:
