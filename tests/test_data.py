@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -152,9 +153,15 @@ def test_jsonl_round_trip_without_tensorflow(kind, tmp_path, data_dir):
   assert "tensorflow" not in sys.modules
 
 
-def test_prepare_caches_by_content_and_prepares_changed_files_again(tmp_path, data_dir):
+def test_prepare_caches_by_content_and_prepares_changed_files_again(
+  tmp_path, data_dir, monkeypatch
+):
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(scratch))
   path = _write(tmp_path / "p.jsonl", _records(5, "prompt"))
   first = data.prepare("prompt", path, data_dir)
+  assert not os.listdir(scratch)  # a prepare leaves nothing in the temporary directory
   info = os.path.join(first.builder.data_dir, "dataset_info.json")
   mtime = os.path.getmtime(info)
   again = data.prepare("prompt", path, data_dir)

@@ -168,6 +168,15 @@ class JsonlConfig(tfds.core.BuilderConfig):
   on_bad_record: str = "error"
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+  """The info of local records: there is no published copy to start from."""
+
+  def initialize_from_bucket(self) -> None:
+    # TFDS's version makes a temporary directory before it looks for the dataset in its
+    # bucket and never removes it: one empty /tmp/tmp*tfds per new prepare, thousands a day.
+    pass
+
+
 class JsonlDataset(tfds.core.GeneratorBasedBuilder):
   """Local JSONL files of one kind; every field is a text feature (read back as bytes)."""
 
@@ -183,7 +192,7 @@ class JsonlDataset(tfds.core.GeneratorBasedBuilder):
     fields = (*FIELDS[self.builder_config.kind], "extra")
     features = {f: tfds.features.Text() for f in fields}
     features["line"] = tfds.features.Scalar(dtype=np.int64)
-    return tfds.core.DatasetInfo(
+    return _LocalDatasetInfo(
       builder=self,
       description=f"Local JSONL {self.builder_config.kind} records.",
       features=tfds.features.FeaturesDict(features),
