@@ -10,7 +10,7 @@ import runpy
 import numpy as np
 import pytest
 from runs_testing import (
-  LEARNING_DEVICES,
+  LEARNING_RUN,
   assert_packed_gives_the_padded_numbers,
   assert_same_numbers,
 )
@@ -167,7 +167,7 @@ def test_group_relative_needs_groups(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _ALGORITHMS)
 def test_reward_rises(name, tmp_path):
-  cfg = _config(name, total_steps=40, rollout__batch_size=16, **LEARNING_DEVICES)
+  cfg = _config(name, **LEARNING_RUN)
   rewards = [
     r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   ]

@@ -11,7 +11,7 @@ import runpy
 import jax
 import numpy as np
 import pytest
-from runs_testing import LEARNING_DEVICES, assert_same_numbers, shipped_config
+from runs_testing import LEARNING_RUN, assert_same_numbers, shipped_config
 
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.flows.online_dpo import refuse_ppo_fields
@@ -156,15 +156,9 @@ def test_online_dpo_flow_refuses_ppo_fields(tmp_path):
 
 @pytest.mark.slow
 def test_online_dpo_reward_rises(tmp_path):
-  """The rule alone (most pairs of the untrained policy tie and are left out), 40 iterations of
-  16 samples, as GRPO's learning test in test_algorithm_flows.py."""
-  cfg = _online(
-    "colocated",
-    total_steps=40,
-    rollout__batch_size=16,
-    reward__model_coef=0.0,
-    **LEARNING_DEVICES,
-  )
+  """The rule alone (most pairs of the untrained policy tie and are left out), the learning run
+  of every flow (`runs_testing.LEARNING_RUN`)."""
+  cfg = _online("colocated", reward__model_coef=0.0, **LEARNING_RUN)
   rows = Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   rewards = [r["reward/mean"] for r in rows]
   first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from runs_testing import LEARNING_DEVICES, assert_same_numbers
+from runs_testing import LEARNING_RUN, assert_same_numbers
 
 from rlhfjax.cluster import dispatch
 from rlhfjax.config import from_config_dict
@@ -226,13 +226,7 @@ def test_reward_rises(tmp_path):
   # (test_every_placement_gives_the_colocated_numbers), and after each sync the rollout holds
   # the trained weights (test_weights_live_on_their_roles_devices), so a learning run on
   # another placement would check the same trajectory again.
-  cfg = _config(
-    "colocated",
-    total_steps=30,
-    rollout__batch_size=16,
-    reward__model_coef=0.0,
-    **LEARNING_DEVICES,
-  )
+  cfg = _config("colocated", reward__model_coef=0.0, **LEARNING_RUN)
   rewards = [
     r["reward/mean"] for r in Runner(cfg, str(tmp_path), show_progress=False).run().metrics
   ]
