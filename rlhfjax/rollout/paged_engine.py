@@ -47,6 +47,16 @@ def resolve_kernel(choice: str, platform: str, sliding_window: int | None, head_
   return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "gather")
 
 
+def _slot_state(model_config, *, num_slots: int, replicas: int, pages: int, width: int, **sizes):
+  """An empty decode state whose slot `j` of each replica owns a dense row's pages (the slot
+  API's page tables, `paging.slot_pages`)."""
+  table_bw = paging.slot_pages(num_slots, replicas, pages, width)
+  return paged_decode.empty_state(
+    model_config, num_slots=num_slots, replicas=replicas, pages=pages, width=width,
+    table_bw=table_bw, **sizes,
+  )  # fmt: skip
+
+
 class PagedPrograms:
   """The paged engine's programs on the engine's mesh, and the host calls around them."""
 
@@ -86,6 +96,19 @@ class PagedPrograms:
 
     state_axes, _, plan_axes, requests_axes, prefix_axes = paged_decode.logical_axes()
     self._replicated = NamedSharding(mesh, PartitionSpec())
+    # Of values only (not of this object): every engine of the same sizes shares the program.
+    self._empty_state = functools.partial(
+      _slot_state,
+      model,
+      num_slots=cfg.num_slots,
+      replicas=self.replicas,
+      pages=self.pages,
+      page_size=cfg.page_size,
+      width=self.width,
+      out_rows=self.replicas * self.out_rows,
+      max_new_tokens=cfg.max_new_tokens,
+      max_stop_tokens=cfg.max_stop_tokens,
+    )
     state_shapes = jax.eval_shape(self._empty_state)
     self.state_shardings = rules.named_shardings(state_axes, state_shapes, mesh, Layout.GENERATION)
     self.plan_shardings = rules.named_shardings(
@@ -170,21 +193,6 @@ class PagedPrograms:
     decode chunk (narrower tables would save little and add programs)."""
     cfg = self._engine.config
     return self._pages_of(cfg.prompt_buckets[0] + min(cfg.decode_chunk, cfg.max_new_tokens))
-
-  def _empty_state(self) -> PagedState:
-    cfg = self._engine.config
-    return paged_decode.empty_state(
-      self._engine.model_config,
-      num_slots=cfg.num_slots,
-      replicas=self.replicas,
-      pages=self.pages,
-      page_size=cfg.page_size,
-      width=self.width,
-      out_rows=self.replicas * self.out_rows,
-      max_new_tokens=cfg.max_new_tokens,
-      max_stop_tokens=cfg.max_stop_tokens,
-      table_bw=self.slot_table,
-    )
 
   def _host_plan(self, limit: np.ndarray) -> Plan:
     """The slot API's plan (its fixed page tables, no queue) as host arrays."""
