@@ -11,9 +11,9 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 # slower (PPO's programs, no cache: 6.4 s of compiles against 33.6 s; SFT steps 0.18 s against
 # 0.095 s), and most of the suite's time is compiling. Only the CPU backend's code changes (its
 # fusions and machine code): what the tests check of the programs (the maths, shardings and
-# collectives) is the same, and no accelerator runs this code. Runs whose speed or trajectory is
-# the claim take `users_codegen_env`; a check of the CPU backend's fusions pins the defaults
-# (test_decode_cache).
+# collectives) is the same, and no accelerator runs this code. Speed is measured by the
+# `scripts/bench_*.py` scripts and the `solo` tests, outside the workers; a check of the CPU
+# backend's fusions pins the defaults (test_decode_cache).
 # One LLVM module per program instead of several compiled in parallel: on 2 cores shared by two
 # workers the split only adds work (a 1-step PPO run: 23.5-25.8 CPU-s against 27.1-29.9 s).
 _FAST_CODEGEN = (
@@ -205,15 +205,6 @@ def _eight_devices():
   devices = jax.devices()
   assert len(devices) == 8, f"tests expect 8 CPU devices, got {devices}"
   return devices
-
-
-@pytest.fixture(scope="session")
-def users_codegen_env() -> dict[str, str]:
-  """The environment for a subprocess that must run the code users' CPU runs get: this one
-  without the suite's fast-compiling code generation (`_FAST_CODEGEN`)."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in _FAST_CODEGEN)
-  return env
 
 
 @pytest.fixture(scope="session")
