@@ -51,6 +51,13 @@ def one_line(text: object) -> str:
   return " ".join(str(text).split())
 
 
+def status_line(error: object, limit: int = 200) -> str:
+  """A gRPC failure of JAX's coordination client (`UNAVAILABLE: ...`) in one short line: its
+  status and first message, without the transport's 'Additional GRPC error information'."""
+  line = one_line(error).split(" Additional GRPC error information", 1)[0]
+  return line[:limit]
+
+
 def error_line(message: object) -> str:
   """`error: <one line>` and a newline, as the scripts end, starting on a line of its own: after
   a newline when a progress bar (tqdm) is open, whose line has none yet."""

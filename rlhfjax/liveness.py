@@ -108,7 +108,7 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
           return
         _die(
           f"process {me} of {count} lost the job's coordination service at {where} (process "
-          f"0 ended or is unreachable): {errors.one_line(e)[:200]}"
+          f"0 ended or is unreachable; see its log): {errors.status_line(e)}"
         )
       now = time.monotonic()
       for p, value in values.items():

@@ -140,6 +140,17 @@ def test_describe_finds_the_os_error_under_wrappers():
   assert status == 1 and line.startswith("internal error KeyError: 'kl_coef' (rerun with --debug")
 
 
+def test_status_line_keeps_a_grpc_failures_status_and_first_message():
+  # What the liveness watch's read of a lost coordination service raises (JAX 0.10).
+  grpc = (
+    "UNAVAILABLE: recvmsg:Connection reset by peer\nAdditional GRPC error information from "
+    "remote target coordination_service while calling "
+    "/xla.coordination.CoordinationService/GetKeyValueDir:\n:UNKNOWN:Error received from peer"
+  )
+  assert errors.status_line(RuntimeError(grpc)) == "UNAVAILABLE: recvmsg:Connection reset by peer"
+  assert errors.status_line("x " * 300) == ("x " * 100)[:200]
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: failed saves, damaged files, edited meta.
 

@@ -104,3 +104,46 @@ def test_stop_signals_are_the_forwarded_ones_under_a_supervisor(monkeypatch):
     signal.SIGRTMIN + 1: "Ctrl-C",
     signal.SIGRTMIN + 2: "SIGTERM",
   }
+
+
+def test_the_liveness_watch_says_the_supervisors_line_when_the_service_is_gone(monkeypatch):
+  """The other watcher of process 0's end: the liveness thread's read of the coordination
+  service fails before JAX's client aborts the process. The same line as the supervisor's, but
+  for who noticed, and none of gRPC's transport details."""
+  import atexit
+  import threading
+
+  import jax
+  from jax._src import distributed as jax_distributed
+
+  from rlhfjax import liveness
+
+  class Gone:  # JAX 0.10's client once process 0, which ran the service, ended
+    def key_value_set(self, *args, **kwargs):
+      raise RuntimeError(
+        "UNAVAILABLE: recvmsg:Connection reset by peer\nAdditional GRPC error information from "
+        "remote target coordination_service while calling "
+        "/xla.coordination.CoordinationService/GetKeyValueDir:\n:UNKNOWN:Error received from peer"
+      )
+
+    key_value_dir_get = key_value_set
+
+  said, ended = [], threading.Event()
+
+  def die(message, leave=False):
+    said.append(message)
+    ended.set()
+    raise SystemExit  # ends the liveness thread, as `os._exit` would the process
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax_distributed.global_state, "client", Gone())
+  monkeypatch.setattr(liveness, "_die", die)
+  monkeypatch.setattr(liveness, "_watch", None)
+  monkeypatch.setattr(atexit, "register", lambda fn: fn)
+  liveness.watch_peers(30, "host:1234")
+  assert ended.wait(30)
+  assert f"error: {said[0]}\n" == _LINE.replace(
+    "JAX stopped it: UNAVAILABLE: Failed to send RPC to coordination service",
+    "UNAVAILABLE: recvmsg:Connection reset by peer",
+  )
