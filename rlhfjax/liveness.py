@@ -110,6 +110,7 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
           f"process {me} of {count} lost the job's coordination service at {where} (process "
           f"0 ended or is unreachable; see its log): {errors.status_line(e)}"
         )
+        return  # (`_die` does not return)
       now = time.monotonic()
       for p, value in values.items():
         if value and value.startswith(_FAILED) and not stop.is_set():
