@@ -173,7 +173,8 @@ class _LocalDatasetInfo(tfds.core.DatasetInfo):
 
   def initialize_from_bucket(self) -> None:
     # TFDS's version makes a temporary directory before it looks for the dataset in its
-    # bucket and never removes it: one empty /tmp/tmp*tfds per new prepare, thousands a day.
+    # bucket and never removes it: one empty tmp*tfds directory in the system temporary
+    # directory per new prepare, thousands a day.
     pass
 
 
