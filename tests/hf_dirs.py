@@ -4,6 +4,7 @@ optionally the weights and config.json of a random model."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -13,6 +14,24 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from rlhfjax import models as rlhf_models
 from rlhfjax.config.model import ModelConfig, get_model_config
+
+
+class _OnFirstUse:
+  """A module imported when one of its attributes is first read: `torch` and `transformers`
+  take about 2 s to import, which every pytest process (the workers and `pytest -m solo`) would
+  pay while collecting, whether or not it runs a test that uses them."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def __getattr__(self, attr: str):
+    if attr.startswith("_"):  # what pytest's collection looks up on every module attribute
+      raise AttributeError(attr)
+    return getattr(importlib.import_module(self._name), attr)
+
+
+torch = _OnFirstUse("torch")
+transformers = _OnFirstUse("transformers")
 
 _TINY = get_model_config("tiny")
 _LLAMA32 = get_model_config("1b")

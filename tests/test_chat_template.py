@@ -7,12 +7,12 @@ import json
 import os
 
 import pytest
-import transformers
 from hf_dirs import (
   LLAMA3_SPECIALS,
   LLAMA3_TEMPLATE,
   QWEN25_SPECIALS,
   QWEN25_TEMPLATE,
+  transformers,
   write_tokenizer,
 )
 

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
+from hf_dirs import torch, transformers
 from jax.sharding import SingleDeviceSharding
 from test_export import _LAYERS, _SHARD
 

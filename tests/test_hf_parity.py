@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
+from hf_dirs import torch, transformers
 
 from rlhfjax import models
 from rlhfjax.config.hf import CheckpointError
@@ -32,19 +31,19 @@ _DIMS = dict(
 )
 
 _FAMILIES = {
-  "llama": (transformers.LlamaConfig, dict(rope_theta=10_000.0)),
+  "llama": ("LlamaConfig", dict(rope_theta=10_000.0)),
   "llama_tied_mha": (
-    transformers.LlamaConfig,
+    "LlamaConfig",
     dict(tie_word_embeddings=True, num_key_value_heads=4, rope_theta=500.0),
   ),
-  "llama_bias_mqa": (transformers.LlamaConfig, dict(attention_bias=True, num_key_value_heads=1)),
-  "qwen2": (transformers.Qwen2Config, dict(rope_theta=1_000_000.0)),
-  "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-  "mistral_window": (transformers.MistralConfig, dict(sliding_window=5)),
+  "llama_bias_mqa": ("LlamaConfig", dict(attention_bias=True, num_key_value_heads=1)),
+  "qwen2": ("Qwen2Config", dict(rope_theta=1_000_000.0)),
+  "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+  "mistral_window": ("MistralConfig", dict(sliding_window=5)),
   # Llama 3.1-style scaling with the band edges inside head_dim 12's wavelengths (6.3 .. 13.5k):
   # one frequency kept, one blended, the rest divided by the factor.
   "llama_rope_llama3": (
-    transformers.LlamaConfig,
+    "LlamaConfig",
     dict(
       rope_parameters=dict(
         rope_type="llama3",
@@ -56,28 +55,28 @@ _FAMILIES = {
     ),
   ),
   "llama_rope_linear": (
-    transformers.LlamaConfig,
+    "LlamaConfig",
     dict(rope_parameters=dict(rope_type="linear", factor=3.0)),
   ),
   # 13 tokens run past max_position_embeddings=8, so the dynamic base grows.
   "llama_rope_dynamic": (
-    transformers.LlamaConfig,
+    "LlamaConfig",
     dict(max_position_embeddings=8, rope_parameters=dict(rope_type="dynamic", factor=2.0)),
   ),
-  "qwen3": (transformers.Qwen3Config, dict(rope_theta=1_000_000.0)),
-  "qwen3_bias": (transformers.Qwen3Config, dict(attention_bias=True, tie_word_embeddings=True)),
+  "qwen3": ("Qwen3Config", dict(rope_theta=1_000_000.0)),
+  "qwen3_bias": ("Qwen3Config", dict(attention_bias=True, tie_word_embeddings=True)),
 }
 
 
-def _hf_model(family: str, cls=transformers.AutoModelForCausalLM, **extra):
+def _hf_model(family: str, cls: str = "AutoModelForCausalLM", **extra):
   config_cls, overrides = _FAMILIES[family]
   kwargs = {**_DIMS, **overrides, **extra}
   rope = {"rope_theta": kwargs.pop("rope_theta", 10_000.0), "rope_type": "default"}
   rope.update(kwargs.pop("rope_parameters", {}))
-  hf_config = config_cls(**kwargs)
+  hf_config = getattr(transformers, config_cls)(**kwargs)
   hf_config.rope_parameters = rope
   torch.manual_seed(sum(map(ord, family)))
-  model = cls.from_config(hf_config, dtype=torch.float32).eval()
+  model = getattr(transformers, cls).from_config(hf_config, dtype=torch.float32).eval()
   with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping cannot pass
     for name, p in model.named_parameters():
       if "norm" in name or name.endswith("bias"):
@@ -162,9 +161,7 @@ def test_sharded_checkpoint_roundtrip(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_value_head_matches_sequence_classification(family, tmp_path):
-  hf_model = _hf_model(
-    family, transformers.AutoModelForSequenceClassification, num_labels=1, pad_token_id=0
-  )
+  hf_model = _hf_model(family, "AutoModelForSequenceClassification", num_labels=1, pad_token_id=0)
   hf_model.save_pretrained(tmp_path / "rm")
   config, params = models.load_hf_checkpoint(tmp_path / "rm")
   assert models.head_kind(params) == "value"

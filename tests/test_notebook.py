@@ -6,11 +6,7 @@ import os
 import pathlib
 import sys
 
-import nbclient
-import nbformat
 import pytest
-from ipykernel.kernelspec import write_kernel_spec
-from jupyter_client.kernelspec import KernelSpecManager
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +26,17 @@ def _text(cell) -> str:
 def _python3_from_this_interpreter(monkeypatch, tmp_path: pathlib.Path) -> None:
   """The notebook's `python3` kernel is ipykernel's spec for `sys.executable`, whether or not
   (and for whichever interpreter) a `python3` spec is installed: JUPYTER_PATH comes first."""
+  from ipykernel.kernelspec import write_kernel_spec
+  from jupyter_client.kernelspec import KernelSpecManager
+
   write_kernel_spec(tmp_path / "jupyter" / "kernels" / "python3")
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   assert KernelSpecManager().get_kernel_spec("python3").argv[0] == sys.executable
 
 
 def test_notebook_is_stored_without_outputs():
+  import nbformat  # Jupyter's modules (0.3 s to import) only where used
+
   nb = nbformat.read(_NOTEBOOK, as_version=4)
   nbformat.validate(nb)
   assert nb.metadata.kernelspec.name == "python3"
@@ -54,6 +55,9 @@ def test_quickstart_notebook_runs(monkeypatch, tmp_path):
   flags = os.environ.get("XLA_FLAGS", "").split()
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)}
   env["XLA_FLAGS"] = " ".join(f for f in flags if "host_platform_device_count" not in f)
+  import nbclient
+  import nbformat
+
   nb = nbformat.read(_NOTEBOOK, as_version=4)
   client = nbclient.NotebookClient(
     nb,

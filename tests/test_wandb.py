@@ -12,7 +12,6 @@ import sys
 import types
 
 import pytest
-from wandb.proto import wandb_internal_pb2
 
 from rlhfjax import config as config_lib
 from rlhfjax.observe import wandb_log
@@ -47,6 +46,8 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def _records(path: str) -> list:
   data = pathlib.Path(path).read_bytes()
   assert data[:4] == b":W&B", path
+  from wandb.proto import wandb_internal_pb2  # 0.4 s to import: only where read
+
   records, pos, pending = [], 7, b""
   while pos + 7 <= len(data):
     if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
