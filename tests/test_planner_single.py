@@ -1,6 +1,6 @@
 """`placement.strategy=auto` for the one trained model of SFT and reward-model training: the
 planner's data x fsdp x tensor split, checked against memory, ranked by predicted step time,
-printed with the runner-up (run by the scripts: test_planner_single_e2e.py)."""
+printed with the runner-up (run by the scripts: test_sft_rm_e2e.py, a resume onto it)."""
 
 import os
 import runpy

@@ -1,5 +1,6 @@
 """The SFT and reward-model entry points (scripts/train_sft.py, scripts/train_rm.py) as a user runs
-them: trained end to end from another directory and resumed, and a bad config in one line."""
+them: trained end to end from another directory and resumed onto the planner's split
+(`placement.strategy=auto`), and a bad config in one line."""
 
 import functools
 import os
@@ -7,7 +8,9 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import runs_testing
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +37,9 @@ def _script(name, *args, workdir, cwd=REPO):
 )
 def test_scripts_train_end_to_end(tmp_path, script, config, metric):
   """From another current directory, with a relative workdir and data directory (orbax wants
-  absolute paths: the entry point makes them so), then resumed the same way."""
+  absolute paths: the entry point makes them so), then resumed the same way onto the split
+  `placement.strategy=auto` chooses (printed with the runner-up), which restores the checkpoint
+  onto its own meshes."""
   run = functools.partial(
     _script,
     script,
@@ -52,10 +57,17 @@ def test_scripts_train_end_to_end(tmp_path, script, config, metric):
   assert re.search(rf"{metric} [\d.]+ -> [\d.]+; steps 0 -> 3", result.stdout), result.stdout
   assert os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "3")
   assert os.path.isdir(tmp_path / "data")
-  resumed = run("--config.total_steps=4")
+  auto = ("--config.placement.strategy=auto", "--config.placement.hardware=h100")
+  resumed = run("--config.total_steps=4", *auto)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "steps 3 -> 4" in resumed.stdout, resumed.stdout
   assert os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "4")
+  chosen = [line for line in resumed.stdout.splitlines() if line.startswith("placement auto ")]
+  assert chosen[0].startswith("placement auto chosen: data="), resumed.stdout
+  assert chosen[1].startswith("placement auto runner-up: "), resumed.stdout
+  rows = runs_testing.rows(str(tmp_path / "runs" / "run"))
+  values = [r[metric] for r in rows if metric in r]
+  assert len(values) >= 2 and all(np.isfinite(values)), rows
 
 
 @pytest.mark.parametrize(
