@@ -17,7 +17,9 @@ aborting it with a C++ fatal error and a stack trace, after minutes (and at once
   of every process, then each disconnects from the coordination service): were a process
   still connected when process 0, which runs the service, exits, JAX would abort it with a
   C++ fatal error and a stack trace (for example when every process fails on the same bad
-  config, process 0 first).
+  config, process 0 first). Unless the failure is a lost peer: that one never reaches the
+  barrier, so none of them waits there (JAX's abort of a process still connected when process
+  0 ends is turned into one line by `rlhfjax.supervisor`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from rlhfjax import errors
 
 _KEY = "rlhfjax/alive/"
 _DONE = "done"
-_FAILED = "failed: "
+_FAILED = "failed: "  # the failed process leaves through JAX's shutdown barrier
+_LOST = "lost a peer: "  # it does not: a process it needs is gone, so the barrier never passes
 _PERIOD_S = 1.0
 
 
@@ -113,9 +116,12 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
         return  # (`_die` does not return)
       now = time.monotonic()
       for p, value in values.items():
-        if value and value.startswith(_FAILED) and not stop.is_set():
-          why = value.removeprefix(_FAILED)
-          _die(f"process {p} of {count} failed, so process {me} stops too: {why}", leave=True)
+        for prefix, leave in ((_FAILED, True), (_LOST, False)):
+          if value and value.startswith(prefix) and not stop.is_set():
+            why = value.removeprefix(prefix)
+            # Into the shutdown barrier only where every other process comes too: one lost
+            # waits there for JAX's heartbeat time-out (a minute or more) and then aborts.
+            _die(f"process {p} of {count} failed, so process {me} stops too: {why}", leave)
         if value == _DONE:
           continue
         if value != last_value.get(p):
@@ -155,7 +161,9 @@ def report_failure(line: str, leave: bool = True) -> None:
     watch.stop.set()
   with contextlib.suppress(Exception):
     watch.client.key_value_set(
-      f"{_KEY}{watch.me}", _FAILED + errors.one_line(line)[:1000], allow_overwrite=True
+      f"{_KEY}{watch.me}",
+      (_FAILED if leave else _LOST) + errors.one_line(line)[:1000],
+      allow_overwrite=True,
     )
   if leave:
     _leave()

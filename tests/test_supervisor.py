@@ -146,3 +146,53 @@ def test_the_liveness_watch_says_the_supervisors_line_when_the_service_is_gone(m
     "JAX stopped it: UNAVAILABLE: Failed to send RPC to coordination service",
     "UNAVAILABLE: recvmsg:Connection reset by peer",
   )
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+def test_a_peers_failure_stops_this_process_through_the_barrier_only_if_it_leaves_too(
+  monkeypatch, leaves
+):
+  """A failed process that leaves through JAX's shutdown barrier takes the others there; one
+  that lost a peer of its own (a collective's connection closed) does not come, so the others
+  must not wait there either: the barrier would hold them for JAX's heartbeat time-out."""
+  import atexit
+  import threading
+
+  import jax
+  from jax._src import distributed as jax_distributed
+
+  from rlhfjax import liveness
+
+  class Store:  # the coordination service's key-value store
+    def __init__(self):
+      self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+      self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+      return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+  store, said, ended = Store(), [], threading.Event()
+
+  def die(message, leave=False):
+    said.append((message, leave))
+    ended.set()
+
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  monkeypatch.setattr(jax_distributed.global_state, "client", store)
+  monkeypatch.setattr(liveness, "_die", die)
+  monkeypatch.setattr(atexit, "register", lambda fn: fn)
+  # Process 2 failed; it reports through the same function as a real failure does.
+  monkeypatch.setattr(liveness, "_leave", lambda: None)
+  monkeypatch.setattr(
+    liveness, "_watch", liveness._Watch(store, 2, threading.Event(), threading.Lock())
+  )
+  why = "another process of the job ended or failed (see its log): connection closed"
+  liveness.report_failure(why, leave=leaves)
+  monkeypatch.setattr(liveness, "_watch", None)
+  liveness.watch_peers(30, "host:1234")
+  assert ended.wait(30)
+  liveness._watch.stop.set()
+  assert said[0] == (f"process 2 of 3 failed, so process 0 stops too: {why}", leaves)
