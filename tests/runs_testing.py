@@ -40,6 +40,35 @@ last 5 of 25 iterations scored 0.47 (GRPO), 0.79 (RLOO), 0.82 (REINFORCE++), 0.5
 online DPO, whose ties leave most pairs out early)."""
 
 
+CORRECTION_OF = {
+  "ppo": ("tis", "token"),
+  "grpo": ("tis", "sequence"),
+  "rloo": ("mis", "token"),
+  "dapo": ("mis", "sequence"),
+  "reinforce_pp": ("mis", "sequence"),
+}
+"""The rollout correction (`ppo.rollout_correction`, `_level`) each PPO-family flow's placement
+and packing runs apply (test_algorithm_flows.py, test_packing_runs.py): every flow with one,
+every correction at every level, under the comparisons of placements and of packed with
+padded."""
+
+
+def with_correction(cd, name: str) -> None:
+  """Sets `CORRECTION_OF[name]` in the config dict `cd`."""
+  cd.ppo.rollout_correction, cd.ppo.rollout_correction_level = CORRECTION_OF[name]
+
+
+def assert_engine_agrees_with_the_trainer(rows: list[dict]) -> None:
+  """fp32 on CPU: the engine's log-probs are the trainer's up to float rounding (|log r| below
+  about 1e-5 for log-probs of a few units), so the k3 estimate, about (log r)^2 / 2, is below
+  1e-9, and no token reaches the correction's cap (log 2)."""
+  for row in rows:
+    assert 0.0 <= row["logprob_mismatch/k3"] < 1e-9, row["logprob_mismatch/k3"]
+    assert 0.0 <= row["logprob_mismatch/seq_k3"] < 1e-9
+    assert row["logprob_mismatch/max"] < 1e-4
+    assert row["rollout_correction/corrected_frac"] == 0.0
+
+
 def assert_same_numbers(base: list[dict], other: list[dict], keys: Iterable[str]) -> None:
   """Two runs' metric rows agree on `keys`, row by row: the same computation on other meshes,
   where only the order of reductions may differ."""

@@ -10,7 +10,9 @@ import runpy
 import numpy as np
 import pytest
 from runs_testing import (
+  CORRECTION_OF,
   LEARNING_RUN,
+  assert_engine_agrees_with_the_trainer,
   assert_packed_gives_the_padded_numbers,
   assert_same_numbers,
 )
@@ -67,6 +69,8 @@ def runs(tmp_path_factory):
       # noise that differs with the layout's reduction order, and Adam (g / |g|) turns noise
       # into full-size steps, so placements would part after the first update.
       changes = {"ppo__packing": False} if variant == _PADDED else {}
+      kind, level = CORRECTION_OF[name]
+      changes.update(ppo__rollout_correction=kind, ppo__rollout_correction_level=level)
       cfg = _config(
         name,
         variant.split(",")[0],
@@ -87,6 +91,8 @@ def test_every_placement_gives_the_colocated_numbers(runs, name):
     keys.append("loss/kl")
   assert_same_numbers(base, other, keys)
   assert base[0]["loss/policy"] != base[1]["loss/policy"]
+  for variant in (*_VARIANTS, _PADDED):
+    assert_engine_agrees_with_the_trainer(runs[name, variant][1].metrics)
 
 
 @pytest.mark.parametrize("name", _ALGORITHMS)

@@ -168,24 +168,83 @@ def test_clipped_policy_loss(batch):
   _close(grad, expected_grad)
 
 
-def test_behaviour_policy_importance_weight(batch):
+def test_importance_weights_multiply_each_tokens_loss_without_gradient(batch):
   old, mask = batch["logp"], batch["mask"]
   adv = np.ones_like(old)
+  weights = np.where(mask > 0, batch["rng"].uniform(0.0, 2.0, old.shape), 0.0)
 
-  def loss_given(behaviour):
-    loss, _ = alg.clipped_policy_loss(
-      jnp.asarray(old),
-      jnp.asarray(old),
-      jnp.asarray(adv),
-      jnp.asarray(mask),
-      clip_eps=0.2,
-      behaviour_logp_bt=jnp.asarray(behaviour),
-    )
-    return loss
+  def loss(logp, w):
+    return alg.clipped_policy_loss(
+      logp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), clip_eps=0.2, weights_bt=w
+    )[0]
 
-  # The stale policy gave these tokens lower probability.
-  _close(loss_given(old - 0.1), -np.exp(0.1))
-  _close(loss_given(old - 5.0), -1.2)  # truncated at 1 + eps
+  # At logp = old the ratio is 1: the loss is -mean_t w_t, its gradient -w_t / count.
+  count = mask.sum()
+  _close(loss(jnp.asarray(old), jnp.asarray(weights)), -weights.sum() / count)
+  grad = jax.grad(loss)(jnp.asarray(old), jnp.asarray(weights))
+  _close(grad, -weights * mask / count)
+  assert not np.any(np.asarray(jax.grad(loss, argnums=1)(jnp.asarray(old), jnp.asarray(weights))))
+
+
+def _correction_reference(old, rollout, mask, kind, level, cap):
+  """`alg.rollout_correction` as loops over sequences and tokens, in float64."""
+  old, rollout = old.astype(np.float64), rollout.astype(np.float64)
+  weights, corrected, count = np.zeros_like(old), 0, 0
+  for i in range(old.shape[0]):
+    tokens = [t for t in range(old.shape[1]) if mask[i, t]]
+    if level == "sequence" and tokens:
+      seq = sum(old[i, t] - rollout[i, t] for t in tokens) / len(tokens)
+    for t in tokens:
+      log_r = seq if level == "sequence" else old[i, t] - rollout[i, t]
+      r = math.exp(log_r)
+      if kind == "tis":
+        weights[i, t], hit = min(r, cap), r > cap
+      elif kind == "mis":
+        inside = 1.0 / cap <= r <= cap
+        weights[i, t], hit = float(inside), not inside
+      else:
+        weights[i, t], hit = 1.0, False
+      corrected += hit
+      count += 1
+  return weights, corrected / count
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("kind", ["none", "tis", "mis"])
+def test_rollout_correction_against_numpy(batch, kind, level):
+  old, mask = batch["logp"], batch["mask"]
+  # Engine log-probs a little off, some far off: both sides of the band [1/C, C] are reached.
+  rollout = old + batch["rng"].normal(0.0, 0.6, old.shape).astype(np.float32)
+  cap = 1.5
+  got, frac = alg.rollout_correction(
+    jnp.asarray(old), jnp.asarray(rollout), jnp.asarray(mask), kind=kind, level=level, cap=cap
+  )
+  want, want_frac = _correction_reference(old, rollout, mask, kind, level, cap)
+  _close(got, want)
+  _close(frac, want_frac)
+  if kind != "none":
+    assert 0 < want_frac < 1  # the data exercises the cap
+  assert not np.any(np.asarray(got)[mask == 0])
+
+
+def test_mismatch_stats_against_numpy(batch):
+  old, mask = batch["logp"].astype(np.float64), batch["mask"]
+  rollout = old + batch["rng"].normal(0.0, 0.1, old.shape)
+  got = alg.mismatch_stats(
+    jnp.asarray(old, jnp.float32), jnp.asarray(rollout, jnp.float32), jnp.asarray(mask)
+  )
+  log_r = [[old[i, t] - rollout[i, t] for t in range(T) if mask[i, t]] for i in range(B)]
+  tokens = [x for row in log_r for x in row]
+  k3 = lambda x: math.exp(x) - 1 - x
+  seqs = [sum(row) / len(row) for row in log_r if row]
+  # float32 inputs: log r carries ~1e-7 * |logp| of rounding, k3 ~ (log r)^2 / 2 ~ 5e-3.
+  _close(got["max"], max(abs(x) for x in tokens), atol=1e-6)
+  _close(got["mean"], np.mean(np.abs(tokens)), atol=1e-6)
+  _close(got["k3"], np.mean([k3(x) for x in tokens]), atol=1e-6)
+  _close(got["seq_k3"], np.mean([k3(x) for x in seqs]), atol=1e-6)
+  # The trainer's own numerics: no mismatch.
+  same = alg.mismatch_stats(jnp.asarray(old), jnp.asarray(old), jnp.asarray(mask))
+  assert all(float(v) == 0.0 for v in same.values())
 
 
 def test_clipped_value_loss(batch):

@@ -74,7 +74,8 @@ def _padded_fields(params, seqs, seed=1):
     "attention_mask": attention,
     "response_mask": mask,
     "old_logprobs": logp + noise(0.5),  # ratios far from 1: clipping is exercised
-    "behaviour_logprobs": logp + noise(0.1),
+    # The rollout correction's weights (`alg.rollout_correction`): 'tis' of these ratios.
+    "is_weights": jnp.minimum(jnp.exp(noise(0.3)), 1.2) * mask,
     "ref_logprobs": logp + noise(0.2),
     "advantages": noise(1.0) * mask,
     "returns": noise(1.0) * mask,

@@ -7,8 +7,12 @@ import pathlib
 import runpy
 
 import pytest
+from runs_testing import (
+  assert_engine_agrees_with_the_trainer,
+  assert_packed_gives_the_padded_numbers,
+  with_correction,
+)
 from runs_testing import assert_packed_compiles_once_per_row_bucket as compiles_per_bucket
-from runs_testing import assert_packed_gives_the_padded_numbers
 
 from rlhfjax.config import from_config_dict
 from rlhfjax.runner import Runner
@@ -27,6 +31,7 @@ def _config(name: str, packing_on: bool):
   cd.eval.num_prompts = 0
   cd.reward.model_coef = 0.5  # continuous scores: every group carries a signal
   cd.ppo.packing = packing_on
+  with_correction(cd, name)
   if name == "ppo":
     cd.ppo.mini_batches = 2
   if name == "dapo":
@@ -49,6 +54,8 @@ def runs(tmp_path_factory):
 def test_every_flow_packed_gives_the_padded_numbers(runs, name):
   extra = {"ppo": ["loss/value", "critic/grad_norm"], "dapo": ["reward/overlong_mean"]}[name]
   assert_packed_gives_the_padded_numbers(runs[name, False], runs[name, True], extra)
+  for packing_on in (False, True):
+    assert_engine_agrees_with_the_trainer(runs[name, packing_on].metrics)
 
 
 @pytest.mark.slow

@@ -230,16 +230,15 @@ def programs_built_anew():
 def test_the_actor_loss_weighs_tokens_by_their_behaviour_logprobs(
   tmp_path, monkeypatch, packing, programs_built_anew
 ):
-  """The behaviour log-probs the actor's loss (padded or packed) reads are the rollout's own,
-  token by token, in a batch whose tokens span two versions."""
+  """The importance weights the actor's loss (padded or packed) reads are the truncated ratios
+  to the rollout's own log-probs, token by token, in a batch whose tokens span two versions
+  (decoupled PPO: `ppo.rollout_correction='none'` is 'tis' when generating ahead)."""
   seen = []
 
-  def spy(logp, old, advantages, *, behaviour_logp_bt=None, **kw):
-    assert behaviour_logp_bt is not None, "the actor's loss got no behaviour log-probs"
-    jax.debug.callback(
-      lambda o, b: seen.append((np.asarray(o), np.asarray(b))), old, behaviour_logp_bt
-    )
-    return original(logp, old, advantages, behaviour_logp_bt=behaviour_logp_bt, **kw)
+  def spy(logp, old, advantages, *, weights_bt=None, **kw):
+    assert weights_bt is not None, "the actor's loss got no importance weights"
+    jax.debug.callback(lambda o, w: seen.append((np.asarray(o), np.asarray(w))), old, weights_bt)
+    return original(logp, old, advantages, weights_bt=weights_bt, **kw)
 
   original = losses.policy_token_terms
   monkeypatch.setattr(losses, "policy_token_terms", spy)
@@ -249,6 +248,7 @@ def test_the_actor_loss_weighs_tokens_by_their_behaviour_logprobs(
     str(tmp_path),
     show_progress=False,
   )
+  cap = runner.cfg.ppo.rollout_correction_cap
   worker = runner.flow.partial
   _land_syncs_mid_batch(worker, 1, 2)
   batches = []
@@ -259,15 +259,27 @@ def test_the_actor_loss_weighs_tokens_by_their_behaviour_logprobs(
     jax.effects_barrier()
     got = batches[i]
     mask = got.seqs.response_mask_bt > 0
-    want = np.sort(got.seqs.rollout_logprobs_bt[mask])
-    old = np.concatenate([o.reshape(-1) for o, _ in seen])
-    behaviour = np.concatenate([b.reshape(-1) for _, b in seen])
-    # Every response token once per epoch (padding slots hold 0 in both).
-    real = behaviour != 0
-    np.testing.assert_array_equal(np.sort(behaviour[real]), want)
+    want = np.sort(got.seqs.rollout_logprobs_bt[mask].astype(np.float64))
+    old = np.concatenate([o.reshape(-1) for o, _ in seen]).astype(np.float64)
+    weights = np.concatenate([w.reshape(-1) for _, w in seen]).astype(np.float64)
+    # Every response token once per epoch, weighed min(exp(old - rollout), cap) > 0 (padding
+    # slots weigh 0): below the cap, the weight gives back the token's rollout log-prob.
+    real = weights > 0
+    assert real.sum() == mask.sum()
+    kept = real & (weights < cap)
+    behaviour = np.sort(old[kept] - np.log(weights[kept]))
+    nearest = want[np.clip(np.searchsorted(want, behaviour), 0, len(want) - 1)]
+    below = want[np.clip(np.searchsorted(want, behaviour) - 1, 0, len(want) - 1)]
+    # float32 log-probs and weights: |d log w| <= 2^-23 * (1 + |log w|), plus old's own ulp.
+    tol = 4e-6 * (1.0 + np.abs(behaviour))
+    assert np.all(np.minimum(np.abs(nearest - behaviour), np.abs(below - behaviour)) <= tol)
+    np.testing.assert_array_equal(weights[real & ~kept], cap)
     if i == 1:  # version-0 tokens trained by version 1: the actor's log-probs differ
-      assert np.max(np.abs(old[real] - behaviour[real])) > 1e-4
+      assert np.max(np.abs(weights[real] - 1.0)) > 1e-4
       assert got.versions_bt[mask].min() == 0 and got.versions_bt.max() == 1
+    assert row["rollout_correction/corrected_frac"] == pytest.approx(
+      np.mean(weights[real] >= cap), abs=1e-6
+    )
     seen.clear()
 
   _iterate(runner, 2, check)

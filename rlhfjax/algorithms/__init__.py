@@ -13,6 +13,7 @@ from rlhfjax.algorithms.advantages import (
   shape_rewards,
   whiten_advantages,
 )
+from rlhfjax.algorithms.correction import mismatch_stats, rollout_correction
 from rlhfjax.algorithms.dapo import groups_with_signal, overlong_penalty
 from rlhfjax.algorithms.kl import (
   KL_CONTROLLERS,
@@ -55,6 +56,8 @@ from rlhfjax.algorithms.preference import (
 )
 
 __all__ = [
+  "mismatch_stats",
+  "rollout_correction",
   "groups_with_signal",
   "overlong_penalty",
   "DPO_LOSSES",

@@ -67,7 +67,7 @@ def clipped_policy_loss(
   mask_bt: jax.Array,
   *,
   clip_eps: float,
-  behaviour_logp_bt: jax.Array | None = None,
+  weights_bt: jax.Array | None = None,
   clip_eps_high: float | None = None,
   aggregation: str = "token_mean",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -79,9 +79,9 @@ def clipped_policy_loss(
   `eps_low = clip_eps`; `eps_high = clip_eps_high` when given (DAPO's decoupled clip, Yu et al.,
   2025), else `clip_eps`. `agg` is one of `LOSS_AGGREGATIONS` (default: mean over tokens).
 
-  With `behaviour_logp_bt` (the log-probs of the policy that actually generated the tokens,
-  e.g. one step stale in asynchronous rollout), each token is also weighted by the truncated
-  importance ratio `min(exp(old_logp - behaviour_logp), 1 + eps)` (no gradient through it).
+  With `weights_bt`, each token's loss is also multiplied by its weight, without gradient: the
+  rollout correction's importance weights (`rlhfjax.algorithms.correction`: the engine's
+  log-probs against the trainer's, or an older policy's when generating ahead).
 
   Returns the loss and statistics: clip fraction and the approximate KL to `old`.
   """
@@ -90,7 +90,7 @@ def clipped_policy_loss(
     old_logp_bt,
     advantages_bt,
     clip_eps=clip_eps,
-    behaviour_logp_bt=behaviour_logp_bt,
+    weights_bt=weights_bt,
     clip_eps_high=clip_eps_high,
   )
   stats = {
@@ -107,7 +107,7 @@ def policy_token_terms(
   advantages_bt: jax.Array,
   *,
   clip_eps: float,
-  behaviour_logp_bt: jax.Array | None = None,
+  weights_bt: jax.Array | None = None,
   clip_eps_high: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`clipped_policy_loss`'s per-token loss before aggregation, and per-token statistics:
@@ -118,9 +118,8 @@ def policy_token_terms(
   high = clip_eps if clip_eps_high is None else clip_eps_high
   clipped_bt = -advantages_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + high)
   per_token_bt = jnp.maximum(unclipped_bt, clipped_bt)
-  if behaviour_logp_bt is not None:
-    weight_bt = jnp.minimum(jnp.exp(old_logp_bt - behaviour_logp_bt), 1.0 + clip_eps)
-    per_token_bt = per_token_bt * jax.lax.stop_gradient(weight_bt)
+  if weights_bt is not None:
+    per_token_bt = per_token_bt * jax.lax.stop_gradient(weights_bt)
   terms = {
     "clipped": (clipped_bt > unclipped_bt).astype(jnp.float32),
     "approx_kl": 0.5 * jnp.square(log_ratio_bt),

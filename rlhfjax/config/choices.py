@@ -20,6 +20,10 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 """`ppo.kl_controller`: `rlhfjax.algorithms.KL_CONTROLLERS`."""
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 """`ppo.loss_agg`: `rlhfjax.algorithms.LOSS_AGGREGATIONS`."""
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+"""`ppo.rollout_correction`: `rlhfjax.algorithms.correction.CORRECTIONS`."""
+CORRECTION_LEVELS = ("token", "sequence")
+"""`ppo.rollout_correction_level`: a token's own ratio, or its sequence's geometric mean."""
 DPO_LOSSES = ("sigmoid", "ipo")
 """`dpo.loss`: `rlhfjax.algorithms.DPO_LOSSES`."""
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")

@@ -521,6 +521,17 @@ class PPOSection:
   older than the weights it trains. 0: synchronous. Not combined with `async_rollout` (its
   deterministic one-batch-ahead form); runs are not bitwise reproducible (timing decides where
   syncs land)."""
+  rollout_correction: str = "none"
+  """How the policy loss corrects for the engine's log-probs differing from the trainer's
+  (`rlhfjax.algorithms.correction`): 'none', 'tis' (each token's loss weighed by its truncated
+  importance ratio `min(pi_old / pi_rollout, rollout_correction_cap)`) or 'mis' (tokens whose
+  ratio lies outside `[1 / cap, cap]` weigh 0). Generating ahead (`async_rollout`,
+  `max_staleness`) always corrects, as decoupled PPO: 'none' is 'tis' there."""
+  rollout_correction_level: str = "token"
+  """'token': each token's own ratio; 'sequence': its response's geometric mean, so a whole
+  response is kept, truncated or dropped together."""
+  rollout_correction_cap: float = 2.0
+  """The correction's `C` (> 1), apart from `clip_eps`."""
   max_skipped_updates: int = 3
   """Stop the run, with a message, after this many updates in a row were skipped for a
   non-finite loss or gradients (each skip is counted in the metrics as `update/skipped`)."""
@@ -540,6 +551,14 @@ class PPOSection:
   `placement.pipeline_stages` > 1 and the actor and critic on the same devices."""
 
   @property
+  def correction(self) -> str:
+    """The correction the policy loss applies: `rollout_correction`, 'tis' when it is 'none'
+    and the rollout generates ahead."""
+    if self.rollout_correction == "none" and self.generates_ahead:
+      return "tis"
+    return self.rollout_correction
+
+  @property
   def generates_ahead(self) -> bool:
     """Whether the rollout generates while the update trains (`async_rollout` or
     `max_staleness`)."""
@@ -554,6 +573,15 @@ class PPOSection:
     if self.overlong_buffer < 0 or self.dynamic_sampling_rounds < 0:
       raise ConfigError("'ppo.overlong_buffer' and 'ppo.dynamic_sampling_rounds' must be >= 0")
     _check_choice("ppo.kl_controller", self.kl_controller, choices.KL_CONTROLLERS)
+    _check_choice("ppo.rollout_correction", self.rollout_correction, choices.ROLLOUT_CORRECTIONS)
+    _check_choice(
+      "ppo.rollout_correction_level", self.rollout_correction_level, choices.CORRECTION_LEVELS
+    )
+    if not self.rollout_correction_cap > 1.0:  # NaN too
+      raise ConfigError(
+        f"'ppo.rollout_correction_cap' must be > 1 (the ratio's truncation, and the band "
+        f"[1/cap, cap] masking keeps), got {self.rollout_correction_cap}"
+      )
     ranges.check(
       "ppo",
       self,

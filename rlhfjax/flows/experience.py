@@ -132,6 +132,9 @@ class Experience:
   """The sequence reward."""
   advantages_bt: jax.Array | None = None
   returns_bt: jax.Array | None = None
+  is_weights_bt: jax.Array | None = None
+  """The rollout correction's weight of each token in the policy loss
+  (`rlhfjax.algorithms.correction`; 1 on response tokens without one, 0 elsewhere)."""
 
   @classmethod
   def from_sequences(cls, seqs: Sequences) -> dict[str, np.ndarray]:

@@ -36,6 +36,7 @@ import tqdm
 
 from rlhfjax import algorithms as alg
 from rlhfjax import distributed, signals
+from rlhfjax.algorithms import correction
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
@@ -61,6 +62,10 @@ class AdvantageSettings:
   whiten: bool
   overlong_buffer: int = 0
   """DAPO's soft overlong punishment added to the scores (0: none)."""
+  correction: str = "none"
+  """`ppo.correction`: the rollout correction's kind (`alg.correction.CORRECTIONS`)."""
+  correction_level: str = "token"
+  correction_cap: float = 2.0
 
 
 def compute_advantages(
@@ -89,7 +94,15 @@ def compute_advantages(
   )
   if settings.whiten:
     advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
-  mismatch_bt = jnp.abs(old_bt - exp.rollout_logprobs_bt)
+  mismatch = correction.mismatch_stats(old_bt, exp.rollout_logprobs_bt, mask_bt)
+  is_weights_bt, corrected = correction.rollout_correction(
+    old_bt,
+    exp.rollout_logprobs_bt,
+    mask_bt,
+    kind=settings.correction,
+    level=settings.correction_level,
+    cap=settings.correction_cap,
+  )
   stats = {
     "reward/mean": jnp.mean(exp.scores_b),
     "reward/std": jnp.std(exp.scores_b),
@@ -97,10 +110,20 @@ def compute_advantages(
     "kl/per_token": masked_mean(kl_bt, mask_bt),
     "reward/shaped_mean": jnp.mean(jnp.sum(rewards_bt, axis=-1)),
     "reward/overlong_mean": jnp.mean(scores_b - exp.scores_b),
-    "logprob_mismatch/max": jnp.max(jnp.where(mask_bt > 0, mismatch_bt, 0.0)),
-    "logprob_mismatch/mean": masked_mean(mismatch_bt, mask_bt),
+    **{f"logprob_mismatch/{k}": v for k, v in mismatch.items()},
+    "rollout_correction/corrected_frac": corrected,
   }
-  return exp.replace(values_bt=values_bt, advantages_bt=advantages_bt, returns_bt=returns_bt), stats
+  exp = exp.replace(
+    values_bt=values_bt,
+    advantages_bt=advantages_bt,
+    returns_bt=returns_bt,
+    is_weights_bt=is_weights_bt,
+  )
+  return exp, stats
+
+
+_CORRECTION_STATS = ("logprob_mismatch/", "rollout_correction/")
+"""The rows' keys of `compute_advantages`'s mismatch and correction statistics."""
 
 
 def check_batch(cfg, group_size: int, mini_batches: int, micro_batches: int) -> None:
@@ -152,7 +175,7 @@ class PPOFlow:
       )
     self.off_policy = ppo.async_rollout or ppo.max_staleness > 0
     """Batches are generated ahead, by older weights: the actor's loss weighs each token by
-    the importance ratio to its behaviour log-prob (the rollout's)."""
+    its importance weight against its behaviour log-prob (the rollout's; `ppo.correction`)."""
     if self.off_policy and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
       raise ValueError(
         f"{ahead} needs the rollout on its own devices (placement.strategy='disaggregated')"
@@ -234,6 +257,9 @@ class PPOFlow:
       ),
       whiten=ppo.whiten_advantages,
       overlong_buffer=ppo.overlong_buffer,
+      correction=ppo.correction,
+      correction_level=ppo.rollout_correction_level,
+      correction_cap=ppo.rollout_correction_cap,
     )
     self._advantages = cluster.compile(
       "advantages", functools.partial(compute_advantages, settings)
@@ -247,9 +273,7 @@ class PPOFlow:
       stages.minibatch_splitter, ctx, mini=ppo.mini_batches, micro=ppo.micro_batches, seed=cfg.seed
     )
     shapes = {"tokens": (b, s), "attention_mask": (b, s), "response_mask": (b, t)}
-    actor_shapes = {**shapes, "old_logprobs": (b, t), "advantages": (b, t)}
-    if self.off_policy:
-      actor_shapes["behaviour_logprobs"] = (b, t)
+    actor_shapes = {**shapes, "old_logprobs": (b, t), "advantages": (b, t), "is_weights": (b, t)}
     if ppo.kl_loss_coef:
       actor_shapes["ref_logprobs"] = (b, t)
     self._actor_split = split(Role.ACTOR, "actor_minibatches", actor_shapes)
@@ -536,8 +560,7 @@ class PPOFlow:
     ppo = self.ctx.cfg.ppo
     actor = {"tokens": exp.tokens_bs, "old_logprobs": exp.old_logprobs_bt}
     actor["advantages"] = exp.advantages_bt
-    if self.off_policy:
-      actor["behaviour_logprobs"] = exp.rollout_logprobs_bt
+    actor["is_weights"] = exp.is_weights_bt
     if ppo.kl_loss_coef:
       actor["ref_logprobs"] = exp.ref_logprobs_bt
     critic = None
@@ -651,8 +674,7 @@ class PPOFlow:
       "kl/mean": float(stats["kl/mean"]),
       "kl/coef": float(self.kl_state.coef),
       "response/length": float(mask.sum(-1).mean()),
-      "logprob_mismatch/max": float(stats["logprob_mismatch/max"]),
-      "logprob_mismatch/mean": float(stats["logprob_mismatch/mean"]),
+      **{k: float(v) for k, v in stats.items() if k.startswith(_CORRECTION_STATS)},
       "time/iteration": elapsed,
       "throughput/tokens_per_s_per_device": seqs.num_tokens / elapsed / num_devices,
       "sync/bytes": float(bytes_synced),

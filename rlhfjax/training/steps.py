@@ -101,7 +101,7 @@ def actor_loss(
     batch["advantages"],
     mask_bt,
     clip_eps=clip_eps,
-    behaviour_logp_bt=batch.get("behaviour_logprobs"),
+    weights_bt=batch.get("is_weights"),
     clip_eps_high=clip_eps_high,
     aggregation=loss_agg,
   )
@@ -164,7 +164,7 @@ def packed_actor_loss(
     batch["old_logprobs"],
     batch["advantages"],
     clip_eps=clip_eps,
-    behaviour_logp_bt=batch.get("behaviour_logprobs"),
+    weights_bt=batch.get("is_weights"),
     clip_eps_high=clip_eps_high,
   )
   policy_loss = jnp.sum(w * per_token)
