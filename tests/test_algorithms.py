@@ -168,6 +168,85 @@ def test_clipped_policy_loss(batch):
   _close(grad, expected_grad)
 
 
+def test_gspo_against_numpy(batch):
+  """GSPO: one length-normalised ratio and one clip per sequence; its gradient is
+  `-A_i s_i / |y_i|` on each token of an unclipped sequence, over the sequences."""
+  rng, mask, lengths = batch["rng"], batch["mask"], batch["lengths"]
+  old = batch["logp"].astype(np.float64)
+  new = old + rng.normal(0, 0.3, old.shape)
+  adv_b = np.array([1.0, -0.5, 2.0, -1.5, 0.7])
+  adv = adv_b[:, None] * mask
+  eps_low, eps_high = 0.05, 0.08
+  total, grad, clipped = 0.0, np.zeros_like(old), []
+  for i in range(B):
+    n = lengths[i]
+    s = math.exp(sum(new[i, t] - old[i, t] for t in range(n)) / n)
+    a, b = -adv_b[i] * s, -adv_b[i] * min(max(s, 1 - eps_low), 1 + eps_high)
+    total += max(a, b) / B
+    clipped.append(b > a)
+    if not b > a:
+      grad[i, :n] = -adv_b[i] * s / n / B
+  assert any(clipped) and not all(clipped)  # both branches are exercised
+
+  def loss(lp):
+    return alg.clipped_policy_loss(
+      lp,
+      jnp.asarray(old, jnp.float32),
+      jnp.asarray(adv, jnp.float32),
+      jnp.asarray(mask),
+      clip_eps=eps_low,
+      clip_eps_high=eps_high,
+      aggregation="seq_mean_token_mean",
+      loss="gspo",
+    )
+
+  got, stats = loss(jnp.asarray(new, jnp.float32))
+  _close(got, total)
+  # Token-level clip fraction: each sequence's tokens share its clip.
+  _close(stats["clipfrac"], sum(c * n for c, n in zip(clipped, lengths, strict=True)) / mask.sum())
+  _close(jax.grad(lambda lp: loss(lp)[0])(jnp.asarray(new, jnp.float32)), grad)
+
+
+def test_cispo_against_numpy(batch):
+  """CISPO: `-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp` per token; every token keeps its
+  gradient `-w A`, the clipped ones too."""
+  rng, mask = batch["rng"], batch["mask"]
+  old = batch["logp"].astype(np.float64)
+  new = old + rng.normal(0, 0.3, old.shape)
+  adv = rng.normal(0, 1, old.shape) * mask
+  eps_low, eps_high = 1.0, 0.2
+  w = np.clip(np.exp(new - old), 1 - eps_low, 1 + eps_high)
+  count = mask.sum()
+  assert np.any((w == 1 + eps_high) & (mask > 0)) and np.any((w < 1 + eps_high) & (mask > 0))
+
+  def loss(lp):
+    return alg.clipped_policy_loss(
+      lp,
+      jnp.asarray(old, jnp.float32),
+      jnp.asarray(adv, jnp.float32),
+      jnp.asarray(mask),
+      clip_eps=eps_low,
+      clip_eps_high=eps_high,
+      loss="cispo",
+    )
+
+  got, stats = loss(jnp.asarray(new, jnp.float32))
+  _close(got, np.sum(-w * adv * new * mask) / count)
+  _close(stats["clipfrac"], np.sum((w == 1 + eps_high) * mask) / count)
+  _close(jax.grad(lambda lp: loss(lp)[0])(jnp.asarray(new, jnp.float32)), -w * adv * mask / count)
+
+
+def test_packed_sequence_mean_is_each_segments_mean_over_its_response_slots():
+  from rlhfjax.training import steps
+
+  segments = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+  response = np.array([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 1, 0]], bool)
+  x = np.arange(12, dtype=np.float32).reshape(2, 6)
+  got = steps.packed_sequence_mean(jnp.asarray(segments), jnp.asarray(response))(jnp.asarray(x))
+  want = np.array([[1.5, 1.5, 1.5, 4.0, 4.0, 0.0], [9.0] * 6], np.float32)
+  np.testing.assert_array_equal(np.asarray(got)[response], want[response])
+
+
 def test_importance_weights_multiply_each_tokens_loss_without_gradient(batch):
   old, mask = batch["logp"], batch["mask"]
   adv = np.ones_like(old)

@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from hf_dirs import (
   LLAMA3_SPECIALS,
   LLAMA3_TEMPLATE,
@@ -24,6 +25,7 @@ from hf_dirs import (
   write_tokenizer,
 )
 
+from rlhfjax import export
 from rlhfjax.config import from_config_dict
 from rlhfjax.config import model as model_config
 from rlhfjax.config.hf import read_hf_config
@@ -58,7 +60,7 @@ def _qwen2_dir(path) -> str:
   return str(path)
 
 
-def _llama3_dir(path) -> str:
+def _llama3_dir(path, dtype: str = "float32") -> str:
   tok = write_tokenizer(
     path,
     specials=LLAMA3_SPECIALS,
@@ -69,6 +71,8 @@ def _llama3_dir(path) -> str:
   model = TINY_LLAMA3.replace(
     bos_token_id=tok.token_to_id("<|begin_of_text|>"),
     eos_token_ids=(tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")),
+    param_dtype=dtype,
+    dtype=dtype,
   )
   write_checkpoint(path, model, seed=3)
   return str(path)
@@ -96,18 +100,25 @@ def test_train_script_runs_grpo_on_a_qwen2_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_on_a_llama3_checkpoint_runs_its_architecture_and_weights(tmp_path):
-  path = _llama3_dir(tmp_path / "llama3")
+def test_grpo_on_a_bf16_llama3_checkpoint_trains_fp32_masters_that_move_at_lr_1e6(tmp_path):
+  """A checkpoint saved in bf16, as public ones are: its architecture and weights run, the
+  actor trains fp32 masters over bf16 matmuls while the reference holds the bf16 weights, and
+  two GRPO steps at lr 1e-6, exported in float32, differ from the source in nearly every
+  projection weight (in pure bf16 an update of 1e-6 rounds away on all but the smallest)."""
+  path = _llama3_dir(tmp_path / "llama3", dtype="bfloat16")
   cd = runpy.run_path(os.path.join(ROOT, "configs", "grpo_tiny.py"))["get_config"]()
   cd.model.size = ""
   cd.model.hf = path
+  cd.actor_optimizer.learning_rate = 1e-6
+  cd.reward.model_coef = 0.5  # continuous scores: every group has a gradient
   for dotted, value in RUN_FLAGS.items():
     section, _, field = dotted.rpartition(".")
     (cd[section] if section else cd)[field] = value
   runner = Runner(from_config_dict(cd), str(tmp_path / "run"), show_progress=False)
   expected, _ = read_hf_config(path)
-  for role in (Role.ACTOR, Role.REFERENCE):
-    assert runner.cluster.roles[role].model == expected
+  assert (expected.param_dtype, expected.dtype) == ("bfloat16", "bfloat16")
+  assert runner.cluster.roles[Role.ACTOR].model == expected.replace(param_dtype="float32")
+  assert runner.cluster.roles[Role.REFERENCE].model == expected
   assert expected.rope_scaling.type == "llama3" and expected.eos_token_ids == (1, 4)
   runner.run()
   # The reference is the initial policy: the checkpoint's weights, not a random draw.
@@ -116,6 +127,16 @@ def test_grpo_on_a_llama3_checkpoint_runs_its_architecture_and_weights(tmp_path)
   np.testing.assert_array_equal(
     np.asarray(jax.device_get(reference["embedding"])), np.asarray(weights["embedding"])
   )
+  out = tmp_path / "export"
+  export.export(str(tmp_path / "run"), str(out), dtype="float32")
+  source = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
+  trained = safetensors.numpy.load_file(out / "model.safetensors")
+  projections = [n for n in source if n.endswith("proj.weight")]
+  assert len(projections) == 7 * TINY_LLAMA3.num_layers
+  for name in projections:
+    assert str(source[name].dtype) == "bfloat16", name
+    moved = np.mean(trained[name] != source[name].astype(np.float32))
+    assert trained[name].dtype == np.float32 and moved > 0.9, (name, moved)
 
 
 @pytest.mark.slow

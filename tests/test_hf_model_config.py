@@ -46,16 +46,49 @@ def test_every_role_runs_the_checkpoints_architecture(tmp_path, model):
   assert cfg.data.tokenizer == str(tmp_path)
 
 
-def test_dtype_is_the_checkpoints_unless_the_config_says(tmp_path):
+def test_a_bf16_checkpoint_trains_fp32_masters_and_the_frozen_roles_hold_bf16(tmp_path):
   path = _write_config(tmp_path, QWEN2, torch_dtype="bfloat16")
+  dtypes = lambda cfg, role: (cfg.model.for_role(role).param_dtype, cfg.model.for_role(role).dtype)
   cfg = _grpo(hf=path)
-  assert (cfg.model.for_role("actor").param_dtype, cfg.model.for_role("actor").dtype) == (
-    "bfloat16",
-    "bfloat16",
-  )
+  for role in ("actor", "critic"):
+    assert dtypes(cfg, role) == ("float32", "bfloat16"), role
+  for role in ("reference", "reward", "rollout"):
+    assert dtypes(cfg, role) == ("bfloat16", "bfloat16"), role
+  # The reward model's own flow trains it.
+  rm = runpy.run_path(os.path.join(ROOT, "configs", "rm_tiny.py"))["get_config"]()
+  del rm.model["size"]
+  rm.model.hf = path
+  assert dtypes(config_lib.from_config_dict(rm), "reward") == ("float32", "bfloat16")
+  # The opt-out: pure bf16 (at a learning rate bf16 can add to a weight of 0.02).
+  pure = _grpo(hf=path, fp32_masters=False)
+  assert dtypes(pure, "actor") == ("bfloat16", "bfloat16")
+  # A dtype the config gives wins; an fp32 checkpoint stays fp32.
   cfg = _grpo(hf=path, param_dtype="float32", roles={"actor": {"remat": "full"}})
   actor = cfg.model.for_role("actor")
   assert (actor.param_dtype, actor.dtype, actor.remat) == ("float32", "bfloat16", "full")
+  assert dtypes(cfg, "reference") == ("float32", "bfloat16")
+  fp32 = _grpo(hf=_write_config(tmp_path / "fp32", QWEN2, torch_dtype="float32"))
+  assert {dtypes(fp32, r) for r in ("actor", "reference")} == {("float32", "float32")}
+
+
+def test_pure_bf16_at_a_learning_rate_bf16_cannot_represent_is_one_line(tmp_path):
+  path = _write_config(tmp_path, QWEN2, torch_dtype="bfloat16")
+  cd = runpy.run_path(os.path.join(ROOT, "configs", "grpo_tiny.py"))["get_config"]()
+  del cd.model["size"]
+  cd.model.hf, cd.model.fp32_masters = path, False
+  cd.actor_optimizer.learning_rate = 1e-6
+  with pytest.raises(ConfigError, match=r"'actor_optimizer.learning_rate'=1e-06 with 'model\."):
+    config_lib.from_config_dict(cd)
+
+
+def test_a_checkpoint_of_1b_parameters_gets_remat_and_chunked_logprobs(tmp_path):
+  big = model_config.get_model_config("1b").replace(param_dtype="bfloat16", dtype="bfloat16")
+  cfg = _grpo(hf=_write_config(tmp_path, big))
+  actor, reference = cfg.model.for_role("actor"), cfg.model.for_role("reference")
+  assert (actor.remat, actor.logprob_chunk_size, actor.param_dtype) == ("full", 1024, "float32")
+  assert (reference.remat, reference.logprob_chunk_size) == ("none", 1024)
+  small = _grpo(hf=_write_config(tmp_path / "small", QWEN2)).model.for_role("actor")
+  assert (small.remat, small.logprob_chunk_size) == ("none", None)
 
 
 def test_stop_tokens_are_generation_configs(tmp_path):

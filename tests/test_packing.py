@@ -144,13 +144,26 @@ def test_packed_scores_unpack_to_the_padded_ones():
 
 
 @pytest.mark.parametrize(
-  "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+  ("aggregation", "policy_loss"),
+  [
+    ("token_mean", "ppo"),
+    ("seq_mean_token_mean", "ppo"),
+    ("seq_mean_token_sum_norm", "ppo"),
+    # GSPO reads each sequence's mean log-ratio: over packed segments as over padded rows.
+    ("seq_mean_token_mean", "gspo"),
+    ("token_mean", "cispo"),
+  ],
 )
-def test_packed_actor_loss_and_gradients_equal_the_padded_ones(aggregation):
+def test_packed_actor_loss_and_gradients_equal_the_padded_ones(aggregation, policy_loss):
   seqs, params = _seqs(), _params()
   fields = _padded_fields(params, seqs)
   options = dict(
-    clip_eps=0.2, entropy_coef=0.01, clip_eps_high=0.28, kl_loss_coef=0.05, kl_estimator="k3"
+    clip_eps=0.2,
+    entropy_coef=0.01,
+    clip_eps_high=0.28,
+    kl_loss_coef=0.05,
+    kl_estimator="k3",
+    policy_loss=policy_loss,
   )
   padded_loss = functools.partial(
     steps.actor_loss, config=CONFIG, prompt_len=P, loss_agg=aggregation, **options

@@ -164,9 +164,11 @@ def test_show_placement_plans_a_hugging_face_checkpoint_from_its_config_json(scr
   assert lines[0].startswith("colocated placement on 1 devices")
   model, _ = read_hf_config(REPO / _QWEN_DIR)
   assert (model.num_layers, model.hidden_size, model.param_dtype) == (28, 1536, "bfloat16")
-  params_gib = model_config.param_count(model) * 2 / 2**30  # bf16, as its torch_dtype
+  # The actor trains fp32 masters (`model.fp32_masters`); the reference holds the bf16 weights.
+  gib = lambda itemsize: f"{model_config.param_count(model) * itemsize / 2**30:.2f}"
   actor = next(line.split() for line in lines if line.startswith("actor "))
-  assert actor[7] == f"{params_gib:.2f}", stdout
+  reference = next(line.split() for line in lines if line.startswith("reference "))
+  assert (actor[7], reference[7]) == (gib(4), gib(2)), stdout
   assert any(line.startswith("summary: colocated on 1 devices") for line in lines), stdout
 
 

@@ -49,8 +49,21 @@ def grpo_workdir(tmp_path_factory):
       r"model.actor.max_position_embeddings: the checkpoint has 512, this run 256",
     ),
     ("grpo", {"data__chat_template": True}, r"the tokenizer or chat template .* encodes prompts"),
+    (
+      "grpo",
+      {"model__param_dtype": "bfloat16"},
+      r"model.actor.param_dtype: the checkpoint has 'float32', this run 'bfloat16'",
+    ),
   ],
-  ids=["rloo", "ppo_adds_a_critic", "dpo", "user_flow", "architecture", "chat_template"],
+  ids=[
+    "rloo",
+    "ppo_adds_a_critic",
+    "dpo",
+    "user_flow",
+    "architecture",
+    "chat_template",
+    "precision",
+  ],
 )
 def test_resume_refuses_a_checkpoint_of_another_kind_of_run(
   grpo_workdir, algorithm, changes, message, monkeypatch

@@ -1,5 +1,6 @@
 """Per-role precision: the rollout holds bf16 weights while the actor trains fp32 masters."""
 
+import json
 import pathlib
 import runpy
 
@@ -129,3 +130,45 @@ def test_ppo_runs_with_a_bf16_rollout_and_fp32_actor(tmp_path):
   cluster = runner.cluster
   assert {x.dtype for x in jax.tree.leaves(cluster.weights(Role.ACTOR))} == {np.dtype(np.float32)}
   _check_rollout_weights(cluster)
+
+
+def test_one_update_at_lr_1e6_moves_fp32_masters_and_rounds_away_in_pure_bf16(tmp_path):
+  """A bf16 checkpoint's actor keeps fp32 masters (`model.fp32_masters`): one AdamW step at the
+  learning rates RL uses changes nearly every weight; in pure bf16 an Adam step of about 1e-6
+  is below half the bf16 spacing of all but the smallest weights (|w| < about 2.6e-4) and of
+  every norm scale (1.0), so almost nothing changes."""
+  from hf_dirs import TINY_QWEN2
+
+  from rlhfjax import models
+  from rlhfjax.config import OptimizerConfig
+  from rlhfjax.config.hf import config_to_hf
+  from rlhfjax.training.optimizer import make_optimizer
+
+  (tmp_path / "config.json").write_text(
+    json.dumps({**config_to_hf(TINY_QWEN2, "lm"), "torch_dtype": "bfloat16"})
+  )
+  tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, decay="constant"), 1)
+  step = jax.jit(lambda p, g: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))
+  # The checkpoint's bf16 weights, and a gradient of ones and minus ones scaled at random.
+  saved = models.init_params(TINY_QWEN2, "lm", jax.random.key(0))
+  saved = jax.tree.map(lambda x: x.astype(jnp.bfloat16), saved)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(saved))))
+  grads = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), saved)
+  changed = {}
+  for masters in (True, False):
+    model = ModelSection(hf=str(tmp_path), fp32_masters=masters).for_role("actor")
+    params = jax.tree.map(lambda x, m=model: x.astype(m.param_dtype), saved)
+    g = jax.tree.map(lambda x, p: x.astype(p.dtype), grads, params)
+    new = step(params, g)
+    assert {x.dtype for x in jax.tree.leaves(new)} == {jnp.dtype(model.param_dtype)}
+    changed[masters] = jax.tree.map(
+      lambda a, b: float(np.mean(np.asarray(a, np.float32) != np.asarray(b, np.float32))),
+      params,
+      new,
+    )
+  for path, fraction in jax.tree_util.tree_leaves_with_path(changed[True]):
+    assert fraction > 0.99, (jax.tree_util.keystr(path), fraction)
+  for path, fraction in jax.tree_util.tree_leaves_with_path(changed[False]):
+    if jax.tree_util.keystr(path).endswith(("['kernel']", "['scale']", "['embedding']")):
+      assert fraction < 0.05, (jax.tree_util.keystr(path), fraction)
+    # (Biases start at 0, where bf16 holds 1e-6.)

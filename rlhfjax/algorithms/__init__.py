@@ -1,8 +1,13 @@
-"""The RL maths of PPO and its critic-free variants, as small pure functions selected by name."""
+"""The RL maths of PPO and its critic-free variants, as small pure functions selected by name.
 
+A policy loss registers itself where it is defined (`losses.register_policy_loss`); the
+modules that define one are imported here, so that `POLICY_LOSSES` holds them all."""
+
+from rlhfjax.algorithms import cispo, gspo  # noqa: F401 - they register their policy losses
 from rlhfjax.algorithms.advantages import (
   ADVANTAGE_ESTIMATORS,
   CRITIC_ESTIMATORS,
+  SEQUENCE_ESTIMATORS,
   EstimatorSettings,
   discounted_returns,
   gae,
@@ -28,11 +33,13 @@ from rlhfjax.algorithms.kl import (
 )
 from rlhfjax.algorithms.losses import (
   LOSS_AGGREGATIONS,
+  POLICY_LOSSES,
   aggregation_weights,
   clipped_policy_loss,
   clipped_value_loss,
   entropy_bonus,
   entropy_from_logits,
+  padded_sequence_mean,
   policy_token_terms,
   seq_mean_token_mean,
   seq_mean_token_sum_norm,
@@ -56,6 +63,9 @@ from rlhfjax.algorithms.preference import (
 )
 
 __all__ = [
+  "POLICY_LOSSES",
+  "SEQUENCE_ESTIMATORS",
+  "padded_sequence_mean",
   "mismatch_stats",
   "rollout_correction",
   "groups_with_signal",

@@ -191,3 +191,5 @@ sample-level ones (GRPO, RLOO). Only 'gae' reads the critic's values."""
 
 CRITIC_ESTIMATORS = frozenset({"gae"})
 """Estimators that need a critic."""
+SEQUENCE_ESTIMATORS = frozenset({"group_relative", "rloo"})
+"""Estimators that give each sample one advantage, on all its tokens (what GSPO reads)."""

@@ -5,6 +5,9 @@ Letters: b batch, t response length, v vocab. All means are token-level over the
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +73,7 @@ def clipped_policy_loss(
   weights_bt: jax.Array | None = None,
   clip_eps_high: float | None = None,
   aggregation: str = "token_mean",
+  loss: str = "ppo",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO-clip (Schulman et al., 2017):
 
@@ -83,6 +87,8 @@ def clipped_policy_loss(
   rollout correction's importance weights (`rlhfjax.algorithms.correction`: the engine's
   log-probs against the trainer's, or an older policy's when generating ahead).
 
+  `loss` names another per-token policy loss of `POLICY_LOSSES` (GSPO, CISPO) in its place.
+
   Returns the loss and statistics: clip fraction and the approximate KL to `old`.
   """
   per_token_bt, terms = policy_token_terms(
@@ -92,6 +98,8 @@ def clipped_policy_loss(
     clip_eps=clip_eps,
     weights_bt=weights_bt,
     clip_eps_high=clip_eps_high,
+    loss=loss,
+    sequence_mean=padded_sequence_mean(mask_bt),
   )
   stats = {
     "clipfrac": masked_mean(terms["clipped"], mask_bt),
@@ -99,6 +107,66 @@ def clipped_policy_loss(
     "ratio_max": jnp.max(jnp.where(mask_bt > 0, terms["ratio"], -jnp.inf)),
   }
   return LOSS_AGGREGATIONS[aggregation](per_token_bt, mask_bt), stats
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+  """A policy loss by name (`ppo.policy_loss`), registered where it is defined
+  (`register_policy_loss`)."""
+
+  terms: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+  """`fn(logp_bt, old_logp_bt, advantages_bt, *, clip_eps, clip_eps_high, sequence_mean)` ->
+  (per-token loss, {'clipped': 1.0 where clipped, 'ratio': the importance ratio}). Any layout:
+  `sequence_mean(x_bt)` gives each response token the mean of `x` over its sequence's response
+  tokens (padded rows or packed segments alike)."""
+  sequence_advantages: bool = False
+  """It reads one advantage per sequence (GSPO): estimators that give per-token ones are
+  refused (`alg.SEQUENCE_ESTIMATORS` lists the others)."""
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""Policy losses by name; `rlhfjax.algorithms` imports every module that registers one."""
+
+
+def register_policy_loss(name: str, *, sequence_advantages: bool = False):
+  """Decorator: registers a policy loss's per-token `terms` function under `name`."""
+
+  def wrap(fn):
+    if name in POLICY_LOSSES:
+      raise ValueError(f"policy loss {name!r} registered twice")
+    POLICY_LOSSES[name] = PolicyLoss(fn, sequence_advantages)
+    return fn
+
+  return wrap
+
+
+@register_policy_loss("ppo")
+def ppo_clip_terms(logp_bt, old_logp_bt, advantages_bt, *, clip_eps, clip_eps_high, sequence_mean):
+  """PPO-clip per token: `max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`."""
+  del sequence_mean
+  return clipped_surrogate(jnp.exp(logp_bt - old_logp_bt), advantages_bt, clip_eps, clip_eps_high)
+
+
+def clipped_surrogate(ratio_bt, advantages_bt, clip_eps: float, clip_eps_high: float):
+  """`max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))` per token, and its terms: where
+  the clipped side is taken ('clipped') and the ratio."""
+  unclipped_bt = -advantages_bt * ratio_bt
+  clipped_bt = -advantages_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps_high)
+  per_token_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  return per_token_bt, {
+    "clipped": (clipped_bt > unclipped_bt).astype(jnp.float32),
+    "ratio": ratio_bt,
+  }
+
+
+def padded_sequence_mean(mask_bt: jax.Array) -> Callable[[jax.Array], jax.Array]:
+  """`sequence_mean` of padded rows: each row's mean over its response tokens (`mask_bt`)."""
+
+  def mean(x_bt):
+    row_b = jnp.sum(x_bt * mask_bt, -1) / jnp.maximum(jnp.sum(mask_bt, -1), 1.0)
+    return jnp.broadcast_to(row_b[:, None], x_bt.shape)
+
+  return mean
 
 
 def policy_token_terms(
@@ -109,22 +177,24 @@ def policy_token_terms(
   clip_eps: float,
   weights_bt: jax.Array | None = None,
   clip_eps_high: float | None = None,
+  loss: str = "ppo",
+  sequence_mean: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`clipped_policy_loss`'s per-token loss before aggregation, and per-token statistics:
-  'clipped' (1.0 where the clipped term is taken), 'approx_kl' and 'ratio'. Any layout."""
-  log_ratio_bt = logp_bt - old_logp_bt
-  ratio_bt = jnp.exp(log_ratio_bt)
-  unclipped_bt = -advantages_bt * ratio_bt
+  """`clipped_policy_loss`'s per-token loss before aggregation (the policy loss `loss` of
+  `POLICY_LOSSES`), and per-token statistics: 'clipped' (1.0 where the clip binds),
+  'approx_kl' and 'ratio'. Any layout (`sequence_mean`: see `PolicyLoss.terms`)."""
   high = clip_eps if clip_eps_high is None else clip_eps_high
-  clipped_bt = -advantages_bt * jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + high)
-  per_token_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  per_token_bt, terms = POLICY_LOSSES[loss].terms(
+    logp_bt,
+    old_logp_bt,
+    advantages_bt,
+    clip_eps=clip_eps,
+    clip_eps_high=high,
+    sequence_mean=sequence_mean,
+  )
   if weights_bt is not None:
     per_token_bt = per_token_bt * jax.lax.stop_gradient(weights_bt)
-  terms = {
-    "clipped": (clipped_bt > unclipped_bt).astype(jnp.float32),
-    "approx_kl": 0.5 * jnp.square(log_ratio_bt),
-    "ratio": ratio_bt,
-  }
+  terms = {**terms, "approx_kl": 0.5 * jnp.square(logp_bt - old_logp_bt)}
   return per_token_bt, terms
 
 

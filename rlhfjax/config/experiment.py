@@ -108,6 +108,17 @@ class ModelSection:
   roles: dict[str, RoleModelSection] = dataclasses.field(default_factory=dict)
   """Per-role settings over the above, e.g. {'reference': {'param_dtype': 'bfloat16'},
   'actor': {'remat': 'dots_with_no_batch_dims_saveable', 'logprob_chunk_size': 1024}}."""
+  fp32_masters: bool = True
+  """A checkpoint saved in bf16 (`hf`'s config.json says so; every public Llama and Qwen does)
+  trains with fp32 master weights and so fp32 optimizer moments in the trained roles
+  (`trained_roles`), its matmuls in bf16; the frozen roles (reference, a PPO reward model) and
+  the rollout copy hold its bf16 weights, and the weight sync casts on the way. False: pure
+  bf16, for experiments only: an Adam step of about the learning rate on a weight of 0.02 is
+  below half its bf16 spacing (6.1e-5) up to learning rates of about 6e-5, so most updates
+  round away (refused below that learning rate). A dtype set here or per role wins over both."""
+  trained_roles: tuple[str, ...] = ("actor", "critic")
+  """The roles the flow trains (the reward model too for `algorithm.name='rm'`): set from the
+  algorithm by the experiment config, not by hand."""
 
   def __post_init__(self):
     # A role's section with nothing set is the same as none (`complete` writes one per role).
@@ -196,9 +207,12 @@ class ModelSection:
 
   def _from_hf(self, role: str, changes: dict[str, Any]) -> model_config.ModelConfig:
     """The checkpoint's architecture with the numerics changes; any architecture field the
-    config gives too (a size, an override) must equal the checkpoint's."""
+    config gives too (a size, an override) must equal the checkpoint's. Numerics: the
+    checkpoint's dtype, with fp32 masters for a trained role (`fp32_masters`), and remat and
+    chunked log-probs from 1B parameters on (`_LARGE_PARAMS`)."""
     directory = self.hf_for(role)
     found, _ = hf.read_hf_config(directory)
+    found = found.replace(**self._checkpoint_numerics(role, found))
     numerics = {k: v for k, v in changes.items() if k in model_config.NUMERICS_FIELDS}
     size = self.size_for(role)
     given = model_config.get_model_config(size, **changes) if size else found.replace(**changes)
@@ -211,6 +225,24 @@ class ModelSection:
       hint = f" (the size {size!r} is another model: --config.model.size= runs the checkpoint's)"
       raise model_config.ArchitectureMismatch(f"{e}{hint if size else ''}") from None
     return found.replace(**numerics)
+
+  def _checkpoint_numerics(self, role: str, found: model_config.ModelConfig) -> dict[str, Any]:
+    """The numerics a checkpoint's role runs with before the config's own (`_from_hf`)."""
+    out: dict[str, Any] = {}
+    trained = role in self.trained_roles
+    if trained and self.fp32_masters and found.param_dtype != "float32":
+      out["param_dtype"] = "float32"  # the compute dtype stays the checkpoint's
+    if model_config.param_count(found) >= _LARGE_PARAMS:
+      out["logprob_chunk_size"] = _LARGE_CHUNK
+      if trained:
+        out["remat"] = "full"
+    return out
+
+
+_LARGE_PARAMS = 10**9
+"""From this many parameters a checkpoint's roles compute log-probs in chunks of `_LARGE_CHUNK`
+tokens (no [b, t, vocab] fp32 logits) and its trained roles rematerialise every layer."""
+_LARGE_CHUNK = 1024
 
 
 def _whole_numbers(overrides: dict[str, float], types: dict[str, Any]) -> dict[str, float]:
@@ -492,6 +524,11 @@ class PPOSection:
   """How per-token policy losses reduce: 'token_mean', 'seq_mean_token_mean' (mean over
   sequences of their token means) or 'seq_mean_token_sum_norm' (Dr. GRPO: token sums over the
   response capacity, mean over sequences)."""
+  policy_loss: str = "ppo"
+  """The per-token policy loss (`rlhfjax.algorithms.POLICY_LOSSES`, checked when the flow is
+  built): 'ppo' (clipped surrogate), 'gspo' (sequence-level ratio and clip; needs one
+  advantage per sample: group_relative or rloo) or 'cispo' (REINFORCE weighed by the clipped
+  ratio, without gradient through it). `configs/gspo_tiny.py`, `configs/cispo_tiny.py`."""
   clip_eps_high: float = 0.0
   """Upper clip of the importance ratio, `1 + clip_eps_high` (DAPO's clip-higher); 0: `clip_eps`."""
   normalize_group_std: bool = True
@@ -1076,6 +1113,11 @@ class ExperimentConfig:
     changes = {k: v for k, v in defaults.items() if v and not getattr(init, k)}
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
+    # The reward model trains in its own flow; elsewhere it scores, frozen.
+    trained = ("actor", "critic", "reward") if self.algorithm.name == "rm" else ("actor", "critic")
+    if self.model.trained_roles != trained:
+      object.__setattr__(self, "model", dataclasses.replace(self.model, trained_roles=trained))
+    _check_pure_bf16(self)
     _checkpoint_tokenizer(self)
     budget, width = self.ppo.max_tokens_per_micro_batch, self.rollout.max_seq_len
     if 0 < budget < width:
@@ -1091,6 +1133,29 @@ class ExperimentConfig:
           f"'{name}.max_tokens_per_micro_batch'={budget} is below one pair's capacity, "
           f"2 x (rollout.max_prompt_len + rollout.max_new_tokens) = {2 * width}"
         )
+
+
+_BF16_HALF_SPACING = 2.0**-14
+"""Half the spacing of bf16 numbers in [2^-6, 2^-5), where a typical weight (0.02) lies: an
+update smaller than this leaves such a weight unchanged."""
+
+
+def _check_pure_bf16(cfg: ExperimentConfig) -> None:
+  """`model.fp32_masters=False` with a trained role in bf16 and a learning rate whose Adam
+  steps (about the learning rate) bf16 cannot add to a weight of 0.02."""
+  if cfg.model.fp32_masters:
+    return
+  optimizers = {"actor": "actor_optimizer", "reward": "reward_optimizer"}
+  for role, section in optimizers.items():
+    if role not in cfg.model.trained_roles or cfg.model.for_role(role).param_dtype != "bfloat16":
+      continue
+    lr = getattr(cfg, section).learning_rate
+    if lr < _BF16_HALF_SPACING:
+      raise ConfigError(
+        f"'{section}.learning_rate'={lr:g} with 'model.fp32_masters'=False: the {role} trains "
+        f"in pure bf16, where an update below {_BF16_HALF_SPACING:.2g} leaves a weight of 0.02 "
+        "unchanged, so most updates would round away; keep fp32 masters (the default)"
+      )
 
 
 def _check_fusable(ppo: PPOSection, placement: PlacementSection) -> None:

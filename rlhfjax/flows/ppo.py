@@ -180,6 +180,7 @@ class PPOFlow:
       raise ValueError(
         f"{ahead} needs the rollout on its own devices (placement.strategy='disaggregated')"
       )
+    _check_policy_loss(ppo.policy_loss, self.estimator)
     self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
     self.fused = ppo.fuse_actor_critic
     """Actor and critic update in one fused pipeline schedule (`Cluster.fused_train_step`)."""
@@ -288,6 +289,7 @@ class PPOFlow:
       loss_agg=ppo.loss_agg,
       kl_loss_coef=ppo.kl_loss_coef,
       kl_estimator=ppo.kl_estimator,
+      policy_loss=ppo.policy_loss,
     )
     if not self.fused:
       self._actor_step = cluster.train_step("actor_step", Role.ACTOR, actor_loss)
@@ -318,6 +320,7 @@ class PPOFlow:
       clip_eps_high=ppo.clip_eps_high or None,
       kl_loss_coef=ppo.kl_loss_coef,
       kl_estimator=ppo.kl_estimator,
+      policy_loss=ppo.policy_loss,
     )
     self._actor_packed = packed.PackedUpdate(ctx, Role.ACTOR, "actor", actor_loss, Role.ACTOR)
     if self.use_critic:
@@ -685,6 +688,21 @@ class PPOFlow:
     for key, value in update_metrics.items():
       row.setdefault(key, value)
     return row
+
+
+def _check_policy_loss(name: str, estimator: str) -> None:
+  """`ppo.policy_loss` is registered (`alg.POLICY_LOSSES`), and one that reads an advantage per
+  sequence has an estimator that gives one."""
+  if name not in alg.POLICY_LOSSES:
+    known = ", ".join(sorted(alg.POLICY_LOSSES))
+    raise ConfigError(f"'ppo.policy_loss' must be one of {known}, got {name!r}")
+  if alg.POLICY_LOSSES[name].sequence_advantages and estimator not in alg.SEQUENCE_ESTIMATORS:
+    usable = " or ".join(sorted(alg.SEQUENCE_ESTIMATORS))
+    raise ConfigError(
+      f"'ppo.policy_loss'={name!r} weighs whole sequences by one advantage each: "
+      f"'ppo.advantage'={estimator!r} gives one per token; use {usable} (e.g. "
+      "--config.algorithm.name=grpo)"
+    )
 
 
 def _check_fusion(cfg, use_critic: bool, cluster) -> None:

@@ -21,8 +21,9 @@ KEY = "identity"
 """Where the identity sits in a checkpoint's meta (absent in checkpoints written before it)."""
 
 ALLOWED = (
-  "total_steps, the placement and its devices, optimizer settings, numerics (dtype, remat, "
-  "attention kernel), evaluation, logging and checkpoint frequency"
+  "total_steps, the placement and its devices, optimizer settings, numerics (compute dtype, "
+  "remat, attention kernel; not a trained role's param_dtype), evaluation, logging and "
+  "checkpoint frequency"
 )
 
 _PROBE = "A probe of the tokenizer: The quick brown fox, 0123456789, é, ü, 日本語, 🙂."
@@ -45,8 +46,10 @@ def identity(
   }
   for role in roles:
     model = dataclasses.asdict(cfg.model.for_role(role))
-    # A resume may change how a model computes, not what it is.
-    out[f"model.{role}"] = {k: v for k, v in model.items() if k not in NUMERICS_FIELDS}
+    # A resume may change how a model computes, not what it is, nor the precision a trained
+    # role's weights and moments are kept in (`model.fp32_masters`).
+    kept = ("param_dtype",) if role in cfg.model.trained_roles else ()
+    out[f"model.{role}"] = {k: v for k, v in model.items() if k not in NUMERICS_FIELDS or k in kept}
   return _as_json(out)
 
 
@@ -74,7 +77,12 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
     elif key.startswith("model.") and (old is None or new is None):
       continue  # a role one of the runs does not have: the 'roles' line says so
     elif key.startswith("model.") and isinstance(old, Mapping) and isinstance(new, Mapping):
-      fields = sorted(f for f in set(old) | set(new) if old.get(f) != new.get(f))
+      # A field an earlier version's checkpoint does not record is not compared.
+      fields = sorted(
+        f
+        for f in set(old) | set(new)
+        if old.get(f) != new.get(f) and (f in old or f not in _RECORDED_LATER)
+      )
       out += [
         f"{key}.{f}: the checkpoint has {old.get(f)!r}, this run {new.get(f)!r}" for f in fields
       ]
@@ -95,6 +103,10 @@ def check(meta: Mapping[str, Any], current: Mapping[str, Any], where: str) -> No
       f"{'; '.join(diffs)}. A resume may change {ALLOWED}; for anything else use another "
       "workdir (or delete this one)"
     )
+
+
+_RECORDED_LATER = ("param_dtype",)
+"""Model fields an earlier version's checkpoints do not record."""
 
 
 class IdentityError(ValueError):

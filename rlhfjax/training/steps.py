@@ -82,9 +82,11 @@ def actor_loss(
   loss_agg: str = "token_mean",
   kl_loss_coef: float = 0.0,
   kl_estimator: str = "k3",
+  policy_loss: str = "ppo",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped policy loss minus `entropy_coef` times the mean entropy of the response tokens,
-  plus `kl_loss_coef` times the KL to the reference (`batch['ref_logprobs']`) when non-zero.
+  """Clipped policy loss (`policy_loss` of `alg.POLICY_LOSSES`) minus `entropy_coef` times the
+  mean entropy of the response tokens, plus `kl_loss_coef` times the KL to the reference
+  (`batch['ref_logprobs']`) when non-zero.
 
   The policy and KL terms reduce over tokens as `loss_agg` says (`alg.LOSS_AGGREGATIONS`).
   Log-probs and entropy are chunked over the sequence when `config.logprob_chunk_size` is set
@@ -104,6 +106,7 @@ def actor_loss(
     weights_bt=batch.get("is_weights"),
     clip_eps_high=clip_eps_high,
     aggregation=loss_agg,
+    loss=policy_loss,
   )
   entropy = alg.masked_mean(token.entropy_bt, mask_bt)
   metrics = {
@@ -142,6 +145,22 @@ def critic_loss(
 # micro-batches' whichever way its samples were packed.
 
 
+def packed_sequence_mean(segments_rw: jax.Array, response_rw: jax.Array):
+  """`sequence_mean` (`alg.PolicyLoss.terms`) of packed rows: each response slot gets the mean
+  over its segment's response slots (a sample lies within one row; `segments` numbers a row's
+  samples 1, 2, ... and 0 on empty slots)."""
+  r, w = segments_rw.shape
+  ids = (segments_rw + jnp.arange(r, dtype=segments_rw.dtype)[:, None] * (w + 1)).reshape(-1)
+  response = response_rw.astype(jnp.float32).reshape(-1)
+  count = jax.ops.segment_sum(response, ids, num_segments=r * (w + 1))
+
+  def mean(x_rw):
+    total = jax.ops.segment_sum(x_rw.reshape(-1) * response, ids, num_segments=r * (w + 1))
+    return (total / jnp.maximum(count, 1.0))[ids].reshape(r, w)
+
+  return mean
+
+
 def packed_actor_loss(
   params: Any,
   batch: Batch,
@@ -153,6 +172,7 @@ def packed_actor_loss(
   clip_eps_high: float | None = None,
   kl_loss_coef: float = 0.0,
   kl_estimator: str = "k3",
+  policy_loss: str = "ppo",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`actor_loss` of a packed micro-batch, as its share of the mini-batch's loss."""
   token = models.packed_token_stats(
@@ -166,6 +186,8 @@ def packed_actor_loss(
     clip_eps=clip_eps,
     weights_bt=batch.get("is_weights"),
     clip_eps_high=clip_eps_high,
+    loss=policy_loss,
+    sequence_mean=packed_sequence_mean(batch["segments"], tw > 0),
   )
   policy_loss = jnp.sum(w * per_token)
   entropy = jnp.sum(tw * token.entropy_bt)
