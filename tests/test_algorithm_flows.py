@@ -27,8 +27,8 @@ pytestmark = pytest.mark.integration
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
-_LOSSES = ("gspo", "cispo")
-"""Configs of GRPO's flow with another policy loss (`ppo.policy_loss`)."""
+# GSPO's and CISPO's configs (GRPO's flow, another `ppo.policy_loss`) run through the script in
+# test_algorithm_flows_e2e.py; their losses packed and padded in test_packing.py.
 _VARIANTS = ("colocated", "disaggregated")
 _PADDED = "colocated, padded"  # the colocated run without `ppo.packing`
 _CRITIC_PREFIXES = ("value/", "critic/")
@@ -82,10 +82,6 @@ def runs(tmp_path_factory):
       )
       runner = Runner(cfg, str(tmp_path_factory.mktemp(name)), show_progress=False)
       out[name, variant] = (runner, runner.run())
-  for name in _LOSSES:  # (packed against padded: the losses of test_packing.py)
-    cfg = _config(name, reward__model_coef=0.5)
-    runner = Runner(cfg, str(tmp_path_factory.mktemp(name)), show_progress=False)
-    out[name, "colocated"] = (runner, runner.run())
   return out
 
 
@@ -167,20 +163,6 @@ def test_grpo_kl_loss_term_and_aggregation_change_the_update(runs, tmp_path):
   ).run()
   assert dr.metrics[0]["reward/mean"] == base[0]["reward/mean"]  # same first batch
   assert dr.metrics[0]["loss/policy"] != pytest.approx(base[0]["loss/policy"], abs=1e-6)
-
-
-@pytest.mark.parametrize("name", _LOSSES)
-def test_gspo_and_cispo_configs_reach_the_compiled_update(runs, name):
-  """The configs' policy losses run (packed, the default) and change the update: the same first
-  batch as GRPO's, another policy loss."""
-  runner, result = runs[name, "colocated"]
-  assert runner.cfg.ppo.policy_loss == name
-  rows, grpo = result.metrics, runs["grpo", "colocated"][1].metrics[0]
-  assert [r["step"] for r in rows] == [0, 1]
-  assert rows[0]["reward/mean"] == pytest.approx(grpo["reward/mean"])  # same batch
-  assert rows[0]["loss/policy"] != pytest.approx(grpo["loss/policy"], abs=1e-6)
-  assert all(0.0 <= r["policy/clipfrac"] <= 1.0 and np.isfinite(r["loss/policy"]) for r in rows)
-  assert rows[0]["loss/policy"] != rows[1]["loss/policy"]
 
 
 def test_gspo_needs_an_advantage_per_sequence(tmp_path):

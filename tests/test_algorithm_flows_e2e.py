@@ -1,5 +1,6 @@
-"""A GRPO-family config from scripts/train.py, as a user runs it: GSPO's (which builds on
-GRPO's), on another placement than the in-process runs of test_algorithm_flows.py."""
+"""GRPO-family configs from scripts/train.py, as a user runs them: GSPO's and CISPO's (which
+build on GRPO's), GSPO's on another placement than the in-process runs of
+test_algorithm_flows.py."""
 
 import json
 import pathlib
@@ -34,10 +35,21 @@ def _train(config: str, workdir: pathlib.Path, *flags: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_train_script_runs_gspo_from_its_config_on_another_placement(tmp_path):
-  """configs/gspo_tiny.py (GRPO's config with GSPO's loss: both files) through the script, on
-  the interleaved placement; CISPO's config runs in test_algorithm_flows.py."""
-  rows = _train("configs/gspo_tiny.py", tmp_path, "--config.placement.strategy=interleaved")
-  assert [r["step"] for r in rows] == [0, 1]
-  assert "loss/kl" not in rows[0]  # GSPO's config has no KL term
-  assert all(0.0 <= r["policy/clipfrac"] <= 1.0 for r in rows)
+def test_train_script_runs_gspo_and_cispo_from_their_configs(tmp_path):
+  """configs/gspo_tiny.py on the interleaved placement and configs/cispo_tiny.py co-located
+  (GRPO's config with another policy loss: GRPO's file runs too). The same first batch (every
+  placement gives the same numbers), another loss."""
+  # The reward model's continuous scores beside the rule: advantages that are not all 0.
+  scores = "--config.reward.model_coef=0.5"
+  rows = {
+    name: _train(f"configs/{name}_tiny.py", tmp_path / name, scores, *flags)
+    for name, flags in (("gspo", ["--config.placement.strategy=interleaved"]), ("cispo", []))
+  }
+  for name, run in rows.items():
+    assert [r["step"] for r in run] == [0, 1], name
+    assert "loss/kl" not in run[0]  # neither config has a KL term
+    assert all(0.0 <= r["policy/clipfrac"] <= 1.0 for r in run)
+    assert run[0]["loss/policy"] != run[1]["loss/policy"]
+  gspo, cispo = rows["gspo"][0], rows["cispo"][0]
+  assert gspo["reward/mean"] == pytest.approx(cispo["reward/mean"], rel=1e-4, abs=1e-5)
+  assert gspo["loss/policy"] != pytest.approx(cispo["loss/policy"], abs=1e-6)
