@@ -168,6 +168,12 @@ def test_clipped_policy_loss(batch):
   _close(grad, expected_grad)
 
 
+def _policy_loss(old, adv, mask, **options):
+  """`alg.clipped_policy_loss` of the log-probs alone, the rest fixed (float32)."""
+  as32 = lambda x: jnp.asarray(x, jnp.float32)
+  return lambda lp: alg.clipped_policy_loss(lp, as32(old), as32(adv), as32(mask), **options)
+
+
 def test_gspo_against_numpy(batch):
   """GSPO: one length-normalised ratio and one clip per sequence; its gradient is
   `-A_i s_i / |y_i|` on each token of an unclipped sequence, over the sequences."""
@@ -188,17 +194,10 @@ def test_gspo_against_numpy(batch):
       grad[i, :n] = -adv_b[i] * s / n / B
   assert any(clipped) and not all(clipped)  # both branches are exercised
 
-  def loss(lp):
-    return alg.clipped_policy_loss(
-      lp,
-      jnp.asarray(old, jnp.float32),
-      jnp.asarray(adv, jnp.float32),
-      jnp.asarray(mask),
-      clip_eps=eps_low,
-      clip_eps_high=eps_high,
-      aggregation="seq_mean_token_mean",
-      loss="gspo",
-    )
+  loss = _policy_loss(
+    old, adv, mask, clip_eps=eps_low, clip_eps_high=eps_high, aggregation="seq_mean_token_mean",
+    loss="gspo",
+  )  # fmt: skip
 
   got, stats = loss(jnp.asarray(new, jnp.float32))
   _close(got, total)
@@ -219,16 +218,7 @@ def test_cispo_against_numpy(batch):
   count = mask.sum()
   assert np.any((w == 1 + eps_high) & (mask > 0)) and np.any((w < 1 + eps_high) & (mask > 0))
 
-  def loss(lp):
-    return alg.clipped_policy_loss(
-      lp,
-      jnp.asarray(old, jnp.float32),
-      jnp.asarray(adv, jnp.float32),
-      jnp.asarray(mask),
-      clip_eps=eps_low,
-      clip_eps_high=eps_high,
-      loss="cispo",
-    )
+  loss = _policy_loss(old, adv, mask, clip_eps=eps_low, clip_eps_high=eps_high, loss="cispo")
 
   got, stats = loss(jnp.asarray(new, jnp.float32))
   _close(got, np.sum(-w * adv * new * mask) / count)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlhfjax.algorithms.losses import padded_sequence_mean
 from rlhfjax.algorithms.masked import masked_mean
 from rlhfjax.config import choices
 
@@ -32,10 +33,7 @@ from rlhfjax.config import choices
 def _log_ratios(old_bt, rollout_bt, mask_bt, level: str) -> jax.Array:
   """`log r` per token: the token's own, or its sequence's mean over the response."""
   log_r_bt = (old_bt - rollout_bt) * mask_bt
-  if level == "token":
-    return log_r_bt
-  mean_b = jnp.sum(log_r_bt, -1) / jnp.maximum(jnp.sum(mask_bt, -1), 1.0)
-  return jnp.broadcast_to(mean_b[:, None], log_r_bt.shape)
+  return log_r_bt if level == "token" else padded_sequence_mean(mask_bt)(log_r_bt)
 
 
 def _tis(log_r_bt, cap):

@@ -173,7 +173,7 @@ class PPOFlow:
         "weights of this iteration: it does not combine with 'ppo.async_rollout', "
         "'ppo.max_staleness' or 'ppo.dynamic_sampling_rounds'"
       )
-    self.off_policy = ppo.async_rollout or ppo.max_staleness > 0
+    self.off_policy = ppo.generates_ahead
     """Batches are generated ahead, by older weights: the actor's loss weighs each token by
     its importance weight against its behaviour log-prob (the rollout's; `ppo.correction`)."""
     if self.off_policy and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
