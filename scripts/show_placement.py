@@ -29,10 +29,11 @@ def main(argv: list[str]) -> None:
 
   from rlhfjax import config as config_lib
   from rlhfjax import placement
+  from rlhfjax.flows import registry
   from rlhfjax.planner import auto, place
 
   try:
-    config = config_lib.from_config_dict(_CONFIG.value)
+    config = registry.configure(config_lib.from_config_dict(_CONFIG.value))
     spec = place.plan_placement(config, available_devices=jax.device_count())
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> None:
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
-  print(placement.format_batches(config, train_rows, score_rows, packed=auto.packs(config)))
+  print(placement.format_batches(config, train_rows, score_rows, packed=registry.packs(config)))
   print()
   print(placement.option_report(config, spec, train_rows, score_rows))
   for line in place.tensor_warnings(config, spec):

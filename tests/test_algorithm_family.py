@@ -73,7 +73,7 @@ def test_estimators_take_the_kl_as_a_reward(batch, name):
   mask, beta = batch["mask"], 0.3
   settings = alg.EstimatorSettings(gamma=1.0, lam=0.95, group_size=G)
   values = np.zeros((B, T), np.float32)
-  estimate = alg.ADVANTAGE_ESTIMATORS[name]
+  estimate = alg.ADVANTAGE_ESTIMATORS[name].estimate
   with_kl, _ = estimate(batch["scores"], batch["kl"], values, mask, beta, settings)
   no_kl_a, _ = estimate(batch["scores"], batch["kl"], values, mask, 0.0, settings)
   no_kl_b, _ = estimate(batch["scores"], 0 * batch["kl"], values, mask, 0.0, settings)

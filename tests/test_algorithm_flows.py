@@ -174,10 +174,15 @@ def test_gspo_needs_an_advantage_per_sequence(tmp_path):
 
 
 def test_group_relative_needs_groups(tmp_path):
+  """The flow's own checks (`FlowSpec.check`) refuse a config before anything is built."""
   with pytest.raises(ConfigError, match="group_size' must be >= 2"):
     Runner(_config("rloo", ppo__group_size=1), str(tmp_path), show_progress=False)
   with pytest.raises(ConfigError, match="algorithm 'grpo' estimates advantages"):
     Runner(_config("grpo", ppo__advantage="rloo"), str(tmp_path), show_progress=False)
+  known = "gae, group_relative, reinforce_pp, rloo"
+  with pytest.raises(ConfigError, match=f"'ppo.advantage' must be one of {known}, got 'gea'"):
+    Runner(_config("ppo", ppo__advantage="gea"), str(tmp_path), show_progress=False)
+  assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow

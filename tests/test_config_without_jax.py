@@ -62,7 +62,6 @@ def test_loading_and_validating_a_shipped_config_imports_no_jax(path):
 
 
 _CHOICES = {
-  "ppo.advantage": ("ADVANTAGE_ESTIMATORS", choices.ADVANTAGE_ESTIMATORS),
   "ppo.kl_estimator": ("KL_ESTIMATORS", choices.KL_ESTIMATORS),
   "ppo.kl_controller": ("KL_CONTROLLERS", choices.KL_CONTROLLERS),
   "ppo.loss_agg": ("LOSS_AGGREGATIONS", choices.LOSS_AGGREGATIONS),

@@ -117,7 +117,8 @@ def test_online_dpo_same_numbers_on_two_placements(online):
 def test_dpo_flows_refuse_fused_scoring(tmp_path, name):
   cfg = _config("colocated") if name == "dpo" else _online("colocated")
   cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, fused_scoring=True))
-  with pytest.raises(ConfigError, match=rf"{name} does not score samples while they generate"):
+  match = rf"\(ppo, grpo, dapo, rloo, reinforce_pp\); {name} does not: set it to False"
+  with pytest.raises(ConfigError, match=match):
     Runner(cfg, str(tmp_path), show_progress=False)
 
 

@@ -14,6 +14,7 @@ from rlhfjax import config as config_lib
 from rlhfjax.config import ConfigError
 from rlhfjax.config import model as model_config
 from rlhfjax.config.hf import config_to_hf
+from rlhfjax.flows import registry
 
 pytestmark = pytest.mark.pure
 
@@ -54,11 +55,13 @@ def test_a_bf16_checkpoint_trains_fp32_masters_and_the_frozen_roles_hold_bf16(tm
     assert dtypes(cfg, role) == ("float32", "bfloat16"), role
   for role in ("reference", "reward", "rollout"):
     assert dtypes(cfg, role) == ("bfloat16", "bfloat16"), role
-  # The reward model's own flow trains it.
+  # The reward model's own flow trains it: its declaration says so (`registry.configure`).
   rm = runpy.run_path(os.path.join(ROOT, "configs", "rm_tiny.py"))["get_config"]()
   del rm.model["size"]
   rm.model.hf = path
-  assert dtypes(config_lib.from_config_dict(rm), "reward") == ("float32", "bfloat16")
+  rm = config_lib.from_config_dict(rm)
+  assert dtypes(rm, "reward") == ("bfloat16", "bfloat16")  # no flow has said it trains it
+  assert dtypes(registry.configure(rm), "reward") == ("float32", "bfloat16")
   # The opt-out: pure bf16 (at a learning rate bf16 can add to a weight of 0.02).
   pure = _grpo(hf=path, fp32_masters=False)
   assert dtypes(pure, "actor") == ("bfloat16", "bfloat16")

@@ -137,9 +137,8 @@ def test_online_dpo_is_priced_as_online_dpo_not_as_grpo():
 
 
 def test_a_user_registered_flow_is_priced_as_it_registered(monkeypatch, capsys):
-  registry.builtin()  # registered into the real tables before they are copied
-  for table in ("FLOWS", "ROLES", "PRICING"):
-    monkeypatch.setattr(registry, table, dict(getattr(registry, table)))
+  registry.builtin()  # registered into the real table before it is copied
+  monkeypatch.setattr(registry, "FLOWS", dict(registry.FLOWS))
   # Best-of-k fine-tuning: the reward model scores every sample, the actor trains on the best.
   best_of_k = Pricing(name="best_of_k", scored={"reward": 0}, trained={"actor": 1})
   roles = frozenset({Role.ACTOR, Role.REFERENCE, Role.ROLLOUT, Role.REWARD})
@@ -156,6 +155,75 @@ def test_a_user_registered_flow_is_priced_as_it_registered(monkeypatch, capsys):
   plan = evaluate.evaluate(strategies.colocated(8).only(roles), work, hw, eff, micro_batch=0)
   assert _score_roles(plan) == {"reward"}
   assert {r.role for r in plan.replay.records if r.stage == "update"} == {"actor"}
+
+
+_USER_FLOW = textwrap.dedent(
+  """
+  from rlhfjax.costmodel.pricing import Pricing
+  from rlhfjax.flows import registry
+  from rlhfjax.placement.spec import Role
+
+  def undeclared(ctx):
+    raise AssertionError("not built here")
+
+  @registry.declare(
+    roles=lambda cfg: frozenset({Role.ACTOR, Role.ROLLOUT, Role.REWARD}),
+    pricing=Pricing(name="best_of_k", scored={"reward": 0}, trained={"actor": 1}),
+  )
+  def padded(ctx):
+    raise AssertionError("not built here")
+
+  @registry.declare(packs=None, trains=(Role.ACTOR,))
+  def packed(ctx):
+    raise AssertionError("not built here")
+  """
+)
+
+
+def test_a_users_own_flow_is_placed_and_priced_as_it_declares(tmp_path, monkeypatch):
+  """`algorithm.flow`: undeclared, every role, PPO's pricing, padded; `registry.declare`d, its
+  roles and pricing, and packed as its section says when it declares `packs=None`."""
+  (tmp_path / "my_flows.py").write_text(_USER_FLOW)
+  monkeypatch.syspath_prepend(str(tmp_path))
+
+  def config(factory, **sections):
+    return _config("ppo", algorithm={"flow": f"my_flows:{factory}"}, **sections)
+
+  undeclared = auto.workload_of(config("undeclared"))
+  assert undeclared.pricing is pricing.PPO and undeclared.padded
+  assert set(registry.roles_of(config("undeclared"))) == set(Role)
+  padded = config("padded", ppo={"group_size": 4, "packing": True})
+  work = auto.workload_of(padded)
+  assert work.pricing.name == "best_of_k" and work.padded and work.critic is None
+  assert set(registry.roles_of(padded)) == {Role.ACTOR, Role.ROLLOUT, Role.REWARD}
+  for packing in (True, False):
+    packed = config("packed", ppo={"group_size": 4, "packing": packing})
+    assert auto.workload_of(packed).packed is packing
+    assert registry.configure(packed).model.trained_roles == ("actor",)
+
+
+def _with_ppo(config, **changes):
+  return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, **changes))
+
+
+def test_an_estimator_is_one_registration(monkeypatch):
+  """An advantage estimator registered where it is defined is placed (a critic or none),
+  checked (groups) and usable by a sequence-level policy loss, with nothing else edited."""
+  from rlhfjax import algorithms as alg
+  from rlhfjax.config import ConfigError
+
+  monkeypatch.setattr(alg.advantages, "ADVANTAGE_ESTIMATORS", dict(alg.ADVANTAGE_ESTIMATORS))
+  monkeypatch.setattr(alg, "ADVANTAGE_ESTIMATORS", alg.advantages.ADVANTAGE_ESTIMATORS)
+  alg.advantages.register_estimator("best_baseline", per_sequence=True, groups=True)(
+    lambda scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: None
+  )
+  config = _config("ppo", ppo={"advantage": "best_baseline", "group_size": 4})
+  assert Role.CRITIC not in registry.roles_of(config)
+  registry.configure(_with_ppo(config, policy_loss="gspo"))
+  with pytest.raises(ConfigError, match="'best_baseline' advantages compare the samples"):
+    registry.configure(_with_ppo(config, group_size=1))
+  with pytest.raises(ValueError, match="registered twice"):
+    alg.advantages.register_estimator("gae")(lambda *a: None)
 
 
 def test_pricing_refuses_what_no_flow_runs():

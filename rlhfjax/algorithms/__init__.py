@@ -1,13 +1,16 @@
 """The RL maths of PPO and its critic-free variants, as small pure functions selected by name.
 
-A policy loss registers itself where it is defined (`losses.register_policy_loss`); the
-modules that define one are imported here, so that `POLICY_LOSSES` holds them all."""
+A policy loss or an advantage estimator registers itself where it is defined
+(`losses.register_policy_loss`, `advantages.register_estimator`); every module of this package
+is imported here, so that `POLICY_LOSSES` and `ADVANTAGE_ESTIMATORS` hold them all: a new one
+is one file."""
 
-from rlhfjax.algorithms import cispo, gspo  # noqa: F401 - they register their policy losses
+import importlib
+import pkgutil
+
 from rlhfjax.algorithms.advantages import (
   ADVANTAGE_ESTIMATORS,
-  CRITIC_ESTIMATORS,
-  SEQUENCE_ESTIMATORS,
+  AdvantageEstimator,
   EstimatorSettings,
   discounted_returns,
   gae,
@@ -64,7 +67,7 @@ from rlhfjax.algorithms.preference import (
 
 __all__ = [
   "POLICY_LOSSES",
-  "SEQUENCE_ESTIMATORS",
+  "AdvantageEstimator",
   "padded_sequence_mean",
   "mismatch_stats",
   "rollout_correction",
@@ -76,7 +79,6 @@ __all__ = [
   "dpo_sigmoid",
   "sequence_logprobs",
   "ADVANTAGE_ESTIMATORS",
-  "CRITIC_ESTIMATORS",
   "LOSS_AGGREGATIONS",
   "EstimatorSettings",
   "discounted_returns",
@@ -115,3 +117,6 @@ __all__ = [
   "token_logprobs",
   "whiten_advantages",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+  importlib.import_module(f"{__name__}.{_module.name}")

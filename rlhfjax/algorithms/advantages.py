@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from rlhfjax.algorithms.masked import masked_whiten
-from rlhfjax.config import choices
 
 
 def last_token_onehot(mask_bt: jax.Array) -> jax.Array:
@@ -150,46 +149,66 @@ class EstimatorSettings:
   normalize_std: bool = True
 
 
+Estimator = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+  """An advantage estimator by name (`ppo.advantage`), registered where it is defined
+  (`register_estimator`)."""
+
+  estimate: Estimator
+  """`fn(scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings) -> (advantages_bt,
+  returns_bt)`. The KL to the reference enters as a reward (`kl_coef`, 0 when it is a loss
+  term): per token for the token-level estimators (GAE, REINFORCE++), summed per sample for
+  the sample-level ones (GRPO, RLOO)."""
+  critic: bool = False
+  """It reads the critic's values: the flow places and trains a critic."""
+  per_sequence: bool = False
+  """It gives each sample one advantage, on all its tokens (what GSPO reads)."""
+  groups: bool = False
+  """It compares the samples of a prompt: `ppo.group_size` must be at least 2."""
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+"""Advantage estimators by name; `rlhfjax.algorithms` imports every module that registers one."""
+
+
+def register_estimator(name: str, **properties: bool):
+  """Decorator: registers an advantage estimator under `name` with its `AdvantageEstimator`
+  properties (`critic`, `per_sequence`, `groups`)."""
+
+  def wrap(fn: Estimator) -> Estimator:
+    if name in ADVANTAGE_ESTIMATORS:
+      raise ValueError(f"advantage estimator {name!r} registered twice")
+    ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, **properties)
+    return fn
+
+  return wrap
+
+
+@register_estimator("gae", critic=True)
 def _gae_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
   rewards_bt = shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
   return gae(rewards_bt, values_bt, mask_bt, gamma=s.gamma, lam=s.lam)
 
 
+@register_estimator("group_relative", per_sequence=True, groups=True)
 def _grpo_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
   del values_bt
   total_b = scores_b - kl_coef * jnp.sum(kl_bt, axis=-1)
   return group_relative(total_b, mask_bt, group_size=s.group_size, normalize_std=s.normalize_std)
 
 
+@register_estimator("rloo", per_sequence=True, groups=True)
 def _rloo_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
   del values_bt
   total_b = scores_b - kl_coef * jnp.sum(kl_bt, axis=-1)
   return leave_one_out(total_b, mask_bt, group_size=s.group_size)
 
 
+@register_estimator("reinforce_pp")
 def _reinforce_pp_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
   del values_bt
   rewards_bt = shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
   return reinforce_pp(rewards_bt, mask_bt, gamma=s.gamma)
-
-
-Estimator = Callable[..., tuple[jax.Array, jax.Array]]
-
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = choices.implement(
-  choices.ADVANTAGE_ESTIMATORS,
-  {
-    "gae": _gae_of_scores,
-    "group_relative": _grpo_of_scores,
-    "rloo": _rloo_of_scores,
-    "reinforce_pp": _reinforce_pp_of_scores,
-  },
-)
-"""`fn(scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings) -> (advantages_bt, returns_bt)`
-by name. The KL to the reference enters as a reward (`kl_coef`, 0 when it is a loss term):
-per token for the token-level estimators (GAE, REINFORCE++), summed per sample for the
-sample-level ones (GRPO, RLOO). Only 'gae' reads the critic's values."""
-
-CRITIC_ESTIMATORS = frozenset({"gae"})
-"""Estimators that need a critic."""
-SEQUENCE_ESTIMATORS = frozenset({"group_relative", "rloo"})
-"""Estimators that give each sample one advantage, on all its tokens (what GSPO reads)."""

@@ -121,7 +121,7 @@ class PolicyLoss:
   tokens (padded rows or packed segments alike)."""
   sequence_advantages: bool = False
   """It reads one advantage per sequence (GSPO): estimators that give per-token ones are
-  refused (`alg.SEQUENCE_ESTIMATORS` lists the others)."""
+  refused (`AdvantageEstimator.per_sequence`)."""
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}

@@ -12,8 +12,6 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-ADVANTAGE_ESTIMATORS = ("gae", "group_relative", "rloo", "reinforce_pp")
-"""`ppo.advantage`: `rlhfjax.algorithms.ADVANTAGE_ESTIMATORS`."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """`ppo.kl_estimator`: `rlhfjax.algorithms.KL_ESTIMATORS`."""
 KL_CONTROLLERS = ("fixed", "adaptive")

@@ -117,8 +117,8 @@ class ModelSection:
   below half its bf16 spacing (6.1e-5) up to learning rates of about 6e-5, so most updates
   round away (refused below that learning rate). A dtype set here or per role wins over both."""
   trained_roles: tuple[str, ...] = ("actor", "critic")
-  """The roles the flow trains (the reward model too for `algorithm.name='rm'`): set from the
-  algorithm by the experiment config, not by hand."""
+  """The roles the flow trains (the reward model in its own flow): set from the flow's
+  declaration (`rlhfjax.flows.registry.configure`), not by hand."""
 
   def __post_init__(self):
     # A role's section with nothing set is the same as none (`complete` writes one per role).
@@ -492,9 +492,42 @@ class BatchShape:
   """Gradient-accumulation steps per mini-batch."""
 
 
+@functools.cache
+def _packing(packed_by_default: bool) -> type:
+  """The base of every section whose flows pack (`ppo`, `dpo`, `online_dpo`, `supervised`):
+  the two packing fields, declared once, with the section's default. Each section's docstring
+  says what its rows hold and what one unit of the budget is."""
+
+  @dataclasses.dataclass(frozen=True, kw_only=True)
+  class Packing:
+    packing: bool = packed_by_default
+    """Score and train on packed rows (`rlhfjax.data.packing`): each sequence's real tokens end
+    to end in rows of the section's sequence length, attention within a sequence, instead of
+    every sequence padded to it. Same numbers up to float rounding; micro-batches by token
+    budget (`max_tokens_per_micro_batch`). False: padded."""
+    max_tokens_per_micro_batch: int = 0
+    """With `packing`: the token budget of one gradient-accumulation step, at least one unit's
+    capacity (a sequence's, a pair's); as many steps as the batch needs. 0: the padded
+    micro-batch's tokens."""
+
+    def check_budget(self, section: str, capacity: int, what: str) -> None:
+      """A budget is 0 or holds at least one unit (`what`, of `capacity` tokens)."""
+      budget = self.max_tokens_per_micro_batch
+      if 0 < budget < capacity:
+        raise ConfigError(
+          f"'{section}.max_tokens_per_micro_batch'={budget} is below {what} = {capacity}"
+        )
+
+  return Packing
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOSection:
-  """The PPO algorithm: advantage estimation, KL penalty, losses and update schedule."""
+class PPOSection(_packing(True)):
+  """The PPO algorithm: advantage estimation, KL penalty, losses and update schedule.
+
+  Packed (`packing`, on by default): each sample's real prompt and response tokens in rows of
+  `rollout.max_seq_len` tokens; a budget of 0 is the padded micro-batch's tokens,
+  `rollout.batch_size / (mini_batches x micro_batches)` x `max_seq_len`."""
 
   ppo_epochs: int = 1
   """Passes over each rollout batch."""
@@ -506,8 +539,9 @@ class PPOSection:
   value_clip_eps: float = 0.2
   entropy_coef: float = 0.0
   advantage: str = "gae"
-  """PPO's estimator: 'gae' (with the critic) or a critic-free one: 'group_relative' (GRPO),
-  'rloo', 'reinforce_pp'. The flows of those names fix it."""
+  """PPO's estimator (`rlhfjax.algorithms.ADVANTAGE_ESTIMATORS`, checked when the flow is
+  configured): 'gae' (with the critic) or a critic-free one: 'group_relative' (GRPO), 'rloo',
+  'reinforce_pp'. The flows of those names fix it."""
   group_size: int = 1
   """Samples per prompt; 'group_relative' compares the samples of one prompt."""
   gamma: float = 1.0
@@ -572,15 +606,6 @@ class PPOSection:
   max_skipped_updates: int = 3
   """Stop the run, with a message, after this many updates in a row were skipped for a
   non-finite loss or gradients (each skip is counted in the metrics as `update/skipped`)."""
-  packing: bool = True
-  """Score and train on packed rows (`rlhfjax.data.packing`): each sample's real prompt and
-  response tokens end to end in rows of `rollout.max_seq_len` tokens, attention within a
-  sample, instead of every sample padded to `max_seq_len`. Same numbers up to float rounding;
-  micro-batches by token budget (`max_tokens_per_micro_batch`). False: padded."""
-  max_tokens_per_micro_batch: int = 0
-  """With `packing`: the token budget of one gradient-accumulation step (rows of
-  `rollout.max_seq_len` tokens; as many steps per mini-batch as its samples need). 0: the padded
-  micro-batch's tokens, `rollout.batch_size / (mini_batches x micro_batches)` x `max_seq_len`."""
   fuse_actor_critic: bool = False
   """Run the actor's and the critic's updates as one fused pipeline schedule
   (`rlhfjax.schedules.fused`, RLHFuse's intra-stage fusion): the critic's stages run over the
@@ -602,7 +627,6 @@ class PPOSection:
     return self.async_rollout or self.max_staleness > 0
 
   def __post_init__(self):
-    _check_choice("ppo.advantage", self.advantage, choices.ADVANTAGE_ESTIMATORS)
     _check_choice("ppo.kl_estimator", self.kl_estimator, choices.KL_ESTIMATORS)
     _check_choice("ppo.loss_agg", self.loss_agg, choices.LOSS_AGGREGATIONS)
     if min(self.kl_loss_coef, self.clip_eps_high) < 0:
@@ -671,9 +695,14 @@ class AlgorithmSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DPOSection:
+class DPOSection(_packing(False)):
   """Direct preference optimisation's loss (algorithm 'dpo' on `data.preferences`; 'online_dpo'
-  on pairs sampled by the rollout and ranked by the reward, as `online_dpo` says)."""
+  on pairs sampled by the rollout and ranked by the reward, as `online_dpo` says).
+
+  Packed (`packing`, offline DPO's; online DPO packs by `online_dpo.packing`): each pair's
+  chosen and rejected sequences in rows of `rollout.max_seq_len` tokens, a pair never split
+  between two micro-batches; a budget holds at least one pair, 2 x `rollout.max_seq_len`, and 0
+  is 2 x `rollout.batch_size` x `rollout.max_seq_len`."""
 
   beta: float = 0.1
   """Scale of the implicit reward `beta * (log pi - log pi_ref)`."""
@@ -681,18 +710,6 @@ class DPOSection:
   """'sigmoid' (DPO; conservative DPO with `label_smoothing` > 0) or 'ipo'."""
   label_smoothing: float = 0.0
   """Probability that a preference label is flipped (conservative DPO); 'sigmoid' only."""
-  packing: bool = False
-  """Offline DPO ('dpo') trains and scores the reference on packed rows
-  (`rlhfjax.data.packing`): each pair's chosen and rejected sequences' real tokens end to end
-  in rows of `rollout.max_seq_len` tokens, attention within a sequence, instead of every
-  sequence padded. Same numbers up to float rounding; micro-batches by token budget
-  (`max_tokens_per_micro_batch`), a pair never split between two. Online DPO packs by
-  `online_dpo.packing` instead."""
-  max_tokens_per_micro_batch: int = 0
-  """With `packing`: the token budget of one gradient-accumulation step (rows of
-  `rollout.max_seq_len` tokens; as many steps per batch as its pairs need), at least one pair's
-  capacity, 2 x `rollout.max_seq_len`. 0: the padded step's tokens, 2 x `rollout.batch_size` x
-  `rollout.max_seq_len` (its chosen and rejected sequences)."""
 
   def __post_init__(self):
     _check_choice("dpo.loss", self.loss, choices.DPO_LOSSES)
@@ -707,9 +724,16 @@ class DPOSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OnlineDPOSection:
+class OnlineDPOSection(_packing(True)):
   """Online DPO's sampling and update schedule (algorithm 'online_dpo'); its loss is `dpo`'s.
-  It reads no `ppo` field but the runner's `ppo.max_skipped_updates`."""
+  It reads no `ppo` field but the runner's `ppo.max_skipped_updates`.
+
+  Packed (`packing`, on by default): the reference scores and the actor trains on each pair's
+  chosen and rejected samples in rows of `rollout.max_seq_len` tokens; pairs whose samples tie
+  are not computed at all; with `micro_batches` 1 the padded numbers up to float rounding. A
+  budget holds at least one pair, 2 x `rollout.max_seq_len`; 0 is 2 x the pairs of a
+  micro-batch x `max_seq_len`. The reference scores `rollout.max_tokens_per_score_batch` tokens
+  per call."""
 
   samples_per_prompt: int = 2
   """Responses sampled per prompt; the best and the worst of them form the prompt's pair."""
@@ -720,19 +744,6 @@ class OnlineDPOSection:
   micro_batches: int = 1
   """Gradient-accumulation steps per mini-batch (padded; packed, `max_tokens_per_micro_batch`
   sets them)."""
-  packing: bool = True
-  """Score the reference and train on packed rows (`rlhfjax.data.packing`): each pair's chosen
-  and rejected samples' real prompt and response tokens end to end in rows of
-  `rollout.max_seq_len` tokens, attention within a sample, instead of every sample padded to
-  `max_seq_len`; pairs whose samples tie (no preference) are not computed at all. Same numbers
-  up to float rounding when `micro_batches` is 1 (packed, a mini-batch's loss is its exact
-  mean over pairs, not a mean of micro-batch means). False: padded."""
-  max_tokens_per_micro_batch: int = 0
-  """With `packing`: the token budget of one gradient-accumulation step (rows of
-  `rollout.max_seq_len` tokens; as many steps per mini-batch as its pairs need), at least one
-  pair's capacity, 2 x `rollout.max_seq_len`. 0: the padded micro-batch's tokens, 2 x the pairs
-  of a micro-batch x `max_seq_len`. The reference scores `rollout.max_tokens_per_score_batch`
-  tokens per call."""
 
   def __post_init__(self):
     counts = ("epochs", "mini_batches", "micro_batches")
@@ -1016,10 +1027,17 @@ class DistributedSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SupervisedSection:
+class SupervisedSection(_packing(False)):
   """Batches of the flows that train one model on a dataset: SFT on `data.demonstrations`,
   the reward model on `data.preferences`. Held-out evaluation runs on the whole eval split
-  before the first step, every `eval.every_steps` steps and after the last."""
+  before the first step, every `eval.every_steps` steps and after the last.
+
+  Packed (`packing`): each example's real tokens in rows of `max_len` tokens (a reward model's
+  pair never split between two micro-batches), weighted so the update is the whole batch's
+  exact mean (SFT's over tokens, the reward model's over pairs): the padded run's numbers up to
+  float rounding when `micro_batches` is 1. A budget holds at least one example, `max_len` (a
+  pair, 2 x `max_len`, for the reward model); 0 is `batch_size / micro_batches` x `max_len`
+  (twice that for pairs). Evaluation stays padded."""
 
   batch_size: int = 32
   """Examples (SFT) or preference pairs (reward model) per optimizer update."""
@@ -1027,19 +1045,6 @@ class SupervisedSection:
   """Gradient-accumulation steps per update; must divide `batch_size`."""
   max_len: int = 256
   """Tokens per sequence (prompt and response); longer examples are truncated and counted."""
-  packing: bool = False
-  """Train on packed rows (`rlhfjax.data.packing`): each example's real tokens end to end in
-  rows of `max_len` tokens, attention within an example, instead of every example padded to
-  `max_len`. Micro-batches by token budget (`max_tokens_per_micro_batch`; a reward model's pair
-  never split between two), weighted so the update is the whole batch's exact mean (SFT's over
-  tokens, the reward model's over pairs): the padded run's numbers up to float rounding when
-  `micro_batches` is 1 (padded, several micro-batches average their own means). Evaluation
-  stays padded."""
-  max_tokens_per_micro_batch: int = 0
-  """With `packing`: the token budget of one gradient-accumulation step (rows of `max_len`
-  tokens; as many steps per batch as its examples need), at least one example's capacity,
-  `max_len` (a pair's, 2 x `max_len`, for the reward model). 0: the padded micro-batch's
-  tokens, `batch_size / micro_batches` x `max_len` (twice that for the reward model's pairs)."""
 
   def __post_init__(self):
     ranges.check(
@@ -1050,11 +1055,7 @@ class SupervisedSection:
       max_len=ranges.COUNT,
       max_tokens_per_micro_batch=ranges.NON_NEGATIVE,
     )
-    if 0 < self.max_tokens_per_micro_batch < self.max_len:
-      raise ConfigError(
-        f"'supervised.max_tokens_per_micro_batch'={self.max_tokens_per_micro_batch} is below one "
-        f"sequence's capacity, supervised.max_len = {self.max_len}"
-      )
+    self.check_budget("supervised", self.max_len, "one sequence's capacity, supervised.max_len")
     if self.batch_size % self.micro_batches:
       raise ConfigError(
         f"supervised: 'micro_batches'={self.micro_batches} must divide "
@@ -1113,26 +1114,13 @@ class ExperimentConfig:
     changes = {k: v for k, v in defaults.items() if v and not getattr(init, k)}
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
-    # The reward model trains in its own flow; elsewhere it scores, frozen.
-    trained = ("actor", "critic", "reward") if self.algorithm.name == "rm" else ("actor", "critic")
-    if self.model.trained_roles != trained:
-      object.__setattr__(self, "model", dataclasses.replace(self.model, trained_roles=trained))
     _check_pure_bf16(self)
     _checkpoint_tokenizer(self)
-    budget, width = self.ppo.max_tokens_per_micro_batch, self.rollout.max_seq_len
-    if 0 < budget < width:
-      raise ConfigError(
-        f"'ppo.max_tokens_per_micro_batch'={budget} is below one sequence's capacity, "
-        f"rollout.max_prompt_len + rollout.max_new_tokens = {width}"
-      )
+    width, lengths = self.rollout.max_seq_len, "rollout.max_prompt_len + rollout.max_new_tokens"
+    self.ppo.check_budget("ppo", width, f"one sequence's capacity, {lengths}")
     _check_fusable(self.ppo, self.placement)
     for name in ("dpo", "online_dpo"):
-      budget = getattr(self, name).max_tokens_per_micro_batch
-      if 0 < budget < 2 * width:
-        raise ConfigError(
-          f"'{name}.max_tokens_per_micro_batch'={budget} is below one pair's capacity, "
-          f"2 x (rollout.max_prompt_len + rollout.max_new_tokens) = {2 * width}"
-        )
+      getattr(self, name).check_budget(name, 2 * width, f"one pair's capacity, 2 x ({lengths})")
 
 
 _BF16_HALF_SPACING = 2.0**-14

@@ -27,7 +27,7 @@ from rlhfjax.config import DPOSection
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.costmodel import pricing
 from rlhfjax.data import packed_batches
-from rlhfjax.flows import packed_update, stages
+from rlhfjax.flows import packed_update
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
@@ -115,7 +115,6 @@ class DPOFlow(Flow):
   def __init__(self, ctx: FlowContext):
     self.ctx = ctx
     cfg, cluster, d = ctx.cfg, ctx.cluster, ctx.cfg.data
-    stages.refuse_fused_scoring(cfg)
     rngs = initial_rngs(cfg.seed)
     actor_source = WeightSource(source=cfg.init.actor, what="init.actor", rng=rngs[Role.ACTOR])
     cluster.train(Role.ACTOR, actor_source, make_optimizer(cfg.actor_optimizer, cfg.total_steps))
@@ -259,7 +258,9 @@ class DPOFlow(Flow):
 @register(
   "dpo",
   roles=lambda cfg: policy_roles(cfg, critic=False, rollout=False),
+  trains=(Role.ACTOR,),
   pricing=pricing.DPO,
+  section="dpo",
 )
 def make_flow(ctx: FlowContext) -> DPOFlow:
   return DPOFlow(ctx)

@@ -155,7 +155,6 @@ class OnlineDPOFlow(Flow):
   def __init__(self, ctx: FlowContext):
     self.ctx = ctx
     cfg, cluster, own = ctx.cfg, ctx.cluster, ctx.cfg.online_dpo
-    stages.refuse_fused_scoring(cfg)
     refuse_ppo_fields(cfg)
     refuse_offline_packing(cfg)
     k = own.samples_per_prompt
@@ -329,8 +328,9 @@ class OnlineDPOFlow(Flow):
 @register(
   "online_dpo",
   roles=lambda cfg: policy_roles(cfg, critic=False),
+  trains=(Role.ACTOR,),
   pricing=pricing.ONLINE_DPO,
-  batch=lambda cfg: cfg.online_dpo.batch,
+  section="online_dpo",
 )
 def make_flow(ctx: FlowContext) -> OnlineDPOFlow:
   return OnlineDPOFlow(ctx)

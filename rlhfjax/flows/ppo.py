@@ -89,7 +89,7 @@ def compute_advantages(
   # A flow without a critic has no values: zeros here, in the program (made on the host, they
   # would be an unnamed upload each iteration).
   values_bt = jnp.zeros_like(old_bt) if exp.values_bt is None else exp.values_bt
-  advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator](
+  advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator].estimate(
     scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings.settings
   )
   if settings.whiten:
@@ -144,44 +144,16 @@ class PPOFlow:
   def __init__(self, ctx: FlowContext, estimator: str | None = None):
     self.ctx = ctx
     cfg, ppo, cluster = ctx.cfg, ctx.cfg.ppo, ctx.cluster
-    name = cfg.algorithm.name
-    if estimator is not None and ppo.advantage not in ("gae", estimator):
-      raise ConfigError(
-        f"'ppo.advantage'={ppo.advantage!r} is PPO's choice; algorithm {name!r} estimates "
-        f"advantages with {estimator!r}"
-      )
-    self.estimator = estimator or ppo.advantage
-    if self.estimator in ("group_relative", "rloo") and ppo.group_size < 2:
-      raise ConfigError(
-        f"{self.estimator!r} advantages compare the samples of a prompt: 'ppo.group_size' must "
-        f"be >= 2, got {ppo.group_size}"
-      )
-    check_batch(cfg, ppo.group_size, ppo.mini_batches, ppo.micro_batches)
-    ahead = "ppo.async_rollout" if ppo.async_rollout else "ppo.max_staleness"
-    if ppo.dynamic_sampling_rounds and (ppo.async_rollout or ppo.max_staleness):
-      raise ConfigError(f"'ppo.dynamic_sampling_rounds' needs a synchronous rollout, not '{ahead}'")
-    if ppo.overlong_buffer >= cfg.rollout.max_new_tokens:
-      raise ConfigError(
-        f"'ppo.overlong_buffer'={ppo.overlong_buffer} must be below "
-        f"'rollout.max_new_tokens'={cfg.rollout.max_new_tokens}"
-      )
-    if cfg.rollout.fused_scoring and (
-      ppo.async_rollout or ppo.max_staleness or ppo.dynamic_sampling_rounds
-    ):
-      raise ConfigError(
-        "'rollout.fused_scoring' scores each batch while it generates, with the actor's "
-        "weights of this iteration: it does not combine with 'ppo.async_rollout', "
-        "'ppo.max_staleness' or 'ppo.dynamic_sampling_rounds'"
-      )
+    self.estimator = check_config(cfg, estimator)
     self.off_policy = ppo.generates_ahead
     """Batches are generated ahead, by older weights: the actor's loss weighs each token by
     its importance weight against its behaviour log-prob (the rollout's; `ppo.correction`)."""
     if self.off_policy and cluster.placement.colocated(Role.ROLLOUT, Role.ACTOR):
+      ahead = "ppo.async_rollout" if ppo.async_rollout else "ppo.max_staleness"
       raise ValueError(
         f"{ahead} needs the rollout on its own devices (placement.strategy='disaggregated')"
       )
-    _check_policy_loss(ppo.policy_loss, self.estimator)
-    self.use_critic = self.estimator in alg.CRITIC_ESTIMATORS
+    self.use_critic = alg.ADVANTAGE_ESTIMATORS[self.estimator].critic
     self.fused = ppo.fuse_actor_critic
     """Actor and critic update in one fused pipeline schedule (`Cluster.fused_train_step`)."""
     if self.fused:
@@ -690,14 +662,58 @@ class PPOFlow:
     return row
 
 
+def check_config(cfg, estimator: str | None = None) -> str:
+  """What a PPO-family flow checks of its config before anything is built (the flow's
+  `FlowSpec.check`, run by `registry.configure`): the estimator its name fixes or
+  `ppo.advantage` names, registered and fed by whole groups; the batch's splits; the options
+  that do not combine. Returns the estimator's name."""
+  ppo = cfg.ppo
+  if estimator is not None and ppo.advantage not in ("gae", estimator):
+    raise ConfigError(
+      f"'ppo.advantage'={ppo.advantage!r} is PPO's choice; algorithm {cfg.algorithm.name!r} "
+      f"estimates advantages with {estimator!r}"
+    )
+  chosen = estimator or ppo.advantage
+  if chosen not in alg.ADVANTAGE_ESTIMATORS:
+    known = ", ".join(sorted(alg.ADVANTAGE_ESTIMATORS))
+    raise ConfigError(f"'ppo.advantage' must be one of {known}, got {chosen!r}")
+  if alg.ADVANTAGE_ESTIMATORS[chosen].groups and ppo.group_size < 2:
+    raise ConfigError(
+      f"{chosen!r} advantages compare the samples of a prompt: 'ppo.group_size' must "
+      f"be >= 2, got {ppo.group_size}"
+    )
+  check_batch(cfg, ppo.group_size, ppo.mini_batches, ppo.micro_batches)
+  ahead = "ppo.async_rollout" if ppo.async_rollout else "ppo.max_staleness"
+  if ppo.dynamic_sampling_rounds and (ppo.async_rollout or ppo.max_staleness):
+    raise ConfigError(f"'ppo.dynamic_sampling_rounds' needs a synchronous rollout, not '{ahead}'")
+  if ppo.overlong_buffer >= cfg.rollout.max_new_tokens:
+    raise ConfigError(
+      f"'ppo.overlong_buffer'={ppo.overlong_buffer} must be below "
+      f"'rollout.max_new_tokens'={cfg.rollout.max_new_tokens}"
+    )
+  if cfg.rollout.fused_scoring and (
+    ppo.async_rollout or ppo.max_staleness or ppo.dynamic_sampling_rounds
+  ):
+    raise ConfigError(
+      "'rollout.fused_scoring' scores each batch while it generates, with the actor's "
+      "weights of this iteration: it does not combine with 'ppo.async_rollout', "
+      "'ppo.max_staleness' or 'ppo.dynamic_sampling_rounds'"
+    )
+  _check_policy_loss(ppo.policy_loss, chosen)
+  return chosen
+
+
 def _check_policy_loss(name: str, estimator: str) -> None:
   """`ppo.policy_loss` is registered (`alg.POLICY_LOSSES`), and one that reads an advantage per
   sequence has an estimator that gives one."""
   if name not in alg.POLICY_LOSSES:
     known = ", ".join(sorted(alg.POLICY_LOSSES))
     raise ConfigError(f"'ppo.policy_loss' must be one of {known}, got {name!r}")
-  if alg.POLICY_LOSSES[name].sequence_advantages and estimator not in alg.SEQUENCE_ESTIMATORS:
-    usable = " or ".join(sorted(alg.SEQUENCE_ESTIMATORS))
+  if (
+    alg.POLICY_LOSSES[name].sequence_advantages
+    and not alg.ADVANTAGE_ESTIMATORS[estimator].per_sequence
+  ):
+    usable = " or ".join(sorted(k for k, e in alg.ADVANTAGE_ESTIMATORS.items() if e.per_sequence))
     raise ConfigError(
       f"'ppo.policy_loss'={name!r} weighs whole sequences by one advantage each: "
       f"'ppo.advantage'={estimator!r} gives one per token; use {usable} (e.g. "
@@ -724,27 +740,36 @@ def _check_fusion(cfg, use_critic: bool, cluster) -> None:
     )
 
 
-def _roles(estimator: str | None = None):
-  """The roles of a PPO-family flow: a critic only for a critic estimator (GAE)."""
-  return lambda cfg: policy_roles(
-    cfg, critic=(estimator or cfg.ppo.advantage) in alg.CRITIC_ESTIMATORS
-  )
+def _family(estimator: str | None = None) -> dict[str, Any]:
+  """The `FlowSpec` of a PPO-family flow whose name fixes `estimator` (None: `ppo.advantage`'s,
+  PPO itself): a critic placed, trained and priced only for a critic estimator (GAE)."""
+
+  def critic(cfg) -> bool:
+    return alg.ADVANTAGE_ESTIMATORS[check_config(cfg, estimator)].critic
+
+  return {
+    "roles": lambda cfg: policy_roles(cfg, critic=critic(cfg)),
+    "trains": (Role.ACTOR, Role.CRITIC) if estimator is None else (Role.ACTOR,),
+    "pricing": pricing.PPO if estimator is None else pricing.CRITIC_FREE,
+    "check": lambda cfg: check_config(cfg, estimator),
+    "fused_scoring": True,
+  }
 
 
-@register("ppo", roles=_roles(), pricing=pricing.PPO)
+@register("ppo", **_family())
 def make_flow(ctx: FlowContext) -> PPOFlow:
   """PPO with `ppo.advantage`'s estimator (GAE and a critic by default)."""
   return PPOFlow(ctx)
 
 
-@register("grpo", roles=_roles("group_relative"), pricing=pricing.CRITIC_FREE)
+@register("grpo", **_family("group_relative"))
 def make_grpo(ctx: FlowContext) -> PPOFlow:
   """GRPO: group-normalised advantages, no critic; KL in the loss (`ppo.kl_loss_coef`) or in
   the reward (`ppo.kl_coef`); `ppo.loss_agg` and `ppo.normalize_group_std` select Dr. GRPO."""
   return PPOFlow(ctx, estimator="group_relative")
 
 
-@register("dapo", roles=_roles("group_relative"), pricing=pricing.CRITIC_FREE)
+@register("dapo", **_family("group_relative"))
 def make_dapo(ctx: FlowContext) -> PPOFlow:
   """DAPO: GRPO's group-relative advantages with decoupled clipping (`ppo.clip_eps_high`),
   dynamic sampling (`ppo.dynamic_sampling_rounds`) and soft overlong punishment
@@ -752,13 +777,13 @@ def make_dapo(ctx: FlowContext) -> PPOFlow:
   return PPOFlow(ctx, estimator="group_relative")
 
 
-@register("rloo", roles=_roles("rloo"), pricing=pricing.CRITIC_FREE)
+@register("rloo", **_family("rloo"))
 def make_rloo(ctx: FlowContext) -> PPOFlow:
   """RLOO: leave-one-out baselines within each prompt's group, no critic."""
   return PPOFlow(ctx, estimator="rloo")
 
 
-@register("reinforce_pp", roles=_roles("reinforce_pp"), pricing=pricing.CRITIC_FREE)
+@register("reinforce_pp", **_family("reinforce_pp"))
 def make_reinforce_pp(ctx: FlowContext) -> PPOFlow:
   """REINFORCE++: batch-whitened returns of KL-shaped token rewards, no critic."""
   return PPOFlow(ctx, estimator="reinforce_pp")

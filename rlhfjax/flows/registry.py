@@ -9,15 +9,15 @@ A flow is an object with:
   close()                             stops background work.
 `rlhfjax.flows.base.Flow` implements the parts most flows share.
 
-A flow registered with `roles` (a function of the config) declares the roles it places: the
-placement, its memory check and the planner give the others no mesh and no memory (GRPO has
-no critic; a rule reward needs no reward model; DPO generates nothing). Its `pricing`
-(`rlhfjax.costmodel.pricing.Pricing`) says how the planner prices an iteration: which stages
-run, by which roles, on how many of the batch's sequences; its `batch` (a function of the
-config) which section sets the samples per prompt, epochs, mini- and micro-batches that the
-planner prices and the memory check sizes (default: `ppo`'s). One registered with `prompts=False`
-reads its own dataset, not the prompt stream, and scores no samples (SFT, the reward model): the
-runner builds it no prompt stream and no rewards.
+What the rest of the library asks of a flow is declared once, where the flow is defined, as a
+`FlowSpec` (`register` for a built-in flow, `declare` on a user's factory): the roles it places
+(the placement, its memory check and the planner give the others no mesh and no memory: GRPO
+has no critic, a rule reward needs no reward model, DPO generates nothing), the roles it
+trains (fp32 masters: `ModelSection.trained_roles`, set by `configure`), how the planner
+prices an iteration (`rlhfjax.costmodel.pricing.Pricing`), the config section that sets its
+batch shape and packing, and whether it reads the prompt stream (SFT and the reward model
+read their own datasets: the runner builds them no prompt stream and no rewards). Nothing
+outside this module branches on a flow's name.
 
 A flow may also have:
   evaluate() -> dict[str, float]      its own held-out metrics ('eval/...'), which the runner
@@ -30,104 +30,185 @@ A flow may also have:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
 
-from rlhfjax.config import BatchShape
+from rlhfjax.config import BatchShape, ConfigError
 from rlhfjax.costmodel.pricing import PPO, Pricing
 from rlhfjax.flows import user
 from rlhfjax.placement.spec import Role
 
-FLOWS: dict[str, Callable[..., Any]] = {}
-"""Registered flow factories by name."""
-ROLES: dict[str, Callable[[Any], frozenset[Role]]] = {}
-"""The roles each registered flow uses, as a function of the experiment config."""
-PRICING: dict[str, Pricing] = {}
-"""How the planner prices an iteration of each registered flow."""
-_NO_PROMPTS: set[str] = set()
-"""Registered flows that read no prompt stream."""
-BATCH: dict[str, Callable[[Any], BatchShape]] = {}
-"""The batch shape each registered flow reads, as a function of the experiment config."""
+
+def _every_role(config: Any) -> frozenset[Role]:
+  return frozenset(Role)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowSpec:
+  """What the runner, the placement, the planner and the config ask of one flow."""
+
+  name: str
+  """`algorithm.name` (a built-in flow), or the 'module:function' of a user's own."""
+  factory: Callable[..., Any] | None = None
+  """`make_flow(ctx) -> flow`; None on a user's declaration (`declare`), which decorates it."""
+  roles: Callable[[Any], frozenset[Role]] = _every_role
+  """The roles it places, as a function of the experiment config (default: every one)."""
+  trains: tuple[Role, ...] = (Role.ACTOR, Role.CRITIC)
+  """The roles it may train: they keep fp32 master weights (`ModelSection.trained_roles`)."""
+  pricing: Pricing = PPO
+  """The stages of an iteration, as the planner prices them (default: PPO's on its roles)."""
+  section: str = "ppo"
+  """The config section that sets its batch shape (`batch`: samples per prompt, epochs, mini-
+  and micro-batches; `ppo`'s for a section without one) and its packing (`packing`,
+  `max_tokens_per_micro_batch`)."""
+  packs: bool | None = None
+  """Whether it scores and trains on packed rows: None as its section's `packing` says; a
+  user's flow that pads whatever the section says declares False (its default when it
+  declares nothing)."""
+  prompts: bool = True
+  """It reads the prompt stream and scores samples; False: it trains one model on its own
+  dataset (SFT, the reward model), sized by `rlhfjax.planner.single`."""
+  fused_scoring: bool = False
+  """It scores samples as they finish (`rollout.fused_scoring`); `configure` refuses the
+  option for the others."""
+  check: Callable[[Any], Any] | None = None
+  """`check(config)` raises `ConfigError` for what the flow cannot run, before anything is
+  built (`configure` runs it)."""
+
+  def __post_init__(self):
+    if self.section not in _SECTIONS:
+      raise ValueError(f"flow {self.name!r}: section must be one of {', '.join(_SECTIONS)}")
+
+
+_SECTIONS = ("ppo", "online_dpo", "dpo", "supervised")
+"""The config sections a flow may read its batch shape and packing from."""
+
+FLOWS: dict[str, FlowSpec] = {}
+"""The registered flows by name."""
 
 _BUILTIN = ("ppo", "dpo", "online_dpo", "sft", "rm")
 """Modules of `rlhfjax.flows` whose import registers the built-in flows."""
 
 
-def register(
-  name: str,
-  roles: Callable[[Any], frozenset[Role]] | None = None,
-  pricing: Pricing | None = None,
-  batch: Callable[[Any], BatchShape] | None = None,
-  *,
-  prompts: bool = True,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """Decorator: registers a flow factory (or class) under `name`; `roles(config)` says which
-  roles it uses (default: all of them), `pricing` how the planner prices it (default: PPO's
-  stages on the roles it uses), `batch(config)` its batch shape (default: `ppo`'s);
-  `prompts=False`: it reads no prompt stream."""
+def register(name: str, **fields: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator: registers a flow factory (or class) under `name` with its `FlowSpec` fields."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
-    FLOWS[name] = factory
-    if roles is not None:
-      ROLES[name] = roles
-    if pricing is not None:
-      PRICING[name] = pricing
-    if not prompts:
-      _NO_PROMPTS.add(name)
-    if batch is not None:
-      BATCH[name] = batch
+    FLOWS[name] = FlowSpec(name=name, factory=factory, **fields)
     return factory
 
   return wrap
 
 
-def builtin() -> dict[str, Callable[..., Any]]:
+def declare(**fields: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator for a user's own factory (`algorithm.flow`): its `FlowSpec` fields, so that it
+  is placed, priced and sized as it runs. Undeclared, a user's flow places every role, is
+  priced as PPO on the `ppo` section's batch and pads; declared, it pads unless it says
+  `packs` (None: as its section's `packing` says)."""
+
+  def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(factory, user.DECLARED, {"packs": False, **fields})
+    return factory
+
+  return wrap
+
+
+def builtin() -> dict[str, FlowSpec]:
   """The registered flows, the built-in ones imported."""
   for module in _BUILTIN:
     importlib.import_module(f"rlhfjax.flows.{module}")
   return FLOWS
 
 
-def resolve(name: str, flow: str = "") -> Callable[..., Any]:
-  """The factory of `flow` ('module:function') if given, else of the registered `name`."""
+def spec_of(config: Any) -> FlowSpec:
+  """The `FlowSpec` of the configured flow: the registered `algorithm.name`'s, or what a
+  user's own factory (`algorithm.flow`) declares.
+
+  Raises:
+    ConfigError: no flow of that name is registered.
+    user.FlowError: the user's flow cannot be imported.
+  """
+  flow = config.algorithm.flow
   if flow:
-    return user.load(flow)
+    declared = getattr(user.load(flow), user.DECLARED, None) or {"packs": False}
+    return FlowSpec(name=flow, **declared)
   flows = builtin()
+  name = config.algorithm.name
   if name not in flows:
-    raise ValueError(f"'algorithm.name' must be one of {', '.join(sorted(flows))}, got {name!r}")
+    raise ConfigError(f"'algorithm.name' must be one of {', '.join(sorted(flows))}, got {name!r}")
   return flows[name]
 
 
-def roles_of(config: Any) -> tuple[Role, ...]:
-  """The roles the configured flow uses, in `Role` order; every role for a user's own flow
-  (`algorithm.flow`), whose needs are unknown."""
+def resolve(config: Any) -> Callable[..., Any]:
+  """The factory of the configured flow (a user's wrapped so that its faults name it)."""
   if config.algorithm.flow:
-    return tuple(Role)
-  builtin()
-  declared = ROLES.get(config.algorithm.name)
-  used = declared(config) if declared else frozenset(Role)
+    return user.load(config.algorithm.flow)
+  return spec_of(config).factory
+
+
+def configure(config: Any) -> Any:
+  """`config` with what its flow declares that the config must know: the roles it trains
+  (`ModelSection.trained_roles`, which keep fp32 masters), after the flow's own `check`. Every
+  entry that builds models of a config (the runner, the placement, the scripts) passes it
+  through here.
+
+  Raises:
+    ConfigError: the flow cannot run this config (`FlowSpec.check`), in one line.
+  """
+  spec = spec_of(config)
+  if config.rollout.fused_scoring and not spec.fused_scoring:
+    raise ConfigError(
+      "'rollout.fused_scoring' is for the flows that score samples while they generate "
+      f"({', '.join(fused_scoring_flows())}); {spec.name} does not: set it to False"
+    )
+  if spec.check is not None:
+    spec.check(config)
+  trained = tuple(role.value for role in spec.trains)
+  if config.model.trained_roles == trained:
+    return config
+  model = dataclasses.replace(config.model, trained_roles=trained)
+  return dataclasses.replace(config, model=model)
+
+
+def roles_of(config: Any) -> tuple[Role, ...]:
+  """The roles the configured flow uses, in `Role` order."""
+  used = spec_of(config).roles(config)
   return tuple(role for role in Role if role in used)
 
 
 def pricing_of(config: Any) -> Pricing:
-  """How the planner prices the configured flow; PPO's stages for a user's own flow
-  (`algorithm.flow`) or a flow registered without a pricing."""
-  if config.algorithm.flow:
-    return PPO
-  builtin()
-  return PRICING.get(config.algorithm.name, PPO)
+  """How the planner prices the configured flow."""
+  return spec_of(config).pricing
+
+
+def section_of(config: Any) -> Any:
+  """The config section the configured flow reads its batch shape and packing from."""
+  return getattr(config, spec_of(config).section)
 
 
 def batch_of(config: Any) -> BatchShape:
-  """The batch shape of the configured flow; `ppo`'s for a user's own flow (`algorithm.flow`)
-  or a flow registered without one."""
-  if not config.algorithm.flow:
-    builtin()
-    declared = BATCH.get(config.algorithm.name)
-    if declared:
-      return declared(config)
-  return config.ppo.batch
+  """The batch shape of the configured flow: its section's, or `ppo`'s for a section that
+  sets none (offline DPO's pairs)."""
+  section = section_of(config)
+  return section.batch if hasattr(section, "batch") else config.ppo.batch
+
+
+def packs(config: Any) -> bool:
+  """Whether the configured flow scores and trains on packed rows, as the planner prices and
+  the memory check sizes it: as its section's `packing` says unless it declares otherwise; a
+  flow on its own dataset (`prompts=False`) is sized by `rlhfjax.planner.single`, not here."""
+  spec = spec_of(config)
+  if not spec.prompts:
+    return False
+  return section_of(config).packing if spec.packs is None else spec.packs
+
+
+def train_budget(config: Any) -> int:
+  """Tokens per packed training micro-step: the flow's section's `max_tokens_per_micro_batch`
+  (0: the padded micro-batch's)."""
+  return section_of(config).max_tokens_per_micro_batch
 
 
 def pricing_by_name(name: str) -> Pricing:
@@ -135,15 +216,17 @@ def pricing_by_name(name: str) -> Pricing:
   flows = builtin()
   if name not in flows:
     raise ValueError(f"unknown flow {name!r}; registered: {', '.join(sorted(flows))}")
-  return PRICING.get(name, PPO)
+  return flows[name].pricing
 
 
 def reads_prompts(config: Any) -> bool:
-  """Whether the configured flow reads the prompt stream (a user's own flow may)."""
-  if config.algorithm.flow:
-    return True
-  builtin()
-  return config.algorithm.name not in _NO_PROMPTS
+  """Whether the configured flow reads the prompt stream."""
+  return spec_of(config).prompts
+
+
+def fused_scoring_flows() -> tuple[str, ...]:
+  """The registered flows that score samples as they finish (`rollout.fused_scoring`)."""
+  return tuple(name for name, spec in builtin().items() if spec.fused_scoring)
 
 
 def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[Role]:

@@ -15,7 +15,7 @@ import numpy as np
 from rlhfjax import data
 from rlhfjax.flows.registry import register
 from rlhfjax.flows.stages import FlowContext
-from rlhfjax.flows.supervised import SupervisedFlow
+from rlhfjax.flows.supervised import SupervisedFlow, one_model
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import reward_model
 
@@ -40,6 +40,6 @@ class RewardModelFlow(SupervisedFlow):
   plot_file = "eval_accuracy.png"
 
 
-@register("rm", roles=lambda cfg: frozenset({Role.REWARD}), prompts=False)
+@register("rm", **one_model(Role.REWARD))
 def make_flow(ctx: FlowContext) -> RewardModelFlow:
   return RewardModelFlow(ctx)

@@ -14,7 +14,7 @@ import numpy as np
 from rlhfjax import data
 from rlhfjax.flows.registry import register
 from rlhfjax.flows.stages import FlowContext
-from rlhfjax.flows.supervised import SupervisedFlow
+from rlhfjax.flows.supervised import SupervisedFlow, one_model
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import sft
 
@@ -38,6 +38,6 @@ class SFTFlow(SupervisedFlow):
   plot_file = "eval_loss.png"
 
 
-@register("sft", roles=lambda cfg: frozenset({Role.ACTOR}), prompts=False)
+@register("sft", **one_model(Role.ACTOR))
 def make_flow(ctx: FlowContext) -> SFTFlow:
   return SFTFlow(ctx)

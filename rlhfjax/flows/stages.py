@@ -17,7 +17,7 @@ import numpy as np
 from rlhfjax import models
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
-from rlhfjax.config import ConfigError, ExperimentConfig
+from rlhfjax.config import ExperimentConfig
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import experience
 from rlhfjax.flows.experience import Sequences
@@ -39,17 +39,6 @@ class FlowContext:
   """The endless, checkpointed prompt iterator (`take(n)`); None for a flow that reads none."""
   workdir: str
   """The run's directory (prepared datasets go to WORKDIR/data unless `data.data_dir`)."""
-
-
-def refuse_fused_scoring(cfg: ExperimentConfig) -> None:
-  """A flow that does not score samples as they finish refuses `rollout.fused_scoring`
-  rather than ignore it."""
-  if cfg.rollout.fused_scoring:
-    flow = cfg.algorithm.flow or cfg.algorithm.name
-    raise ConfigError(
-      f"'rollout.fused_scoring' is for the PPO-family flows (ppo, grpo, dapo, rloo, "
-      f"reinforce_pp); {flow} does not score samples while they generate: set it to False"
-    )
 
 
 def sampling(cfg: ExperimentConfig, tokenizer: Any, **changes: Any) -> SamplingParams:

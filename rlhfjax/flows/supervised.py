@@ -40,6 +40,17 @@ from rlhfjax.training.optimizer import learning_rate_schedule, make_optimizer
 Batch = dict[str, np.ndarray]
 
 
+def one_model(role: Role) -> dict[str, Any]:
+  """The `FlowSpec` of a flow that trains `role` alone on its own dataset, batched by the
+  `supervised` section (`rlhfjax.planner.single` sizes it)."""
+  return {
+    "roles": lambda cfg: frozenset({role}),
+    "trains": (role,),
+    "section": "supervised",
+    "prompts": False,
+  }
+
+
 class SupervisedFlow(Flow):
   """Trains `role` on `data_kind` records; see the module docstring."""
 

@@ -25,6 +25,11 @@ _METHODS = ("iteration", "checkpoint_items", "abstract_items", "meta", "restore"
 gives every one but `iteration`."""
 
 
+DECLARED = "__flow_spec__"
+"""The attribute `rlhfjax.flows.registry.declare` sets on a user's factory: its spec's fields,
+kept on the checked factory `load` returns."""
+
+
 class FlowError(ValueError):
   """A user's flow cannot be imported, raised, or returned the wrong thing."""
 
@@ -100,6 +105,7 @@ def checked(name: str, factory: Callable[[Any], Any], files: tuple[str, ...]) ->
       )
     return CheckedFlow(name, flow, files)
 
+  setattr(build, DECLARED, getattr(factory, DECLARED, None))
   return build
 
 

@@ -16,7 +16,7 @@ import dataclasses
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.costmodel import efficiency, hardware
 from rlhfjax.costmodel.workload import Workload
-from rlhfjax.flows.registry import batch_of, pricing_of, roles_of
+from rlhfjax.flows.registry import batch_of, packs, pricing_of, roles_of, train_budget
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import PlacementError, check_models
@@ -55,27 +55,10 @@ def workload_of(config: ExperimentConfig) -> Workload:
   )
 
 
-PPO_FAMILY = ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")
-"""The flows of `rlhfjax.flows.ppo`, which score and train packed as `ppo.packing` says."""
-
-
-def packs(config: ExperimentConfig) -> bool:
-  """Whether the configured flow scores and trains on packed rows: the PPO family
-  (`PPO_FAMILY`) as `ppo.packing` says, online DPO as `online_dpo.packing` says; the offline
-  flows train without sampling (not priced here), and a user's own (`algorithm.flow`) pads."""
-  if config.algorithm.flow:
-    return False
-  if config.algorithm.name in PPO_FAMILY:
-    return config.ppo.packing
-  if config.algorithm.name == "online_dpo":
-    return config.online_dpo.packing
-  return False
-
-
 def packing_of(config: ExperimentConfig) -> dict:
-  """The `Workload` fields of the run's packing: padded, or packed in training micro-batches of
-  its token budget (`train_budget`) and scoring calls of `rollout.score_rows_packed` rows, as
-  the engine runs them."""
+  """The `Workload` fields of the run's packing (`rlhfjax.flows.registry.packs`): padded, or
+  packed in training micro-batches of its token budget (`train_budget`) and scoring calls of
+  `rollout.score_rows_packed` rows, as the engine runs them."""
   if not packs(config):
     return {"padded": True, "packed": False}
   return {
@@ -84,14 +67,6 @@ def packing_of(config: ExperimentConfig) -> dict:
     "train_tokens": train_budget(config),
     "score_tokens": config.rollout.score_rows_packed * config.rollout.max_seq_len,
   }
-
-
-def train_budget(config: ExperimentConfig) -> int:
-  """Tokens per packed training micro-step: `ppo.max_tokens_per_micro_batch` (online DPO: its
-  own section's); 0: the padded micro-batch's."""
-  if config.algorithm.name == "online_dpo":
-    return config.online_dpo.max_tokens_per_micro_batch
-  return config.ppo.max_tokens_per_micro_batch
 
 
 def memory_rows(config: ExperimentConfig) -> tuple[int, int | None]:

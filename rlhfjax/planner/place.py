@@ -13,7 +13,7 @@ from __future__ import annotations
 from rlhfjax.cluster.cluster import HEADS
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.config.model import HeadKind, ModelConfig
-from rlhfjax.flows.registry import roles_of
+from rlhfjax.flows.registry import configure, roles_of, section_of
 from rlhfjax.placement import memory, single_role
 from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
 from rlhfjax.placement.spec import PlacementSpec, RoleSpec
@@ -35,6 +35,7 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
   placement on the available devices and prints the chosen plan and the runner-up. Either way
   the placement keeps only the roles the flow uses (`rlhfjax.flows.registry.roles_of`).
   """
+  config = configure(config)
   roles = roles_of(config)
   num_devices = resolve_num_devices(config.placement.num_devices, available_devices)
   if config.placement.strategy == "auto":
@@ -79,6 +80,7 @@ def place(cfg: ExperimentConfig, available_devices: int) -> PlacementSpec:
   Raises:
     PlacementError: what is wrong with the placement, in one line.
   """
+  cfg = configure(cfg)
   roles = roles_of(cfg)
   if len(roles) != 1:
     return plan_placement(cfg, available_devices)
@@ -91,7 +93,7 @@ def place(cfg: ExperimentConfig, available_devices: int) -> PlacementSpec:
     )
   n = resolve_num_devices(placement.num_devices, available_devices)
   model = cfg.model.for_role(role.value)
-  sup = cfg.supervised
+  sup = section_of(cfg)
   rows = sup.batch_size // sup.micro_batches
   if placement.strategy == "auto":
     spec = _planned_spec(cfg, model, HEADS[role], n)
@@ -102,7 +104,7 @@ def place(cfg: ExperimentConfig, available_devices: int) -> PlacementSpec:
 
 def _planned_spec(cfg: ExperimentConfig, model: ModelConfig, head: HeadKind, n: int) -> RoleSpec:
   """The planner's fastest split that fits; prints it and the runner-up."""
-  sup = cfg.supervised
+  sup = section_of(cfg)
   hw, eff = auto.load_planner_inputs(cfg.placement)
   plans = single.plan(
     model,

@@ -77,8 +77,9 @@ class Runner:
   """Builds the cluster and the flow from an `ExperimentConfig` and runs its iterations."""
 
   def __init__(self, cfg: ExperimentConfig, workdir: str, *, show_progress: bool = True):
+    cfg = registry.configure(cfg)
     self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
-    factory = registry.resolve(cfg.algorithm.name, cfg.algorithm.flow)
+    factory = registry.resolve(cfg)
     self.placement: PlacementSpec = place(cfg, len(jax.devices()))
     distributed.check_placement(self.placement)
     machines.warn_tensor_across_hosts(self.placement)
