@@ -1,5 +1,6 @@
 """RL maths against plain NumPy loops written from the equations."""
 
+import dataclasses
 import math
 
 import jax
@@ -349,3 +350,65 @@ def test_entropy_and_token_logprobs(batch):
   _close(alg.entropy_bonus(jnp.asarray(logits), jnp.asarray(mask)), (ent * mask).sum() / mask.sum())
   lp = np.log(np.take_along_axis(p, tokens[..., None], -1)[..., 0])
   _close(alg.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens)), lp)
+
+
+_FAMILY = {
+  "ppo": None,
+  "grpo": "group_relative",
+  "dapo": "group_relative",
+  "rloo": "rloo",
+  "reinforce_pp": "reinforce_pp",
+}
+"""The PPO-family flows and the estimator each one's name fixes (None: `ppo.advantage`'s)."""
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("kind", ["tis", "mis"])
+@pytest.mark.parametrize("name", list(_FAMILY))
+def test_every_ppo_family_flow_applies_each_correction(name, kind, level):
+  """Each flow's advantage stage (`compute_advantages`, with the settings the flow builds from
+  its shipped config) gives the NumPy correction's weights at each kind and level, and leaves
+  its advantages and returns as they are without a correction. The weights reach the loss as
+  data: every flow's runs apply one correction end to end (runs_testing.CORRECTION_OF)."""
+  from runs_testing import shipped_config
+
+  from rlhfjax.flows import ppo as ppo_flow
+  from rlhfjax.flows.experience import Experience
+
+  b, t, p, cap = 8, 6, 3, 1.5
+  changes = {
+    "ppo.group_size": 4,
+    "rollout.batch_size": b,
+    "rollout.max_new_tokens": t,
+    "ppo.rollout_correction": kind,
+    "ppo.rollout_correction_level": level,
+    "ppo.rollout_correction_cap": cap,
+  }
+  cfg = shipped_config(f"{name}_tiny", changes)
+  estimator = ppo_flow.check_config(cfg, _FAMILY[name])
+  rng = np.random.default_rng(1)
+  mask = (np.arange(t)[None] < rng.integers(1, t + 1, b)[:, None]).astype(np.float32)
+  old = rng.normal(-2.0, 0.5, (b, t)).astype(np.float32)
+  exp = Experience(
+    tokens_bs=jnp.zeros((b, p + t), jnp.int32),
+    attention_mask_bs=jnp.ones((b, p + t), jnp.int32),
+    response_mask_bt=jnp.asarray(mask),
+    rollout_logprobs_bt=jnp.asarray(old + rng.normal(0.0, 0.6, (b, t)).astype(np.float32)),
+    old_logprobs_bt=jnp.asarray(old),
+    ref_logprobs_bt=jnp.asarray(rng.normal(-2.0, 0.5, (b, t)).astype(np.float32)),
+    values_bt=jnp.asarray(rng.normal(0.0, 1.0, (b, t)).astype(np.float32)),
+    scores_b=jnp.asarray(rng.normal(0.0, 1.0, b).astype(np.float32)),
+  )
+  settings = ppo_flow.advantage_settings(cfg.ppo, estimator)
+  got, stats = ppo_flow.compute_advantages(settings, exp, jnp.float32(0.05))
+  plain, _ = ppo_flow.compute_advantages(
+    dataclasses.replace(settings, correction="none"), exp, jnp.float32(0.05)
+  )
+  want, want_frac = _correction_reference(
+    old, np.asarray(exp.rollout_logprobs_bt), mask, kind, level, cap
+  )
+  _close(got.is_weights_bt, want)
+  _close(stats["rollout_correction/corrected_frac"], want_frac)
+  assert 0 < want_frac < 1
+  np.testing.assert_array_equal(np.asarray(got.advantages_bt), np.asarray(plain.advantages_bt))
+  np.testing.assert_array_equal(np.asarray(got.returns_bt), np.asarray(plain.returns_bt))

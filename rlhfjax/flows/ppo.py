@@ -68,6 +68,25 @@ class AdvantageSettings:
   correction_cap: float = 2.0
 
 
+def advantage_settings(ppo, estimator: str) -> AdvantageSettings:
+  """The `compute_advantages` settings of a PPO-family flow: `ppo`'s, with its estimator."""
+  return AdvantageSettings(
+    kl_estimator=ppo.kl_estimator,
+    estimator=estimator,
+    settings=alg.EstimatorSettings(
+      gamma=ppo.gamma,
+      lam=ppo.lam,
+      group_size=ppo.group_size,
+      normalize_std=ppo.normalize_group_std,
+    ),
+    whiten=ppo.whiten_advantages,
+    overlong_buffer=ppo.overlong_buffer,
+    correction=ppo.correction,
+    correction_level=ppo.rollout_correction_level,
+    correction_cap=ppo.rollout_correction_cap,
+  )
+
+
 def compute_advantages(
   settings: AdvantageSettings, exp: Experience, kl_coef: jax.Array
 ) -> tuple[Experience, dict[str, jax.Array]]:
@@ -219,21 +238,7 @@ class PPOFlow:
       )
       if self.use_critic:
         self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values" + tag, rows)
-    settings = AdvantageSettings(
-      kl_estimator=ppo.kl_estimator,
-      estimator=self.estimator,
-      settings=alg.EstimatorSettings(
-        gamma=ppo.gamma,
-        lam=ppo.lam,
-        group_size=ppo.group_size,
-        normalize_std=ppo.normalize_group_std,
-      ),
-      whiten=ppo.whiten_advantages,
-      overlong_buffer=ppo.overlong_buffer,
-      correction=ppo.correction,
-      correction_level=ppo.rollout_correction_level,
-      correction_cap=ppo.rollout_correction_cap,
-    )
+    settings = advantage_settings(ppo, self.estimator)
     self._advantages = cluster.compile(
       "advantages", functools.partial(compute_advantages, settings)
     )
