@@ -18,6 +18,7 @@ a NumPy array to a global sharding checks that they are.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -112,7 +113,7 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
     jax.config.update("jax_enable_preemption_service", False)
     # JAX aborts the process (a C++ fatal error and a stack trace) when its own time-outs
     # expire: ours expire first and say what was waited for in one line.
-    with liveness.start_deadline(section.start_timeout_s, _waiting_for(args)):
+    with liveness.start_deadline(section.start_timeout_s, *_waiting_for(args)):
       jax.distributed.initialize(
         **args,
         initialization_timeout=section.start_timeout_s + _JAX_MARGIN_S,
@@ -191,12 +192,16 @@ def identity(args: Mapping[str, Any]) -> tuple[str, str]:
   return process + count, args["coordinator_address"] or "the cluster's coordinator"
 
 
-def _waiting_for(args: Mapping[str, Any]) -> str:
+def _waiting_for(args: Mapping[str, Any]) -> tuple[str, str]:
+  """Who waits at the join, and for what: process 0 runs the coordinator and waits for the
+  others to connect to it; every other process waits for the job to start there."""
   who, where = identity(args)
-  return (
-    f"{who} to join the job at the coordinator {where} (process 0 runs it; every process must "
-    "start with the same num_processes and a distinct process_id)"
-  )
+  rule = "every process must start with the same num_processes and a distinct process_id"
+  n = args["num_processes"]
+  if args["process_id"] == 0 and n:
+    others = "process 1" if n == 2 else f"some of processes 1 to {n - 1}"
+    return who, f"{others} to join the job at its coordinator {where} ({rule})"
+  return who, f"the job to start at the coordinator {where} (process 0 runs it; {rule})"
 
 
 def is_primary() -> bool:
@@ -222,6 +227,57 @@ def client() -> Any:
   """The job's coordination-service client (key-value store, barriers); JAX has no public
   handle for it."""
   return jax._src.distributed.global_state.client  # noqa: SLF001
+
+
+def agree(parts: Mapping[str, str], timeout_s: float) -> None:
+  """Every process of the job holds the same `parts` (a name -> value fingerprint of what must
+  be identical: the resolved config, the code, the data files), or each one raises, naming
+  the fields that differ and the processes, before anything compiles: a job whose processes
+  disagree (one told to run 1 step, another 2) would otherwise hang in a collective that one of
+  them never reaches. Returns at once in a single-process job.
+
+  Raises:
+    ValueError: the processes disagree, or one did not post its fingerprint within `timeout_s`.
+  """
+  n, me = jax.process_count(), jax.process_index()
+  if n < 2:
+    return
+  c = client()
+  c.key_value_set(f"rlhfjax:agree:{me}", json.dumps(dict(parts), sort_keys=True))
+  theirs = {}
+  for k in range(n):
+    try:
+      theirs[k] = json.loads(c.blocking_key_value_get(f"rlhfjax:agree:{k}", int(timeout_s * 1e3)))
+    except Exception as error:  # noqa: BLE001 - the client's time-out is a plain error
+      raise ValueError(
+        f"process {me} of {n} gave up after {timeout_s:g} s (distributed.start_timeout_s) "
+        f"waiting for process {k} to say what it runs"
+      ) from error
+  differ = []
+  for name in sorted({key for values in theirs.values() for key in values}):
+    values = {k: theirs[k].get(name, "(absent)") for k in range(n)}
+    if len(set(values.values())) > 1:
+      by_value: dict[str, list[int]] = {}
+      for k, value in values.items():
+        by_value.setdefault(value, []).append(k)
+      differ.append(
+        f"{name} is "
+        + ", ".join(f"{_shorten(v)} on {_processes(ks)}" for v, ks in by_value.items())
+      )
+  if differ:
+    more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+    raise ValueError(
+      f"the job's {n} processes disagree: {'; '.join(differ[:4])}{more}: every process must "
+      "start with the same config, code and data"
+    )
+
+
+def _processes(ids: list[int]) -> str:
+  return f"process {ids[0]}" if len(ids) == 1 else f"processes {_span(tuple(ids))}"
+
+
+def _shorten(value: str, limit: int = 40) -> str:
+  return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
 _BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000

@@ -311,6 +311,26 @@ def _with_token_ids(model: ModelConfig, tokenizer: tokenizer_lib.Tokenizer) -> M
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class Exported:
+  """What `export` wrote: which run's model at which step, and this process's files."""
+
+  run: str
+  """The run's directory (a pipeline workdir's stage directory for a pipeline)."""
+  stage: str | None
+  """The pipeline stage ('sft', 'rm', 'ppo'); None for a run of its own."""
+  step: int
+  item: str
+  """The checkpoint item, the trained role ('actor', 'reward')."""
+  dtype: str
+  files: list[str]
+  """The shard files this process wrote."""
+
+  def describe(self) -> str:
+    stage = f" (stage {self.stage})" if self.stage else ""
+    return f"the {self.item} of {self.run}{stage} at step {self.step} as {self.dtype}"
+
+
 def export(
   workdir: str,
   out: str,
@@ -320,7 +340,7 @@ def export(
   dtype: str | None = None,
   max_shard_bytes: int = 5 * 2**30,
   overwrite: bool = False,
-) -> list[str]:
+) -> Exported:
   """Writes the policy of a run's checkpoint to `out` as a Hugging Face checkpoint.
 
   Every process of the job calls it (see the module docstring for who writes what).
@@ -335,7 +355,7 @@ def export(
     overwrite: Write into a non-empty `out` (files of the same names are replaced).
 
   Returns:
-    The shard files this process wrote.
+    What it exported (run, stage, step, dtype) and the shard files this process wrote.
 
   Raises:
     ExportError, CheckpointError: no such run, checkpoint or step; `out` not empty; a model
@@ -386,7 +406,10 @@ def export(
     else:
       _copy_tokenizer_files(policy["tokenizer"], out)
   multihost_utils.sync_global_devices("rlhfjax.export: done")
-  return written
+  own = run == os.path.abspath(os.path.expanduser(workdir))
+  return Exported(
+    run, None if own else os.path.basename(run), int(step_dir.name), policy["item"], dtype, written
+  )
 
 
 def _generation_config(model: ModelConfig) -> dict[str, Any]:

@@ -11,6 +11,8 @@ backend starts.
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import os
 import re
 import sys
@@ -229,10 +231,68 @@ def start(argv: list[str], config_dict, max_cpu_devices: int) -> None:
       if section.supervise and supervisor.available() and not supervisor.in_child():
         supervisor.supervise(*distributed.identity(distributed.resolve(section)))
       distributed.initialize(section, num_devices)
+      distributed.agree(job_fingerprint(config_dict), section.start_timeout_s)
     except ValueError as error:
       fail(error)
   elif num_devices:
     emulate_host_devices(num_devices)
+
+
+_PER_PROCESS = ("distributed.process_id", "distributed.local_device_count")
+"""Config fields that may differ between the processes of a job."""
+_DATA_FILES = ("data.prompts", "data.demonstrations", "data.preferences", "data.tokenizer")
+"""Config fields naming files whose contents every process must read alike."""
+
+
+def job_fingerprint(config_dict) -> dict[str, str]:
+  """What must be identical in every process of a job (`rlhfjax.distributed.agree`): each
+  field of the resolved config (but `_PER_PROCESS`), the code (a hash of the package's source
+  files), and each data file's size and a hash of its first and last MiB (a resume re-reads
+  nothing whole)."""
+  flat = {}
+
+  def walk(node, prefix):
+    for key, value in node.items():
+      path = f"{prefix}{key}"
+      if hasattr(value, "items"):
+        walk(value, f"{path}.")
+      elif path not in _PER_PROCESS:
+        flat[path] = value
+
+  walk(config_dict, "")
+  parts = {name: json.dumps(value, sort_keys=True, default=str) for name, value in flat.items()}
+  parts["code"] = _source_hash()
+  for name in _DATA_FILES:
+    path = os.path.expanduser(str(flat.get(name) or ""))
+    if os.path.isdir(path):
+      path = os.path.join(path, "tokenizer.json")
+    if path and os.path.isfile(path):
+      parts[f"contents of {name}"] = _file_hash(path)
+  return parts
+
+
+def _source_hash() -> str:
+  package = os.path.dirname(os.path.abspath(__file__))
+  digest = hashlib.sha256()
+  for root, dirs, files in os.walk(package):
+    dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+    for name in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(root, name)
+      digest.update(os.path.relpath(path, package).encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()[:16]
+
+
+def _file_hash(path: str, edge: int = 2**20) -> str:
+  size = os.path.getsize(path)
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    digest.update(f.read(edge))
+    if size > edge:
+      f.seek(max(edge, size - edge))
+      digest.update(f.read(edge))
+  return f"{size} bytes, {digest.hexdigest()[:16]}"
 
 
 def _distributed_enabled(config_dict) -> bool:

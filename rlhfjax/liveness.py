@@ -63,13 +63,17 @@ def _die(message: str, leave: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def start_deadline(timeout_s: float, waiting_for: str) -> Iterator[None]:
-  """Ends the process with one line if the body has not finished within `timeout_s`."""
+def start_deadline(timeout_s: float, who: str, waiting_for: str) -> Iterator[None]:
+  """Ends the process with one line ("`who` gave up after ... waiting for `waiting_for`") if
+  the body has not finished within `timeout_s`."""
   done = threading.Event()
 
   def expire():
     if not done.wait(timeout_s):
-      _die(f"gave up after {timeout_s:g} s (distributed.start_timeout_s) waiting for {waiting_for}")
+      _die(
+        f"{who} gave up after {timeout_s:g} s (distributed.start_timeout_s) waiting for "
+        f"{waiting_for}"
+      )
 
   thread = threading.Thread(target=expire, name="rlhfjax-start-deadline", daemon=True)
   thread.start()

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
 
   from rlhfjax import export  # imports JAX: after `start`
 
-  written = export.export(
+  exported = export.export(
     _WORKDIR.value,
     _OUT.value,
     step=_STEP.value,
@@ -54,7 +54,10 @@ def main(argv: list[str]) -> None:
     max_shard_bytes=export.parse_size(_MAX_SHARD_SIZE.value),
     overwrite=_OVERWRITE.value,
   )
-  print(f"wrote {', '.join(written) or 'no shard'} to {_OUT.value}")
+  print(
+    f"exported {exported.describe()}: wrote {', '.join(exported.files) or 'no shard'} to "
+    f"{_OUT.value}"
+  )
 
 
 if __name__ == "__main__":

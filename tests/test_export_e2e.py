@@ -4,6 +4,7 @@ our logits, scores and token ids; shards, pipelines and one-line errors."""
 import json
 import os
 import pathlib
+import re
 import runpy
 import subprocess
 import sys
@@ -129,6 +130,10 @@ def _assert_lm_matches(workdir: pathlib.Path, out: pathlib.Path, item: str):
 def test_sft_export_reloads_in_transformers(runs, tmp_path):
   result = _export(runs / "sft", tmp_path / "hf")
   assert result.returncode == 0, result.stderr
+  assert result.stdout.strip().splitlines()[-1] == (
+    f"exported the actor of {runs / 'sft'} at step 1 as float32: wrote model.safetensors to "
+    f"{tmp_path / 'hf'}"
+  )
   files = set(os.listdir(tmp_path / "hf"))
   assert {"model.safetensors", "config.json", "generation_config.json"} <= files
   assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= files
@@ -171,6 +176,12 @@ def test_grpo_export_is_the_actor_and_a_pipeline_defaults_to_its_rl_stage(runs, 
     (pipeline / stage).symlink_to(runs / run)
   result = _export(pipeline, tmp_path / "hf", "--dtype=bfloat16")
   assert result.returncode == 0, result.stderr
+  said = result.stdout.strip().splitlines()[-1]
+  assert re.fullmatch(
+    rf"exported the actor of {re.escape(str(pipeline / 'ppo'))} \(stage ppo\) at step \d+ as "
+    rf"bfloat16: wrote model.safetensors to {re.escape(str(tmp_path / 'hf'))}",
+    said,
+  ), said
   config = json.loads((tmp_path / "hf" / "config.json").read_text())
   assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
   with open(tmp_path / "hf" / "model.safetensors", "rb") as f:

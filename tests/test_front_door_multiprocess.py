@@ -3,10 +3,13 @@ up in one line when the job never starts, and stop with a clear error when anoth
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
-from test_front_door_e2e import _python
+from test_front_door_e2e import ROOT, _env, _python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
@@ -39,17 +42,22 @@ _JOIN = _PROCESS.replace("{peer}", "5").replace(
 
 
 def test_a_process_whose_job_never_starts_gives_up_in_one_line(reserve_port):
-  port = reserve_port()
+  """Alone, process 1 waits for the job to start; process 0, for the process that is missing
+  (each on its own port, at once)."""
+  ports = {k: reserve_port() for k in (0, 1)}
   start = time.monotonic()
-  proc = _python(_JOIN.format(port=port, process_id=1, start=3))
-  out, err = proc.communicate(timeout=120)
-  assert proc.returncode == 2, err[-3000:]
-  lines = err.strip().splitlines()
-  assert lines == [
-    "error: gave up after 3 s (distributed.start_timeout_s) waiting for process 1 of 2 to "
-    f"join the job at the coordinator localhost:{port} (process 0 runs it; every process must "
-    "start with the same num_processes and a distinct process_id)"
-  ], err[-3000:]
+  procs = {k: _python(_JOIN.format(port=ports[k], process_id=k, start=3)) for k in (0, 1)}
+  rule = "every process must start with the same num_processes and a distinct process_id"
+  want = {
+    0: "error: process 0 of 2 gave up after 3 s (distributed.start_timeout_s) waiting for "
+    f"process 1 to join the job at its coordinator localhost:{ports[0]} ({rule})",
+    1: "error: process 1 of 2 gave up after 3 s (distributed.start_timeout_s) waiting for the "
+    f"job to start at the coordinator localhost:{ports[1]} (process 0 runs it; {rule})",
+  }
+  for k, proc in procs.items():
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert err.strip().splitlines() == [want[k]], err[-3000:]
   assert time.monotonic() - start < 60
 
 
@@ -105,3 +113,44 @@ def test_when_a_process_fails_the_others_stop_with_its_error(reserve_port, faili
         f"bad input on process {failing}"
       )
     assert lines == [want], err[-3000:]
+
+
+def test_processes_started_with_different_flags_stop_at_the_join_in_one_line(
+  reserve_port, tmp_path
+):
+  """One process told to run 1 step, the other 2 (which once hung both for 16 minutes): each
+  ends within the bound at the join, before anything compiles, naming the field and who has
+  which value."""
+  port = reserve_port()
+  start = time.monotonic()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "train.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'grpo_tiny.py')}",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.total_steps={k + 1}",
+        "--config.distributed.enabled=True",
+        f"--config.distributed.coordinator_address=localhost:{port}",
+        "--config.distributed.num_processes=2",
+        f"--config.distributed.process_id={k}",
+        "--config.distributed.start_timeout_s=60",
+      ],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for k in (0, 1)
+  ]
+  for proc in procs:
+    out, err = proc.communicate(timeout=120)
+    lines = [x for x in err.strip().splitlines() if "[Gloo]" not in x]
+    assert proc.returncode == 2, err[-3000:]
+    assert lines == [
+      "error: the job's 2 processes disagree: total_steps is 1 on process 0, 2 on process 1: "
+      "every process must start with the same config, code and data"
+    ], err[-3000:]
+  assert time.monotonic() - start < 60
+  assert not (tmp_path / "run").exists()  # nothing written, nothing compiled

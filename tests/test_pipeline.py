@@ -181,10 +181,14 @@ def test_an_interrupted_pipeline_ends_as_the_uninterrupted_one(uninterrupted, tm
 
   # kill -9 between the stages: as soon as SFT has finished and the reward model begins.
   proc = _start(workdir)
+  lines = []
   while not (line := proc.stdout.readline()).startswith("stage 2/3"):
     assert line, proc.communicate()
+    lines.append(line.strip())
+  resumed = [x for x in lines if x.startswith("resuming from the checkpoint of step ")]
   proc.kill()
   proc.wait(timeout=60)
+  assert len(resumed) == 1 and resumed[0].endswith(f" in {os.path.join(workdir, 'sft')}"), lines
 
   # This run trains the reward model (and holds its directory: the stage's own script is
   # refused there), then is killed -9 mid-PPO, once iteration 1 is written (its checkpoint is

@@ -354,7 +354,8 @@ def test_layers_must_divide_over_stages():
   config = _shipped("ppo_tiny", stages=2)
   with pytest.raises(
     PlacementError,
-    match=r"^actor: model\.num_layers=3 does not split into placement\.pipeline_stages=2 stages$",
+    match=r"^actor: model\.num_layers=3 does not split into placement\.pipeline_stages=2 "
+    r"stages \(stage counts that do: 1, 3\)$",
   ):
     plan_placement(from_config_dict(config), 8)
   config.model.overrides = FOUR_LAYERS
@@ -375,7 +376,8 @@ def test_single_role_flow_with_stages():
   config = _shipped("sft_tiny", stages=2)
   with pytest.raises(
     PlacementError,
-    match=r"^model\.num_layers=3 does not split into placement\.pipeline_stages=2 stages$",
+    match=r"^model\.num_layers=3 does not split into placement\.pipeline_stages=2 "
+    r"stages \(stage counts that do: 1, 3\)$",
   ):
     place(from_config_dict(config), 8)
   config.model.overrides = FOUR_LAYERS

@@ -222,7 +222,7 @@ _BAD_PLACEMENTS = [
   (
     {"strategy": "interleave"},
     r"^unknown placement strategy 'interleave'; did you mean 'interleaved'\? known strategies: "
-    r"colocated, interleaved, disaggregated, explicit$",
+    r"colocated, interleaved, disaggregated, explicit, auto$",
   ),
   ({"num_devices": 0}, r"^placement\.num_devices must be >= 1, got 0$"),
   ({"num_devices": -3}, r"^placement\.num_devices must be >= 1, got -3$"),

@@ -233,3 +233,18 @@ def test_pricing_refuses_what_no_flow_runs():
     Pricing(name="x", scored={}, trained={"critic": 0})
   assert pricing.PPO.roles == {"actor", "critic", "reference", "reward", "rollout"}
   assert "rollout" not in pricing.DPO.roles
+
+
+def test_a_model_the_planner_cannot_find_says_what_is_missing(tmp_path):
+  """`--actor=` of the planning CLI: a path names the file that is not there, a directory its
+  missing config.json, anything else the sizes the registry has."""
+  from rlhfjax.config.model import model_sizes
+
+  missing = tmp_path / "nope" / "config.json"
+  with pytest.raises(ValueError, match=f"^model '{missing}': {missing} not found$"):
+    resolve_model(str(missing))
+  with pytest.raises(ValueError, match=f"^model '{tmp_path}': the directory has no config.json$"):
+    resolve_model(str(tmp_path))
+  sizes = ", ".join(model_sizes())
+  with pytest.raises(ValueError, match=rf"^model '8q' is neither a size \({sizes}\) nor a path"):
+    resolve_model("8q")

@@ -2,14 +2,14 @@
 through the script: test_resume_e2e.py and test_front_door_e2e.py; DPO killed with SIGKILL
 through scripts/train.py: test_resume_algorithms.py).
 
-Each algorithm's shipped config runs uninterrupted for 4 steps, writing checkpoints 2 and 4. A
-copy of its workdir is put back into the state a run killed during the save of step 4 leaves
-(checkpoint 4 not renamed into place, the rows and timeline of steps 2 and 3 written, no
-finished marker), and a new Runner resumes it: from step 2, it must repeat the uninterrupted
-run exactly, every metrics row, the timeline's stages and the final checkpoint's fingerprints,
-which hash every array (parameters, optimizer state, the flow's own arrays) and the JSON state
-(data iterators, controllers). All the state is in the checkpoint: nothing else the first run
-held matters.
+Each algorithm's shipped config runs uninterrupted for 3 steps, writing checkpoints 2 and 3 (the
+last, off the `every_steps` grid, forced at the end). A copy of its workdir is put back into the
+state a run killed during the save of step 3 leaves (checkpoint 3 not renamed into place, the
+row and timeline of step 2 written, no finished marker), and a new Runner resumes it: from step
+2, it must repeat the uninterrupted run exactly, every metrics row, the timeline's stages and
+the final checkpoint's fingerprints, which hash every array (parameters, optimizer state, the
+flow's own arrays) and the JSON state (data iterators, controllers). All the state is in the
+checkpoint: nothing else the first run held matters.
 """
 
 import json
@@ -26,7 +26,7 @@ from rlhfjax.runner import Runner
 pytestmark = pytest.mark.integration
 
 VOLATILE = ("time/", "throughput/")
-STEPS = 4
+STEPS = 3
 _COMMON = {
   "total_steps": STEPS,
   "checkpoint.every_steps": 2,
@@ -136,8 +136,8 @@ def test_a_finished_run_rerun_for_more_steps_repeats_the_longer_run(tmp_path_fac
   extended by a rerun with more steps; the runner's path, the same for every flow: checked on
   DPO, whose data differ most."""
   whole = uninterrupted_run("dpo", tmp_path_factory)
-  Runner(config("dpo", 3), str(tmp_path), show_progress=False).run()
+  Runner(config("dpo", 1), str(tmp_path), show_progress=False).run()
   resumed = Runner(config("dpo"), str(tmp_path), show_progress=False)
-  assert resumed.start_step == 3
+  assert resumed.start_step == 1
   resumed.run()
-  assert_same_run(tmp_path, whole, "dpo", 3)
+  assert_same_run(tmp_path, whole, "dpo", 1)

@@ -51,6 +51,7 @@ from rlhfjax.config.experiment import OptimizerConfig
 from rlhfjax.config.model import ModelConfig, get_model_config
 from rlhfjax.mesh import rules, sharing
 from rlhfjax.placement.spec import Layout
+from rlhfjax.placement.validate import check_layers
 from rlhfjax.training import pipeline, steps
 from rlhfjax.training.optimizer import make_optimizer
 from rlhfjax.training.state import TrainState, init_train_state, train_state_shardings
@@ -85,7 +86,7 @@ class Settings:
 
 def model_config(s: Settings) -> ModelConfig:
   config = get_model_config(s.size, **({"num_layers": s.layers} if s.layers else {}))
-  pipeline.check_layers(config, s.stages)
+  check_layers(config, s.stages)
   return config
 
 

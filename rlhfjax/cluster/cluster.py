@@ -36,6 +36,7 @@ from rlhfjax.mesh import rules, sharing, transfer
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import reverse_stages
+from rlhfjax.placement.validate import check_layers
 from rlhfjax.programs import TraceCounter
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.training import pipeline, steps, weights
@@ -290,7 +291,7 @@ class Cluster:
     (`rlhfjax.training.pipeline`)."""
     rt, shardings = self.roles[role], self.state_shardings[role]
     if pipeline.stages_of(rt.mesh) > 1:
-      pipeline.check_layers(rt.model, pipeline.stages_of(rt.mesh), f"model ({role})")
+      check_layers(rt.model, pipeline.stages_of(rt.mesh), role)
       step = functools.partial(
         pipeline.accumulate_and_apply,
         loss_fn,
@@ -332,7 +333,7 @@ class Cluster:
         f"reversed (got {roles[0]} {first.spec.devices}, {roles[1]} {second.spec.devices})"
       )
     for role, rt in zip(roles, (first, second), strict=True):
-      pipeline.check_layers(rt.model, stages, f"model ({role})")
+      check_layers(rt.model, stages, role)
     models = tuple(
       pipeline.Model(rt.model, loss) for rt, loss in zip((first, second), loss_fns, strict=True)
     )

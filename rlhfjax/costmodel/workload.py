@@ -217,9 +217,14 @@ def resolve_model(name_or_path: str, dtype: str = "bfloat16") -> ModelConfig | N
   path = name_or_path
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+      raise ValueError(f"model {name_or_path!r}: the directory has no config.json")
   if not os.path.exists(path):
+    if os.sep in name_or_path or name_or_path.endswith(".json"):
+      raise ValueError(f"model {name_or_path!r}: {path} not found")
     raise ValueError(
-      f"model {name_or_path!r} is neither a size ({', '.join(model_sizes())}) nor a config.json"
+      f"model {name_or_path!r} is neither a size ({', '.join(model_sizes())}) nor a path that "
+      "exists"
     )
   with open(path) as f:
     try:

@@ -371,10 +371,11 @@ def build_placement(placement_cfg: PlacementSection, available_devices: int) -> 
   """
   name = placement_cfg.strategy
   if name not in _STRATEGIES:
-    close = difflib.get_close_matches(name, list(_STRATEGIES), n=1)
+    known = strategy_names()  # from the registry, `auto` with them
+    close = difflib.get_close_matches(name, list(known), n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise PlacementError(
-      f"unknown placement strategy {name!r}; {hint}known strategies: {', '.join(_STRATEGIES)}"
+      f"unknown placement strategy {name!r}; {hint}known strategies: {', '.join(known)}"
     )
   num_devices = resolve_num_devices(placement_cfg.num_devices, available_devices)
   spec = _STRATEGIES[name].build(placement_cfg, num_devices)

@@ -131,9 +131,11 @@ def check_layers(model: ModelConfig, stages: int, role: Role | None = None) -> N
   """
   if model.num_layers % stages:
     who = f"{role}: " if role else ""
+    fits = [k for k in range(1, model.num_layers + 1) if model.num_layers % k == 0]
     raise PlacementError(
       f"{who}model.num_layers={model.num_layers} does not split into "
-      f"placement.pipeline_stages={stages} stages"
+      f"placement.pipeline_stages={stages} stages (stage counts that do: "
+      f"{', '.join(map(str, fits))})"
     )
 
 

@@ -24,9 +24,7 @@ def train(config_dict: Any, workdir: str) -> None:
     if distributed.is_primary():
       print(rerun.finished_line(workdir))
     return
-  runner = loop.Runner(config, workdir)
-  if runner.start_step:
-    print(f"resuming from the checkpoint of step {runner.start_step}")
+  runner = loop.Runner(config, workdir)  # says what it resumes from
   result = runner.run()
   if not distributed.is_primary():
     return

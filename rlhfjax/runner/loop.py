@@ -134,6 +134,8 @@ class Runner:
     else:
       self._restore(resume_step)
       self._continue_timeline(resume_step)
+      if show_progress:  # every entry that resumes says so: train.py, each pipeline stage
+        print(f"resuming from the checkpoint of step {resume_step} in {workdir}", flush=True)
 
   def _load_prompts(self) -> tuple[data.PromptIterator, PromptBatch]:
     """The endless, shuffled training prompts and the first `eval.num_prompts` held-out ones,

@@ -77,15 +77,6 @@ def stages_of(mesh: Mesh) -> int:
   return dict(mesh.shape).get(AXIS, 1)
 
 
-def check_layers(config: ModelConfig, stages: int, what: str = "model") -> None:
-  """Raises ValueError unless the layers split evenly over `stages`."""
-  if config.num_layers % stages:
-    raise ValueError(
-      f"{what}.num_layers={config.num_layers} does not split into "
-      f"placement.pipeline_stages={stages} stages"
-    )
-
-
 def executor_table(
   schedule: schedules.Schedule, slots: schedules.Slots | None = None
 ) -> np.ndarray:
