@@ -134,7 +134,11 @@ def _summary(
     f"- SFT held-out loss: {_first_last(rows['sft'], 'eval/loss')}",
   ]
   if "rm" in rows:
-    lines.append(f"- Reward model held-out accuracy: {_first_last(rows['rm'], 'eval/accuracy')}")
+    lines.append(
+      f"- Reward model held-out accuracy: {_first_last(rows['rm'], 'eval/accuracy')} (pairs "
+      f"scored equal, which count as wrong: {_first_last(rows['rm'], 'eval/ties')}; the value "
+      "head starts at zero, so before training every pair ties)"
+    )
   scorer = "reward model" if "rm" in rows else "rule"
   task = _before_after(evaluation, "task_reward") if evaluation else "evaluation off"
   lines += [

@@ -80,9 +80,13 @@ def test_a_list_of_named_templates_uses_default(tmp_path):
   assert load_chat_template(str(tmp_path)).source == QWEN25_TEMPLATE
 
 
-def test_without_a_template_the_builtin_one(tmp_path):
+def test_a_checkpoint_without_a_template_is_refused_not_given_the_builtin_one(tmp_path):
+  """No silent fallback: its model never saw the built-in markers. The byte tokenizer, which
+  has no checkpoint, uses them."""
   write_tokenizer(tmp_path, **{**STYLES["qwen2.5"], "template": None})
-  assert load_chat_template(str(tmp_path)) == ChatTemplate()
+  for spec in (str(tmp_path), str(tmp_path / "tokenizer.json")):
+    with pytest.raises(ChatTemplateError, match=rf"^data.chat_template=True: {tmp_path} has no"):
+      load_chat_template(spec)
   assert load_chat_template("byte") == ChatTemplate()
 
 

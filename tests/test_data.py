@@ -78,6 +78,9 @@ def test_byte_tokenizer_is_unchanged_for_plain_text_and_fits_the_tiny_model():
   assert max(_BYTE.special_tokens.values()) < _BYTE.vocab_size
   assert _BYTE.token_to_id("<|assistant|>") == 260 and _BYTE.token_to_id("<|nope|>") is None
   assert _BYTE.decode([256, 259, 104, 105, 257]) == "hi"
+  # What the model was given: the special ids by name, the bytes between them decoded whole.
+  shown = _BYTE.decode([256, 259, *"é".encode(), 260, 258], skip_special_tokens=False)
+  assert shown == "<|bos|><|user|>é<|assistant|><|pad|>"
   assert isinstance(_BYTE, data.Tokenizer)
 
 
@@ -90,6 +93,7 @@ def test_hf_tokenizer_round_trip_and_special_ids(tmp_path):
   ids = tok.encode(text)
   assert ids[0] == tok.bos_id and tok.bos_id not in ids[1:]
   assert tok.decode(ids) == text
+  assert tok.decode(ids, skip_special_tokens=False).startswith(tok._tok.id_to_token(tok.bos_id))
   assert tok.encode(text, add_bos=False) == ids[1:]
   assert tok.token_to_id("<|user|>") == 4
   # A directory works too.
@@ -210,6 +214,20 @@ def test_bad_record_raises_naming_file_and_line_or_is_skipped_and_counted(
     data.prepare("demonstration", path, data_dir, on_bad_record="error")
 
 
+def test_a_preference_pair_that_cannot_be_told_apart_is_a_bad_record(tmp_path, data_dir):
+  """Chosen and rejected the same text: the pair teaches nothing. Refused naming file:line, or
+  skipped and counted."""
+  pairs = [{"prompt": f"p{i}", "chosen": "aa", "rejected": "b"} for i in range(3)]
+  same = {"prompt": "p", "chosen": "same", "rejected": "same"}
+  path = _write(tmp_path / "pairs.jsonl", [*pairs, same])
+  with pytest.raises(
+    data.DataError, match=r"pairs\.jsonl:4: fields 'chosen' and 'rejected' are the same text"
+  ):
+    data.prepare("preference", path, data_dir)
+  prepared = data.prepare("preference", path, data_dir, on_bad_record="skip")
+  assert prepared.bad_records == {"same_pair": 1} and prepared.num_examples() == 3
+
+
 @pytest.mark.parametrize("on_bad_record", ["error", "skip"])
 def test_empty_or_missing_dataset_is_a_clear_error(on_bad_record, tmp_path, data_dir):
   empty = _write(tmp_path / "empty.jsonl", ["", "  "])
@@ -304,11 +322,13 @@ def test_long_prompts_skip_or_error_and_are_counted():
   source = [{"prompt": "x" * 30}, {"prompt": "ok"}, {"prompt": "y" * 30}]
   it = data.prompt_iterator(source, _BYTE, max_prompt_len=8, seed=0, on_long_prompt="skip")
   assert _prompts(it, 3) == ["ok"] * 3 and it.stats["skipped_too_long"] >= 4
-  it = data.prompt_iterator(
-    source, _BYTE, max_prompt_len=8, seed=0, on_long_prompt="error", repeat=False
-  )
-  with pytest.raises(data.DataError, match=r"record 0: 31 tokens > max 8"):
-    next(it)
+  # 'error' checks every record when the stream is built: the last one too, before any is drawn.
+  late = [{"prompt": "ok"}] * 5 + [{"prompt": "y" * 30}]
+  with pytest.raises(
+    data.DataError,
+    match=r"^record 5: 31 tokens > max 8 \(on_long_prompt='error', checked over all 6 records",
+  ):
+    data.prompt_iterator(late, _BYTE, max_prompt_len=8, seed=0, on_long_prompt="error")
   with pytest.raises(data.DataError, match="all 1 records are too long"):
     next(data.prompt_iterator(source[:1], _BYTE, max_prompt_len=8, seed=0, on_long_prompt="skip"))
   with pytest.raises(ValueError, match="on_long_prompt must be"):
@@ -358,7 +378,7 @@ def test_sft_truncates_the_prompt_first_then_the_response():
   with pytest.raises(data.DataError, match="all 1 records are too long"):
     next(make(8, on_long_prompt="skip"))  # an empty pass is an error, not silence
   with pytest.raises(data.DataError, match="record 0: 14 tokens > max 8"):
-    next(make(8, on_long_prompt="error"))
+    make(8, on_long_prompt="error")
 
 
 def test_eval_pass_pads_the_last_batch_with_empty_rows():

@@ -2,6 +2,7 @@
 and periodic evaluations every `eval.every_steps` iterations that a resume neither repeats nor
 skips (issue 22, item 5)."""
 
+import json
 import os
 import signal
 
@@ -87,3 +88,20 @@ def test_a_resumed_run_neither_repeats_nor_skips_a_periodic_evaluation(
   assert first.preempted
   _run(tmp_path)
   assert deterministic_rows(str(tmp_path)) == deterministic_rows(str(uninterrupted[0]))
+
+
+def test_the_run_shows_the_prompts_as_the_model_receives_them(tmp_path, capsys):
+  """With a chat template: the first prompt printed once with its markers and ids, and
+  eval.md's samples with the markers, not the raw prompt text."""
+  cfg = shipped_config("grpo_tiny", {**_SMALL, "total_steps": 1, "data.chat_template": True})
+  Runner(cfg, str(tmp_path), show_progress=True).run()
+  shown = [
+    x for x in capsys.readouterr().out.splitlines() if x.startswith("the first prompt as the")
+  ]
+  assert len(shown) == 1, shown
+  assert shown[0].startswith("the first prompt as the model receives it: '<|bos|><|user|>")
+  assert "<|assistant|>\\n'; ids [256, 259, 10, " in shown[0] and shown[0].endswith(" in all)]")
+  samples = [x for x in (tmp_path / "eval.md").read_text().splitlines() if x.startswith("- ")]
+  assert samples and all(x.startswith("- '<|bos|><|user|>") for x in samples), samples
+  kept = json.loads((tmp_path / "eval.json").read_text())["before"]["samples"][0]
+  assert kept["input"].startswith("<|bos|><|user|>") and "<|" not in kept["prompt"]

@@ -205,3 +205,25 @@ def test_a_tensor_of_another_shape_or_missing_is_one_line(tmp_path):
   save_file(tensors, path / "model.safetensors")
   with pytest.raises(CheckpointError, match=rf"tensor '{name}' is missing$"):
     models.load_hf_checkpoint(path)
+
+
+def test_tensors_config_json_does_not_account_for_are_refused_by_name(tmp_path):
+  """A checkpoint with more than config.json says (a layer beyond `num_layers`, a bias the
+  architecture lacks) is refused, not read with those weights dropped; a causal LM's head
+  beside tied embeddings or under a value head may stay unread."""
+  path = tmp_path / "ckpt"
+  _write(path, "llama")
+  tensors = load_file(path / "model.safetensors")
+  extra = dict(tensors)
+  extra["model.layers.9.mlp.up_proj.bias"] = np.zeros(4, np.float32)
+  extra["model.layers.1.self_attn.o_proj.bias"] = np.zeros(4, np.float32)
+  save_file(extra, path / "model.safetensors")
+  with pytest.raises(
+    CheckpointError,
+    match=r"tensors config.json does not account for: 'model.layers.1.self_attn.o_proj.bias', "
+    r"'model.layers.9.mlp.up_proj.bias' \(config.json and the weights disagree",
+  ):
+    models.load_hf_checkpoint(path)
+  buffers = {**tensors, "model.rotary_emb.inv_freq": np.ones(4, np.float32)}
+  save_file(buffers, path / "model.safetensors")
+  models.load_hf_checkpoint(path)  # a buffer, not a weight

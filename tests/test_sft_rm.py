@@ -153,6 +153,7 @@ def test_preference_loss_scores_last_real_tokens_in_one_forward(lm_params):
   margin = (chosen - rejected)[:3]
   np.testing.assert_allclose(loss, np.mean(np.log1p(np.exp(-margin))), rtol=1e-4)
   np.testing.assert_allclose(metrics["accuracy"], np.mean(margin > 0))
+  np.testing.assert_allclose(metrics["ties"], np.mean(margin == 0))
 
 
 # ---------------------------------------------------------------------------------------------

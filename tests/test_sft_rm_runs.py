@@ -120,4 +120,7 @@ def test_reward_model_from_sft_beats_chance_on_held_out_pairs(sft_run, tmp_path)
   result = trainer.run()
   first, last = _eval_rows(result)[0], _eval_rows(result)[-1]
   assert last["eval/accuracy"] > 0.6, (first, last)
+  # The zero head scores every pair alike: all ties, counted as wrong (the summary says so).
+  assert (first["eval/ties"], first["eval/accuracy"]) == (1.0, 0.0), first
+  assert last["eval/ties"] < 1.0
   assert last["eval/loss"] < first["eval/loss"]

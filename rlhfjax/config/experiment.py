@@ -814,8 +814,10 @@ class DataSection:
   at 'byte' with `model.hf` set: that directory's tokenizer."""
   chat_template: bool = False
   """Wrap prompts in a chat template: the tokenizer directory's own (chat_template.jinja or
-  tokenizer_config.json's `chat_template`, rendered as `transformers` does) when it has one,
-  else the minimal built-in one (user / assistant markers)."""
+  tokenizer_config.json's `chat_template`, rendered as `transformers` does); refused in one line
+  when it has none (its model never saw the built-in markers). The built-in byte tokenizer uses
+  the minimal built-in one (user / assistant markers). The run prints the first prompt as the
+  model receives it, and eval.md shows each sample's prompt so."""
   on_bad_record: str = "error"
   """A malformed JSONL record: 'error' (one line naming file:line) or 'skip' (counted)."""
   on_long_prompt: str = "truncate"

@@ -46,6 +46,15 @@ class ByteTokenizer:
     ids = list(text.encode("utf-8"))
     return [self.bos_id, *ids] if add_bos else ids
 
-  def decode(self, ids: Iterable[int]) -> str:
-    """Text of the byte ids; special ids are dropped, invalid UTF-8 is replaced."""
-    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+  def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    """Text of the byte ids, invalid UTF-8 replaced; special ids dropped, or with
+    `skip_special_tokens=False` written as their names (`<|bos|>`)."""
+    names = {} if skip_special_tokens else {i: t for t, i in self.special_tokens.items()}
+    out, run = [], bytearray()
+    for i in ids:
+      if 0 <= i < 256:
+        run.append(i)
+      elif i in names:
+        out += [run.decode("utf-8", errors="replace"), names[i]]
+        run = bytearray()
+    return "".join([*out, run.decode("utf-8", errors="replace")])

@@ -161,12 +161,23 @@ def checkpoint_template(directory: str, system_prompt: str = "") -> JinjaChatTem
 
 
 def load_chat_template(tokenizer_spec: str, system_prompt: str = "") -> Any:
-  """The chat template for `data.chat_template=True`: the tokenizer directory's own when it has
-  one, else the built-in minimal `ChatTemplate`."""
+  """The chat template for `data.chat_template=True`: the tokenizer directory's own; for the
+  built-in byte tokenizer (no checkpoint, so no template of its own) the built-in minimal
+  `ChatTemplate`.
+
+  Raises:
+    ChatTemplateError: the tokenizer directory has none: its model never saw the built-in
+      markers, so they are not put in its place without a word.
+  """
+  if tokenizer_spec == "byte":
+    return ChatTemplate()
   path = os.path.expanduser(tokenizer_spec)
-  directory = path if os.path.isdir(path) else os.path.dirname(path)
-  if tokenizer_spec != "byte" and directory:
-    template = checkpoint_template(directory, system_prompt)
-    if template is not None:
-      return template
-  return ChatTemplate()
+  directory = path if os.path.isdir(path) else (os.path.dirname(path) or ".")
+  template = checkpoint_template(directory, system_prompt)
+  if template is None:
+    raise ChatTemplateError(
+      f"data.chat_template=True: {directory} has no chat template (chat_template.jinja or "
+      "tokenizer_config.json's 'chat_template'), so its model was never trained on one: set "
+      "data.chat_template=False to give it the plain prompts"
+    )
+  return template

@@ -53,10 +53,14 @@ BAD_REASONS = (
   "missing_field",
   "not_a_string",
   "empty_string",
+  "same_pair",
 )
-"""Why a record is bad; the keys of `PreparedDataset.bad_records`."""
+"""Why a record is bad; the keys of `PreparedDataset.bad_records`. 'same_pair': a preference
+whose chosen and rejected texts are equal teaches nothing (its loss is log 2 whatever the
+model), so it is refused (or, with on_bad_record='skip', skipped and counted) like any bad
+record."""
 
-_VERSION = "1.1.0"  # 1.1: extra fields and line numbers
+_VERSION = "1.2.0"  # 1.1: extra fields and line numbers; 1.2: pairs that cannot be told apart
 
 
 class DataError(ValueError):
@@ -102,6 +106,10 @@ def parse_line(kind: str, line: bytes) -> dict[str, str] | None:
     if not value[field].strip():
       raise BadRecord("empty_string", f"field {field!r} is empty")
     record[field] = value[field]
+  if kind == "preference" and record["chosen"] == record["rejected"]:
+    raise BadRecord(
+      "same_pair", "fields 'chosen' and 'rejected' are the same text: the pair teaches nothing"
+    )
   try:
     record["extra"] = records.extra_fields(value, FIELDS[kind])
   except ValueError as e:

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import grain
 import numpy as np
+import tqdm
 
 from rlhfjax.data.jsonl import DataError
 from rlhfjax.data.records import PromptBatch, Record, record_of
@@ -126,6 +127,30 @@ def _dataset(source: Sequence, encode: Callable, *, seed: int, repeat: bool) -> 
   return ds
 
 
+_SHOW_CHECK_FROM = 20_000
+"""Records from which the start-up length check shows its progress (stderr)."""
+
+
+def _check_lengths(source: Sequence, encode: Callable[[int, Any], Encoded], max_len: int) -> None:
+  """With on_long_prompt='error': every record checked when the stream is built, in one pass,
+  so a record too long at line 900,000 stops the run at its start, not hours into it.
+
+  Raises:
+    DataError: the first record too long, named.
+  """
+  records = grain.MapDataset.source(source).map_with_index(encode).to_iter_dataset(_READ_OPTIONS)
+  shown = len(source) >= _SHOW_CHECK_FROM
+  with tqdm.tqdm(total=len(source), desc="checking lengths", disable=not shown) as bar:
+    for example in records:
+      bar.update()
+      if example.status == "too_long":
+        where = example.record.origin if example.record is not None else f"record {example.index}"
+        raise DataError(
+          f"{where}: {example.length} tokens > max {max_len} (on_long_prompt='error', checked "
+          f"over all {len(source)} records at start; set it to 'truncate' or 'skip')"
+        )
+
+
 class _Stream:
   """Encoded examples from grain, with the long-sequence policy applied and counted."""
 
@@ -150,6 +175,8 @@ class _Stream:
       raise DataError("the dataset is empty: no record to iterate over")
     self._max_len, self._seed, self._repeat = max_len, seed, repeat
     self._on_long = on_long_prompt
+    if on_long_prompt == "error":
+      _check_lengths(source, encode, max_len)
     self._dataset = _dataset(source, encode, seed=seed, repeat=repeat)
     self._iter = iter(self._dataset.to_iter_dataset(_READ_OPTIONS))
     self.stats: dict[str, int] = {"records": 0, "truncated": 0, "skipped_too_long": 0}

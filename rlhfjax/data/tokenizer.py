@@ -42,7 +42,10 @@ class Tokenizer(Protocol):
 
   def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
 
-  def decode(self, ids: Iterable[int]) -> str: ...
+  def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    """Text of the ids; `skip_special_tokens=False` keeps the special tokens (BOS, a chat
+    template's markers) as their names: what the model was given."""
+    ...
 
   def token_to_id(self, token: str) -> int | None:
     """Id of a special (or any single) token string; None when the vocabulary lacks it."""
@@ -113,9 +116,9 @@ class HFTokenizer:
     ids = self._tok.encode(text, add_special_tokens=False).ids
     return [self.bos_id, *ids] if add_bos else ids
 
-  def decode(self, ids: Iterable[int]) -> str:
-    """Text of the ids; special tokens are dropped."""
-    return self._tok.decode(list(ids), skip_special_tokens=True)
+  def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    """Text of the ids; special tokens dropped unless `skip_special_tokens=False`."""
+    return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def _config_specials(directory: str) -> dict[str, str]:

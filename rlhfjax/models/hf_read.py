@@ -141,6 +141,10 @@ class SafetensorsReader:
       raise CheckpointError(f"{file}: cannot read safetensors ({e})") from None
     self._entries.update(entries)
 
+  def names(self) -> list[str]:
+    """Every tensor name of the checkpoint (a classification trunk's with its `model.`)."""
+    return list(self._entries)
+
   def shape(self, name: str) -> tuple[int, ...] | None:
     """The tensor's shape, or None when the checkpoint has no such tensor."""
     entry = self._entries.get(name)
@@ -304,18 +308,39 @@ def _sources(config: ModelConfig, head: HeadKind) -> list[_Source]:
   return sources
 
 
+_UNREAD_ALLOWED = ("lm_head.weight",)
+"""Tensors a checkpoint may hold that the model does not read: a causal LM's head under a
+value head (a reward model's trunk from a causal LM) or beside tied embeddings."""
+
+
 def _check_shapes(reader: SafetensorsReader, sources: list[_Source]) -> None:
-  """Every tensor present with the shape config.json implies, before anything is read."""
-  for source in sources:
-    for name in source.names():
-      shape = reader.shape(name)
-      if shape is None:
-        raise CheckpointError(f"{reader.path}: tensor {name!r} is missing")
-      if shape != source.layout.hf_shape:
-        raise CheckpointError(
-          f"{reader.path}: tensor {name!r} has shape {shape}, config.json says "
-          f"{source.layout.hf_shape}"
-        )
+  """Every tensor present with the shape config.json implies, and none that it does not
+  account for (more layers than `num_layers`, biases the architecture has none of: weights
+  that would be dropped without a word), before anything is read."""
+  expected = {name: source for source in sources for name in source.names()}
+  missing = [name for name in expected if reader.shape(name) is None]
+  if missing:
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    raise CheckpointError(f"{reader.path}: tensor {missing[0]!r} is missing{more}")
+  for name, source in expected.items():
+    shape = reader.shape(name)
+    if shape != source.layout.hf_shape:
+      raise CheckpointError(
+        f"{reader.path}: tensor {name!r} has shape {shape}, config.json says "
+        f"{source.layout.hf_shape}"
+      )
+  unread = sorted(
+    name
+    for name in reader.names()
+    if name not in expected and name not in _UNREAD_ALLOWED and not name.endswith("inv_freq")
+  )
+  if unread:
+    shown = ", ".join(repr(n) for n in unread[:3])
+    more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+    raise CheckpointError(
+      f"{reader.path}: tensors config.json does not account for: {shown}{more} (config.json "
+      "and the weights disagree: another architecture or layer count?)"
+    )
 
 
 def _full_index(index: Any, ndim: int) -> tuple[slice, ...]:

@@ -40,6 +40,8 @@ def evaluate(ctx: FlowContext, eval_prompts: PromptBatch) -> dict[str, Any]:
       samples.append(
         {
           "prompt": ctx.tokenizer.decode(seqs.prompts[i]),
+          # What the model was given: the template's special tokens too (eval.md shows it).
+          "input": ctx.tokenizer.decode(seqs.prompts[i], skip_special_tokens=False),
           "response": ctx.tokenizer.decode(seqs.responses[i]),
           **{key: float(value[i]) for key, value in scores.items()},
         }
@@ -87,5 +89,6 @@ def format_evaluation(evaluation: dict[str, Any]) -> str:
   for phase in phases:
     lines += ["", f"Samples {phase} training:", ""]
     for s in evaluation[phase]["samples"]:
-      lines.append(f"- {s['prompt']!r} -> {s['response']!r} (reward {s['reward']:.3f})")
+      shown = s.get("input", s["prompt"])  # an eval.json of an earlier version has no input
+      lines.append(f"- {shown!r} -> {s['response']!r} (reward {s['reward']:.3f})")
   return "\n".join(lines) + "\n"

@@ -68,6 +68,32 @@ class RunResult:
   """'before' and 'after' evaluations (see `rlhfjax.runner.evaluation`), when they ran."""
 
 
+class _FirstPromptShown:
+  """The prompt stream as the flow takes it, printing (process 0, once) the first prompt it
+  hands out as the model receives it: its text with the template's special tokens, and its
+  ids. Everything else is the stream's own (`get_state`, ...)."""
+
+  _SHOWN_IDS = 32
+
+  def __init__(self, prompts: data.PromptIterator, tokenizer: Any, show: bool):
+    self._prompts, self._tokenizer = prompts, tokenizer
+    self._show = show and distributed.is_primary()
+
+  def take_batch(self, n: int, **kwargs: Any) -> PromptBatch:
+    batch = self._prompts.take_batch(n, **kwargs)
+    if self._show and batch.tokens:
+      self._show = False
+      ids = list(batch.tokens[0])
+      text = self._tokenizer.decode(ids, skip_special_tokens=False)
+      more = f", ... ({len(ids)} in all)" if len(ids) > self._SHOWN_IDS else ""
+      shown = ", ".join(map(str, ids[: self._SHOWN_IDS]))
+      print(f"the first prompt as the model receives it: {text!r}; ids [{shown}{more}]", flush=True)
+    return batch
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._prompts, name)
+
+
 class TooManySkippedUpdates(RuntimeError):
   """Updates were skipped for non-finite losses or gradients `ppo.max_skipped_updates` times
   in a row: the run stops rather than burn compute on a diverged model."""
@@ -110,7 +136,9 @@ class Runner:
       # A flow on its own dataset (SFT, reward model) scores no samples.
       rewards=Rewards(cfg, self.cluster, self.tokenizer) if self.prompts is not None else None,
       tokenizer=self.tokenizer,
-      prompts=self.prompts,
+      prompts=_FirstPromptShown(self.prompts, self.tokenizer, show_progress)
+      if self.prompts is not None
+      else None,
       workdir=workdir,
     )
     self.flow = factory(self.ctx)

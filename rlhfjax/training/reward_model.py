@@ -47,12 +47,16 @@ def preference_loss(
 
 
 def _pair_metrics(chosen_b, rejected_b, valid_b, scale=1.0):
-  """The Bradley-Terry loss, accuracy and margin (means over the valid pairs) times `scale`."""
+  """The Bradley-Terry loss, accuracy, margin and ties (means over the valid pairs) times
+  `scale`. 'ties': pairs scored exactly equal, which the accuracy counts as wrong (a model that
+  starts with its value head at zero ties every pair: accuracy 0, ties 1)."""
   loss = alg.bradley_terry_loss(chosen_b, rejected_b, valid_b) * scale
+  tied_b = (chosen_b == rejected_b).astype(jnp.float32)
   return loss, {
     "loss": loss,
     "accuracy": alg.preference_accuracy(chosen_b, rejected_b, valid_b) * scale,
     "margin": alg.masked_mean(chosen_b - rejected_b, valid_b) * scale,
+    "ties": alg.masked_mean(tied_b, valid_b) * scale,
   }
 
 
