@@ -87,7 +87,8 @@ class _FirstPromptShown:
       text = self._tokenizer.decode(ids, skip_special_tokens=False)
       more = f", ... ({len(ids)} in all)" if len(ids) > self._SHOWN_IDS else ""
       shown = ", ".join(map(str, ids[: self._SHOWN_IDS]))
-      print(f"the first prompt as the model receives it: {text!r}; ids [{shown}{more}]", flush=True)
+      # Above the progress bar, which is open by now.
+      tqdm.tqdm.write(f"the first prompt as the model receives it: {text!r}; ids [{shown}{more}]")
     return batch
 
   def __getattr__(self, name: str) -> Any:
