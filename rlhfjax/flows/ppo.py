@@ -673,15 +673,7 @@ def check_config(cfg, estimator: str | None = None) -> str:
   `ppo.advantage` names, registered and fed by whole groups; the batch's splits; the options
   that do not combine. Returns the estimator's name."""
   ppo = cfg.ppo
-  if estimator is not None and ppo.advantage not in ("gae", estimator):
-    raise ConfigError(
-      f"'ppo.advantage'={ppo.advantage!r} is PPO's choice; algorithm {cfg.algorithm.name!r} "
-      f"estimates advantages with {estimator!r}"
-    )
-  chosen = estimator or ppo.advantage
-  if chosen not in alg.ADVANTAGE_ESTIMATORS:
-    known = ", ".join(sorted(alg.ADVANTAGE_ESTIMATORS))
-    raise ConfigError(f"'ppo.advantage' must be one of {known}, got {chosen!r}")
+  chosen = _estimator_of(cfg, estimator)
   if alg.ADVANTAGE_ESTIMATORS[chosen].groups and ppo.group_size < 2:
     raise ConfigError(
       f"{chosen!r} advantages compare the samples of a prompt: 'ppo.group_size' must "
@@ -705,6 +697,22 @@ def check_config(cfg, estimator: str | None = None) -> str:
       "'ppo.max_staleness' or 'ppo.dynamic_sampling_rounds'"
     )
   _check_policy_loss(ppo.policy_loss, chosen)
+  return chosen
+
+
+def _estimator_of(cfg, estimator: str | None) -> str:
+  """The registered estimator a PPO-family flow runs: the one its name fixes, else
+  `ppo.advantage`'s."""
+  advantage = cfg.ppo.advantage
+  if estimator is not None and advantage not in ("gae", estimator):
+    raise ConfigError(
+      f"'ppo.advantage'={advantage!r} is PPO's choice; algorithm {cfg.algorithm.name!r} "
+      f"estimates advantages with {estimator!r}"
+    )
+  chosen = estimator or advantage
+  if chosen not in alg.ADVANTAGE_ESTIMATORS:
+    known = ", ".join(sorted(alg.ADVANTAGE_ESTIMATORS))
+    raise ConfigError(f"'ppo.advantage' must be one of {known}, got {chosen!r}")
   return chosen
 
 
@@ -750,7 +758,7 @@ def _family(estimator: str | None = None) -> dict[str, Any]:
   PPO itself): a critic placed, trained and priced only for a critic estimator (GAE)."""
 
   def critic(cfg) -> bool:
-    return alg.ADVANTAGE_ESTIMATORS[check_config(cfg, estimator)].critic
+    return alg.ADVANTAGE_ESTIMATORS[_estimator_of(cfg, estimator)].critic
 
   return {
     "roles": lambda cfg: policy_roles(cfg, critic=critic(cfg)),

@@ -109,7 +109,7 @@ def declare(**fields: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]
   `packs` (None: as its section's `packing` says)."""
 
   def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(factory, user.DECLARED, {"packs": False, **fields})
+    setattr(factory, user.DECLARED, fields)
     return factory
 
   return wrap
@@ -132,8 +132,8 @@ def spec_of(config: Any) -> FlowSpec:
   """
   flow = config.algorithm.flow
   if flow:
-    declared = getattr(user.load(flow), user.DECLARED, None) or {"packs": False}
-    return FlowSpec(name=flow, **declared)
+    declared = getattr(user.load(flow), user.DECLARED, None) or {}
+    return FlowSpec(name=flow, **{"packs": False, **declared})  # a user's flow pads unless it says
   flows = builtin()
   name = config.algorithm.name
   if name not in flows:
