@@ -18,19 +18,19 @@ a NumPy array to a global sharding checks that they are.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax._src.distributed
 from jax._src import cache_key as jax_cache_key
-from jax.experimental import multihost_utils
 
-from rlhfjax import liveness
+from rlhfjax import liveness, signals
 from rlhfjax.config import DistributedSection
 
 if TYPE_CHECKING:  # annotations only: the placement package pulls in much more than specs
@@ -119,6 +119,8 @@ def initialize(section: DistributedSection, num_devices: int | None = None) -> N
         initialization_timeout=section.start_timeout_s + _JAX_MARGIN_S,
         heartbeat_timeout_seconds=max(100, section.peer_timeout_s + _JAX_MARGIN_S),
       )
+    global _wait_timeout_s
+    _wait_timeout_s = float(section.wait_timeout_s)
     if jax.default_backend() == "cpu":
       _share_programs(section.start_timeout_s)
     liveness.watch_peers(section.peer_timeout_s, args["coordinator_address"])
@@ -161,8 +163,8 @@ def _share_programs(timeout_s: float) -> None:
   for backends without a topology (the compile options in the key still name every device).
   Without that hook (another JAX version), every process compiles every program as before.
 
-  The others wait on the shared program as long as it takes, like `wait_for`: a process that
-  ended is noticed by the liveness watch (`distributed.peer_timeout_s`).
+  The others wait on the shared program at most `distributed.wait_timeout_s`, like `wait_for`; a
+  process that ended is noticed sooner by the liveness watch (`distributed.peer_timeout_s`).
   """
   jax.config.update("jax_compilation_cache_dir", None)
   hashing = getattr(jax_cache_key, "_hash_accelerator_config", None)
@@ -181,7 +183,7 @@ def _share_programs(timeout_s: float) -> None:
 
   jax_cache_key._hash_accelerator_config = hash_devices  # noqa: SLF001
   jax.config.update("jax_share_binary_between_hosts", True)
-  jax.config.update("jax_share_binary_between_hosts_timeout_ms", _BARRIER_TIMEOUT_MS)
+  jax.config.update("jax_share_binary_between_hosts_timeout_ms", int(_wait_timeout_s * 1000))
 
 
 def identity(args: Mapping[str, Any]) -> tuple[str, str]:
@@ -217,7 +219,7 @@ def primary_first(fn: Callable[[], T]) -> T:
     return fn()
   if is_primary():
     out = fn()
-  multihost_utils.sync_global_devices("rlhfjax: process 0 done first")
+  wait_for(range(jax.process_count()), "process 0 done first")
   if not is_primary():
     out = fn()
   return out
@@ -280,31 +282,109 @@ def _shorten(value: str, limit: int = 40) -> str:
   return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
-_BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000
-"""How long a process waits for the others at a barrier: unbounded in practice. A process that
-died is noticed by the liveness watch (`distributed.peer_timeout_s`), not by this time-out."""
+_wait_timeout_s = 3600.0
+"""`distributed.wait_timeout_s` of the job (`initialize`): how long a process waits for the
+others at a meeting point (`wait_for`, `flagged`, a program another process compiles)."""
 
-_barrier_lock = threading.Lock()
-_barrier_counts: dict[tuple[str, tuple[int, ...]], int] = {}
+_meetings_lock = threading.Lock()
+_meetings: dict[tuple[str, tuple[int, ...]], int] = {}
+_AT = "rlhfjax/at/"  # each process's current meeting point, for the message of one that expires
+
+
+def _meeting(what: str, ids: tuple[int, ...]) -> int:
+  """How often this process met `ids` at `what` before: the processes of a meeting must reach
+  it the same number of times."""
+  with _meetings_lock:
+    n = _meetings.get((what, ids), 0)
+    _meetings[what, ids] = n + 1
+  return n
 
 
 def wait_for(processes: Iterable[int], what: str) -> None:
   """Waits until every process in `processes` has reached this point (a barrier through the
-  coordination service, which waits as long as it takes); returns at once on other processes.
+  coordination service), at most `distributed.wait_timeout_s`; returns at once on other
+  processes.
 
   Called before a program whose collectives span processes: gloo gives the processes only 30
   seconds to meet when it first connects a set of devices, and one process may reach a program
   minutes before another (say, while that one still generates the batch it waits for). The
   processes of `processes` must call this the same number of times with the same `what`.
+
+  Raises:
+    DistributedError: The wait expired, naming where each missing process is.
   """
   ids = tuple(sorted(set(processes)))
   if len(ids) < 2 or jax.process_index() not in ids:
     return
-  with _barrier_lock:
-    n = _barrier_counts.get((what, ids), 0)
-    _barrier_counts[what, ids] = n + 1
-  client().wait_at_barrier(f"rlhfjax:{what}:{','.join(map(str, ids))}:{n}", _BARRIER_TIMEOUT_MS,
-                         list(ids))  # fmt: skip
+  n = _meeting(what, ids)
+  with _at(what, ids):
+    client().wait_at_barrier(f"rlhfjax:{what}:{','.join(map(str, ids))}:{n}",
+                             int(_wait_timeout_s * 1000), list(ids))  # fmt: skip
+
+
+def flagged(flag: bool, what: str) -> list[int]:
+  """The processes of the job where `flag` is set, the same list on every process: a decision
+  they must take together (stop after this iteration when any one was asked to). Every process
+  calls it the same number of times with the same `what`; waits for the others at most
+  `distributed.wait_timeout_s` (`wait_for`'s error past that). One process: [0] or []."""
+  count, me = jax.process_count(), jax.process_index()
+  if count == 1:
+    return [0] if flag else []
+  ids = tuple(range(count))
+  n = _meeting(f"flag:{what}", ids)
+  c, key = client(), f"rlhfjax/flag/{what}/"
+  c.key_value_set(f"{key}{n}/{me}", "1" if flag else "0")
+  with _at(what, ids):
+    values = {p: c.blocking_key_value_get(f"{key}{n}/{p}", int(_wait_timeout_s * 1000))
+              for p in ids}  # fmt: skip
+  # Every process has posted round n, so each has read every key of round n - 1: this one's goes.
+  if n:
+    with contextlib.suppress(Exception):
+      c.key_value_delete(f"{key}{n - 1}/{me}")
+  return [p for p, value in values.items() if value == "1"]
+
+
+@contextlib.contextmanager
+def _at(what: str, ids: tuple[int, ...]) -> Iterator[None]:
+  """The main thread waits for `ids` at `what`: posted for the others' messages, said by a
+  stop asked for meanwhile (`signals.waiting`), and an expired wait raised as one line."""
+  me, c = jax.process_index(), client()
+  others = [p for p in ids if p != me]
+  with contextlib.suppress(Exception):
+    c.key_value_set(f"{_AT}{me}", what, allow_overwrite=True)
+  try:
+    with signals.waiting(f"{_processes(others)} at {what!r}"):
+      yield
+  except Exception as error:  # noqa: BLE001 - the client's errors are plain runtime errors
+    if "DEADLINE_EXCEEDED" not in str(error):
+      raise
+    raise DistributedError(_expired(what, others)) from None
+  finally:
+    with contextlib.suppress(Exception):
+      c.key_value_set(f"{_AT}{me}", "", allow_overwrite=True)
+
+
+def _expired(what: str, others: list[int]) -> str:
+  """The line of a wait at `what` that expired: where each of `others` is."""
+  try:
+    at = {key.removeprefix(_AT): value for key, value in client().key_value_dir_get(_AT)}
+  except Exception:  # noqa: BLE001 - the service gone: say what is known
+    at = {}
+  where = []
+  for p in others:
+    theirs = at.get(str(p), "")
+    if theirs == what:
+      continue  # it came
+    where.append(
+      f"process {p} waits at {theirs!r}" if theirs
+      else f"process {p} never came (still working, or stuck outside any meeting point)"
+    )  # fmt: skip
+  me, count = jax.process_index(), jax.process_count()
+  return (
+    f"process {me} of {count} gave up after {_wait_timeout_s:g} s (distributed.wait_timeout_s) "
+    f"waiting for the others at {what!r}: {'; '.join(where) or 'they came too late'}: the "
+    "processes took different paths through the program, or one is far slower"
+  )
 
 
 def _span(indices: tuple[int, ...]) -> str:

@@ -29,10 +29,10 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import checkpoint as ckpt
+from rlhfjax import distributed
 from rlhfjax.config.hf import config_to_hf
 from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
 from rlhfjax.data import tokenizer as tokenizer_lib
@@ -364,7 +364,7 @@ def export(
   out = os.path.abspath(os.path.expanduser(out))
   _check_out(out, overwrite)
   # Every process has looked at `out` before process 0 creates or clears it.
-  multihost_utils.sync_global_devices("rlhfjax.export: out checked")
+  distributed.wait_for(range(jax.process_count()), "export: out checked")
   run = run_directory(workdir, stage)
   step_dir = step_directory(run, step)
   policy = read_policy_meta(step_dir)
@@ -390,13 +390,13 @@ def export(
   del params
   if me == 0:
     _clear_weights(out)
-  multihost_utils.sync_global_devices("rlhfjax.export: out ready")
+  distributed.wait_for(range(jax.process_count()), "export: out ready")
   written = []
   for shard in shards:
     if assignment.writer[shard.name] == me:
       hf.write_shard(out, shard, hf.shard_tensors(model, shard, host_top, layers, first))
       written.append(shard.name)
-  multihost_utils.sync_global_devices("rlhfjax.export: shards written")
+  distributed.wait_for(range(jax.process_count()), "export: shards written")
   if me == 0:
     hf.write_index(out, model, shards)
     _write_json(os.path.join(out, "config.json"), hf_config)
@@ -405,7 +405,7 @@ def export(
       _write_byte_tokenizer(out, policy["chat_template"], model.max_position_embeddings)
     else:
       _copy_tokenizer_files(policy["tokenizer"], out)
-  multihost_utils.sync_global_devices("rlhfjax.export: done")
+  distributed.wait_for(range(jax.process_count()), "export: done")
   own = run == os.path.abspath(os.path.expanduser(workdir))
   return Exported(
     run, None if own else os.path.basename(run), int(step_dir.name), policy["item"], dtype, written

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from rlhfjax import errors
+from rlhfjax import errors, signals
 
 _KEY = "rlhfjax/alive/"
 _DONE = "done"
@@ -145,6 +145,9 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
       client.key_value_set(f"{_KEY}{me}", _DONE, allow_overwrite=True)
 
   threading.Thread(target=beat, name="rlhfjax-liveness", daemon=True).start()
+  signals.before_exiting_at_once(
+    lambda: report_failure(f"process {me} was stopped at once by a second stop request", False)
+  )
   # Registered after JAX's own shutdown handler, so it runs first (atexit is LIFO).
   atexit.register(finish)
 

@@ -1,15 +1,21 @@
 """Multi-process waits: the processes of a job joined by `jax.distributed` (`launch.run`) give
-up in one line when the job never starts, and stop with a clear error when another dies or fails."""
+up in one line when the job never starts, stop with a clear error when another dies or fails,
+end at a bound when they wait at different meeting points, and hear a stop request while they
+wait."""
 
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from test_front_door_e2e import ROOT, _env, _python
+
+from rlhfjax import errors
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
@@ -24,7 +30,8 @@ def main(argv):
   launch.quiet_logging()
   section = DistributedSection(
       enabled=True, coordinator_address="localhost:{port}", num_processes=2,
-      process_id={process_id}, start_timeout_s={start}, peer_timeout_s={peer})
+      process_id={process_id}, start_timeout_s={start}, peer_timeout_s={peer},
+      wait_timeout_s={wait})
   distributed.initialize(section, 2)
   from jax.experimental import multihost_utils
   print("joined", flush=True)
@@ -33,11 +40,15 @@ def main(argv):
 launch.run(main)
 """
 # Collectives until killed.
-_JOIN = _PROCESS.replace("{peer}", "5").replace(
-  "{then}",
-  """  for i in range(10_000):
+_JOIN = (
+  _PROCESS.replace("{peer}", "5")
+  .replace("{wait}", "3600")
+  .replace(
+    "{then}",
+    """  for i in range(10_000):
     multihost_utils.sync_global_devices(f"step {{i}}")
     time.sleep(0.2)""",
+  )
 )
 
 
@@ -79,12 +90,16 @@ def test_when_a_process_dies_the_others_stop_with_a_clear_error(reserve_port):
 
 
 # One process fails at start-up while the other is still busy in Python (importing, planning).
-_FAIL_AFTER_JOINING = _PROCESS.replace("{peer}", "30").replace(
-  "{then}",
-  """  if {process_id} == {failing}:
+_FAIL_AFTER_JOINING = (
+  _PROCESS.replace("{peer}", "30")
+  .replace("{wait}", "3600")
+  .replace(
+    "{then}",
+    """  if {process_id} == {failing}:
     raise ValueError("bad input on process {failing}")
   while True:
     time.sleep(0.05)""",
+  )
 )
 
 
@@ -154,3 +169,76 @@ def test_processes_started_with_different_flags_stop_at_the_join_in_one_line(
     ], err[-3000:]
   assert time.monotonic() - start < 60
   assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
+
+
+# Process 0 waits for the others at `first`, process 1 at `second` (with a stop request active):
+# different paths through the program, a deadlock without a bound.
+_DIFFERENT_PATHS = _PROCESS.replace("{peer}", "30").replace(
+  "{then}",
+  """  import threading
+  from rlhfjax import signals
+
+  def say_when_waiting():  # for the test: once the main thread is at its meeting point
+    while not signals._waits:
+      time.sleep(0.01)
+    print("waiting", flush=True)
+
+  with signals.StopRequest():
+    threading.Thread(target=say_when_waiting, daemon=True).start()
+    distributed.wait_for([0, 1], ["the update", "the scoring"][{process_id}])""",
+)
+
+
+def test_processes_waiting_at_different_points_stop_at_the_bound_in_one_line(reserve_port):
+  port = reserve_port()
+  start = time.monotonic()
+  procs = [_python(_DIFFERENT_PATHS.format(port=port, process_id=k, start=120, wait=3))
+           for k in (0, 1)]  # fmt: skip
+  points = ("the update", "the scoring")
+  for k, proc in enumerate(procs):
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    mine = (
+      f"error: process {k} of 2 gave up after 3 s (distributed.wait_timeout_s) waiting for the "
+      f"others at {points[k]!r}: process {1 - k} waits at {points[1 - k]!r}: the processes took "
+      "different paths through the program, or one is far slower"
+    )
+    # Or the other's, when its failure reached this one first (its liveness watch).
+    theirs = f"error: process {1 - k} of 2 failed, so process {k} stops too: "
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and (lines[0] == mine or lines[0].startswith(theirs)), err[-3000:]
+  assert time.monotonic() - start < 60
+
+
+def test_a_stop_request_reaches_a_process_blocked_in_a_wait(reserve_port):
+  """Process 1, blocked in a wait for process 0 (a native call, where Python's signal handler
+  never runs), says at once that it will stop once the wait ends; a second request ends it at
+  once, and process 0 hears of it through the job (not at its liveness time-out, 30 s)."""
+  port = reserve_port()
+  procs = [_python(_DIFFERENT_PATHS.format(port=port, process_id=k, start=120, wait=3600))
+           for k in (0, 1)]  # fmt: skip
+  for proc in procs:
+    assert proc.stdout.readline().strip() == "joined", proc.stderr.read()[-3000:]
+  assert procs[1].stdout.readline().strip() == "waiting", procs[1].stderr.read()[-3000:]
+  procs[1].send_signal(signal.SIGTERM)
+  # Bounded: without the watch thread nothing would come. The message is one write, starting
+  # with a newline (it ends a progress bar's unfinished line).
+  assert select.select([procs[1].stderr], [], [], 30)[0], "no word of the stop within 30 s"
+  assert procs[1].stderr.readline() == "\n"
+  assert procs[1].stderr.readline().strip() == (
+    "SIGTERM: stopping the run after this iteration with a checkpoint, once this process's "
+    "wait for process 0 at 'the scoring' ends (Ctrl-C again to stop at once)"
+  )
+  procs[1].send_signal(signal.SIGTERM)
+  start = time.monotonic()
+  results = [proc.communicate(timeout=60) for proc in procs]
+  assert time.monotonic() - start < 20
+  assert procs[1].returncode == errors.INTERRUPTED, results[1][1][-3000:]
+  assert (
+    results[1][1].strip().splitlines()[-1].startswith("error: interrupted again: stopped at once")
+  )
+  assert procs[0].returncode == 2, results[0][1][-3000:]
+  assert results[0][1].strip().splitlines() == [
+    "error: process 1 of 2 failed, so process 0 stops too: process 1 was stopped at once by a "
+    "second stop request"
+  ], results[0][1][-3000:]

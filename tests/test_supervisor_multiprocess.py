@@ -24,7 +24,6 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _JOB = """
 import os, sys, time
 import ml_collections
-import numpy as np
 from rlhfjax import launch, signals
 
 def main(argv):
@@ -33,13 +32,13 @@ def main(argv):
       process_id={process_id}, start_timeout_s=120, peer_timeout_s=30, supervise={supervise}),
       "placement": {{"num_devices": 2}}}})
   launch.start(argv, cfg, 8)
-  from jax.experimental import multihost_utils
+  from rlhfjax import distributed
   with signals.StopRequest() as stop:
     print("joined", os.getpid(), flush=True)
-    while True:
-      # Every process stops at the same iteration: any one's request is everyone's.
-      if multihost_utils.process_allgather(np.int32(stop.is_set())).any():
-        print("stopped by", stop.signal_name or "a peer", flush=True)
+    for i in range(10**6):
+      # Every process stops after the same iteration: any one's request is everyone's.
+      if asked := distributed.flagged(stop.is_set(), "stop"):
+        print("stopped by", stop.signal_name or f"process {{asked[0]}}", "after", i, flush=True)
         return
       time.sleep(0.05)
 
@@ -110,21 +109,34 @@ def test_killing_process_0_stops_process_1_with_one_line(reserve_port, target):
 
 
 @pytest.mark.parametrize("supervise", [True, False])
-def test_a_job_stops_once_when_a_scheduler_signals_every_process(reserve_port, supervise):
+def test_a_job_stops_together_when_a_scheduler_signals_every_process_or_one(
+  reserve_port, supervise
+):
+  """Supervised, a scheduler signals every process and every child (each once): the job stops
+  once. Not supervised, only process 1 is signalled: process 0 stops after the same iteration."""
   procs = _job(reserve_port(), supervise)
   try:
     workers = [_joined(proc) for proc in procs]
     # distributed.supervise=False: the process started does the work.
     assert (workers == [proc.pid for proc in procs]) != supervise
-    for pid in dict.fromkeys((procs[0].pid, workers[0], procs[1].pid, workers[1])):
+    signalled = (procs[0].pid, workers[0], procs[1].pid, workers[1]) if supervise else workers[1:]
+    for pid in dict.fromkeys(signalled):
       os.kill(pid, signal.SIGTERM)  # each process once
     results = [proc.communicate(timeout=120) for proc in procs]
   finally:
     _stop(procs)
-  for proc, (out, err) in zip(procs, results, strict=True):
+  said = (
+    "SIGTERM: stopping the run after this iteration with a checkpoint (Ctrl-C again to stop "
+    "at once)"
+  )
+  after = set()
+  for k, (proc, (out, err)) in enumerate(zip(procs, results, strict=True)):
     assert proc.returncode == 0, err[-3000:]
-    assert out.splitlines()[-1] == "stopped by SIGTERM", out
-    assert [x for x in err.splitlines() if x.strip() and "Gloo" not in x] == [
-      "SIGTERM: stopping the run after this iteration with a checkpoint (Ctrl-C again to stop "
-      "at once)"
-    ], err[-3000:]
+    by, _, iteration = out.splitlines()[-1].rpartition(" after ")
+    after.add(iteration)
+    asked = supervise or k == 1
+    assert by == ("stopped by SIGTERM" if asked else "stopped by process 1"), out
+    assert [x for x in err.splitlines() if x.strip() and "Gloo" not in x] == (
+      [said] if asked else []
+    ), err[-3000:]
+  assert len(after) == 1  # the same iteration

@@ -1005,6 +1005,12 @@ class DistributedSection:
   peer_timeout_s: int = 60
   """Seconds without a sign of life from another process after which the others stop with an
   error naming it (instead of waiting forever in a collective)."""
+  wait_timeout_s: int = 3600
+  """Seconds a process waits for the others at a meeting point (before a program whose
+  collectives span processes, a stop agreed between iterations, a program compiled by another
+  process) before it stops with an error naming the point and where each missing process is:
+  processes that are alive but took different paths (a deadlock) end instead of waiting
+  forever. Long enough for the slowest process's generation of a batch."""
   supervise: bool = True
   """Run the work in a child of the process started, which turns JAX's abort when process 0
   (the coordination service) is lost into one line (`rlhfjax.supervisor`); False: no child
@@ -1023,7 +1029,7 @@ class DistributedSection:
       )
     if self.local_device_count < 0:
       raise ValueError(f"local_device_count must be >= 0, got {self.local_device_count}")
-    for name in ("start_timeout_s", "peer_timeout_s"):
+    for name in ("start_timeout_s", "peer_timeout_s", "wait_timeout_s"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -446,7 +446,8 @@ class PPOFlow:
     progress = _RoundProgress(iteration, limit, b // k)
     for attempt in range(limit + 1):
       if attempt:
-        if signals.requested():  # a stop asked for: this iteration ends with what it has
+        # A stop asked for (of any process: all decide alike): the iteration ends with what it has.
+        if distributed.flagged(signals.requested(), "dapo round"):
           break
         progress.show(attempt, count // k)
         prompts = stages.grouped_prompts(ctx, k)

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -351,6 +352,15 @@ class Runner:
         bar.set_postfix({k: f"{row[k]:.3f}" for k in _SHOWN if k in row})
         self._check_skipped(iteration, row)
         done = iteration + 1
+        # Every process of a job stops after the same iteration, whichever was asked to.
+        asked = distributed.flagged(preempted.is_set(), "stop")
+        if asked and not preempted.is_set():
+          preempted.set()
+          if primary:
+            tqdm.tqdm.write(
+              f"stopping the {cfg.algorithm.name} run after this iteration with a checkpoint: "
+              f"process {asked[0]} was asked to stop", file=sys.stderr,
+            )  # fmt: skip
         if preempted.is_set():
           self._save(done, force=True)
           break
