@@ -8,10 +8,13 @@ can run, and it offers no way to change that (its callback cannot be given from 
 `supervise` turns the process that the user started into a supervisor of a child that runs the
 same command and does the work:
 
-- the child's stderr passes through the supervisor unchanged, except for JAX's abort: from its
-  first line (`coordination_service_agent.cc ... Polled an error`, or `client.h ... Terminating
-  process because the JAX distributed service detected fatal errors`) the rest is held, and
-  replaced by one `error:` line naming what was lost, with exit status 2;
+- the child's stdout and stderr pass through the supervisor unchanged, except for JAX's abort
+  on stderr: from its first line (`coordination_service_agent.cc ... Polled an error`, or
+  `client.h ... Terminating process because the JAX distributed service detected fatal
+  errors`) the rest is held, and replaced by one `error:` line naming what was lost, with exit
+  status 2; and gloo's `[Gloo] Rank i is connected to n peer ranks ...` on stdout, a line for
+  each group of devices it connects (a dozen or more per process, expected, written by C++
+  threads at once, so sometimes interleaved), which `GlooFilter` drops;
 - the child's exit status is the supervisor's (a death by a signal is re-raised);
 - SIGINT and SIGTERM sent to the supervisor reach the child once, as the real-time signals of
   `FORWARDED`. The child ignores SIGINT and SIGTERM sent to it directly (`adopt`): a terminal's
@@ -129,8 +132,10 @@ def supervise(who: str, where: str) -> NoReturn:
     signal.signal(signum, forward)
   # Blocked until the child's `adopt`: one forwarded before then waits instead of killing it.
   signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-  child = subprocess.Popen(command, env={**os.environ, ENV: str(os.getpid())},
-                           stderr=subprocess.PIPE)  # fmt: skip
+  # Its stdout through a pipe too (gloo writes there): unbuffered, so a line reaches the user
+  # when it is printed, as on a terminal.
+  env = {"PYTHONUNBUFFERED": "1", **os.environ, ENV: str(os.getpid())}
+  child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   for signum in early:
     forward(signum, None)
   guard = AbortGuard(who, where)
@@ -143,36 +148,120 @@ def supervise(who: str, where: str) -> NoReturn:
   _exit_as(returncode)
 
 
+_GLOO_MARKS = (
+  b"[Gloo] Rank",
+  b"is connected to",
+  b"peer ranks.",
+  b"Expected number of connected peer ranks is :",
+)
+"""The words of gloo's line `[Gloo] Rank i is connected to n peer ranks. Expected number of
+connected peer ranks is : n`, which C++ threads writing at once interleave word by word."""
+_GLOO = re.compile(
+  rb" ?(?:" + b"|".join(map(re.escape, _GLOO_MARKS[:-1])) + rb") ?\d*"
+  rb"| ?" + re.escape(_GLOO_MARKS[-1]) + rb" ?\d*\n?"  # its newline goes with its last words
+)
+
+
+class GlooFilter:
+  """The child's output without gloo's connection lines (see the module docstring). `feed`
+  takes what the child wrote and returns what to pass on: at once, except from gloo's first
+  word in the last, unfinished line of `data` (or what may be its start) to the end of that
+  line; `finish` returns what is held."""
+
+  def __init__(self):
+    self._held = b""
+    self._after_gloo = False  # the last line passed on was gloo's
+
+  def feed(self, data: bytes) -> bytes:
+    data, self._held = self._held + data, b""
+    end = data.rfind(b"\n") + 1
+    lines, rest = data[:end], data[end:]
+    lines = self._drop(lines)
+    start = min(_mark_at(rest, mark) for mark in _GLOO_MARKS)
+    if self._after_gloo and not rest[:start].strip(b" 0123456789"):
+      start = 0  # perhaps another thread's number after gloo's line
+    rest, self._held = rest[:start], rest[start:]
+    return lines + rest
+
+  def finish(self) -> bytes:
+    held, self._held = self._held, b""
+    return self._drop(held)
+
+  def _drop(self, lines: bytes) -> bytes:
+    """`lines` without gloo's words: a line left with nothing but digits and spaces goes, and
+    so does one of digits alone right after such a line (another thread's number, after the
+    first's newline)."""
+    if not any(mark in lines for mark in _GLOO_MARKS) and not self._after_gloo:
+      return lines
+    kept = []
+    for line in lines.splitlines(keepends=True):
+      # A line that gloo's newline ends holds its last words: a line without them is another
+      # writer's, but for digits alone just after gloo's.
+      strong = _GLOO_MARKS[0] in line or _GLOO_MARKS[-1] in line
+      cleaned = _GLOO.sub(b"", line) if strong else line
+      gloo_only = not cleaned.strip(b" 0123456789\n")
+      if (strong and gloo_only) or (self._after_gloo and gloo_only and line.strip()):
+        self._after_gloo = True
+        continue
+      self._after_gloo = False
+      kept.append(cleaned)
+    return b"".join(kept)
+
+
+def _mark_at(text: bytes, mark: bytes) -> int:
+  """Where `mark` starts in `text`, or the start of a part of it `text` ends with (the rest may
+  follow), else len(text)."""
+  at = text.find(mark)
+  if at >= 0:
+    return at
+  return next((i for i in range(max(len(text) - len(mark) + 1, 0), len(text))
+               if mark.startswith(text[i:])), len(text))  # fmt: skip
+
+
 def _relay(child: subprocess.Popen, guard: AbortGuard) -> None:
-  """Passes the child's stderr through `guard` to this process's until the child has exited
-  and its pipe holds nothing more."""
-  pipe = child.stderr.fileno()
+  """Passes the child's stdout and stderr on to this process's (both without gloo's lines,
+  `GlooFilter`; stderr through `guard`) until the child has exited and its pipes hold nothing
+  more."""
+  streams = {
+    child.stdout.fileno(): (1, GlooFilter(), lambda data: data),
+    child.stderr.fileno(): (2, GlooFilter(), guard.feed),
+  }
+
+  def read(fd: int) -> bool:
+    data = os.read(fd, 1 << 16)
+    if not data:
+      pipes.discard(fd)
+      return False
+    out, gloo, then = streams[fd]
+    _write(then(gloo.feed(data)), out)
+    return True
+
+  pipes = set(streams)
   try:
     ended = os.pidfd_open(child.pid)
-  except OSError:  # an old kernel: until the pipe closes (every writer gone)
+  except OSError:  # an old kernel: until the pipes close (every writer gone)
     ended = None
-  waiting = [pipe] if ended is None else [pipe, ended]
-  while True:
-    ready, _, _ = select.select(waiting, [], [])
-    if pipe in ready:
-      data = os.read(pipe, 1 << 16)
-      if not data:
-        break
-      _write(guard.feed(data))
-    elif ended in ready:  # exited: what it wrote is in the pipe; its own children may hold it
-      os.set_blocking(pipe, False)
-      with contextlib.suppress(BlockingIOError):
-        while data := os.read(pipe, 1 << 16):
-          _write(guard.feed(data))
+  while pipes:
+    ready, _, _ = select.select([*pipes, *([] if ended is None else [ended])], [], [])
+    for fd in pipes & set(ready):
+      read(fd)
+    if ended in ready:  # exited: what it wrote is in the pipes; its own children may hold them
+      for fd in list(pipes):
+        os.set_blocking(fd, False)
+        with contextlib.suppress(BlockingIOError):
+          while read(fd):
+            pass
       break
+  for out, gloo, then in streams.values():
+    _write(then(gloo.finish()), out)
   if ended is not None:
     os.close(ended)
 
 
-def _write(data: bytes) -> None:
-  with contextlib.suppress(OSError):  # our own stderr closed: the child still runs to its end
+def _write(data: bytes, fd: int = 2) -> None:
+  with contextlib.suppress(OSError):  # our own output closed: the child still runs to its end
     while data:
-      data = data[os.write(2, data) :]
+      data = data[os.write(fd, data) :]
 
 
 def _exit_as(returncode: int) -> NoReturn:

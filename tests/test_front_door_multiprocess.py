@@ -119,7 +119,9 @@ def test_when_a_process_fails_the_others_stop_with_its_error(reserve_port, faili
   assert time.monotonic() - start < 20
   for k, (proc, (out, err)) in enumerate(zip(procs, results, strict=True)):
     assert proc.returncode == 2, err[-3000:]
-    assert out.strip() == "joined", err[-3000:]
+    # The other may hear of the failure (its liveness watch, started as it joins) before its
+    # main thread prints.
+    assert out.strip() == "joined" or (k != failing and not out), err[-3000:]
     lines = err.strip().splitlines()
     want = f"error: bad input on process {failing}"
     if k != failing:
@@ -161,7 +163,7 @@ def test_processes_started_with_different_flags_stop_at_the_join_in_one_line(
   ]
   for proc in procs:
     out, err = proc.communicate(timeout=120)
-    lines = [x for x in err.strip().splitlines() if "[Gloo]" not in x]
+    lines = err.strip().splitlines()
     assert proc.returncode == 2, err[-3000:]
     assert lines == [
       "error: the job's 2 processes disagree: total_steps is 1 on process 0, 2 on process 1: "

@@ -95,6 +95,37 @@ def test_a_polled_error_without_the_abort_is_passed_on_after_a_few_reads():
   assert guard.feed(b"next\n") == b"next\n" and guard.finish() is None
 
 
+_GLOO = (
+  b"[Gloo] Rank %d is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+)
+
+
+def test_gloos_connection_lines_are_dropped_however_the_pipe_splits_them():
+  """Issue 43: a dozen `[Gloo] Rank i is connected` lines per process, some interleaved by two
+  threads; the rest passes, a progress bar's unfinished line at once."""
+  bar = b"\rgrpo:  3%|3         | 1/30 [00:09<04:45]"
+  interleaved = (
+    b"[Gloo] Rank 1 is connected to 1 peer ranks. [Gloo] Rank 0 is connected to 1 peer ranks. "
+    b"Expected number of connected peer ranks is : 1\nExpected number of connected peer ranks "
+    b"is : 1\n"
+  )
+  # Two threads' lines interleaved word by word, as the placements' job once printed them.
+  interleaved += (
+    b"[Gloo] Rank [Gloo] Rank 0 is connected to 0 is connected to 1 peer ranks. 3 peer ranks. "
+    b"Expected number of connected peer ranks is : Expected number of connected peer ranks is "
+    b": 1\n3\n"
+  )
+  kept = b"step 1 [not gloo]: the node is connected to 2 peer ranks.\n"
+  text = _GLOO % 0 + kept + interleaved + bar + _GLOO % 1 + b"the end [G"
+  for cut in range(len(text) + 1):  # every split of the pipe's reads in two
+    gloo = supervisor.GlooFilter()
+    first = gloo.feed(text[:cut])
+    assert b"Gloo]" not in first and (first.startswith(kept) or cut < len(_GLOO + kept))
+    assert first + gloo.feed(text[cut:]) + gloo.finish() == kept + bar + b"the end [G", cut
+  gloo = supervisor.GlooFilter()
+  assert gloo.feed(bar) == bar  # not held
+
+
 def test_stop_signals_are_the_forwarded_ones_under_a_supervisor(monkeypatch):
   monkeypatch.delenv(supervisor.ENV, raising=False)
   assert supervisor.stop_signals() == {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
