@@ -97,7 +97,10 @@ def test_hf_tokenizer_round_trip_and_special_ids(tmp_path):
   assert tok.encode(text, add_bos=False) == ids[1:]
   assert tok.token_to_id("<|user|>") == 4
   # A directory works too.
-  assert data.load_tokenizer(str(tmp_path)).encode("cat") == tok.encode("cat")
+  again = data.load_tokenizer(str(tmp_path))
+  assert again.encode("cat") == tok.encode("cat")
+  # The same file, the same fingerprint (a recorded length check's key); other specials differ.
+  assert again.fingerprint() == tok.fingerprint() != _BYTE.fingerprint()
 
 
 def test_hf_tokenizer_special_token_errors_and_pad_fallback(tmp_path):
@@ -111,7 +114,10 @@ def test_hf_tokenizer_special_token_errors_and_pad_fallback(tmp_path):
   (tmp_path / "b" / "tokenizer_config.json").write_text(
     json.dumps({"bos_token": {"content": "<unk>"}, "eos_token": "</s>"})
   )
-  assert data.load_tokenizer(str(tmp_path / "b")).bos_id == 0
+  named = data.load_tokenizer(str(tmp_path / "b"))
+  assert named.bos_id == 0
+  (tmp_path / "b" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "</s>"}))
+  assert data.load_tokenizer(str(tmp_path / "b")).fingerprint() != named.fingerprint()
 
 
 def test_load_tokenizer_rejects_unknown_specs(tmp_path):
@@ -335,6 +341,44 @@ def test_long_prompts_skip_or_error_and_are_counted():
     data.prompt_iterator(source, _BYTE, max_prompt_len=8, seed=0, on_long_prompt="drop")
   with pytest.raises(data.DataError, match="empty"):
     data.prompt_iterator([], _BYTE, max_prompt_len=8, seed=0)
+
+
+def test_the_start_up_length_check_is_recorded_so_a_resume_does_not_scan_again(
+  tmp_path, monkeypatch
+):
+  """Issue 43: on_long_prompt='error' scans every record at start, once per prepared dataset,
+  split, tokenizer, template and length; a pass is recorded beside the prepared dataset, a
+  failure never is."""
+  lines = [{"prompt": "ok"}] * 5 + [{"prompt": "y" * 30}]
+  prepared = data.prepare("prompt", _write(tmp_path / "p.jsonl", lines), tmp_path / "data")
+  scans = []
+  real_tqdm = pipeline.tqdm.tqdm
+
+  def counting(*args, **kwargs):
+    scans.append(kwargs.get("desc"))
+    return real_tqdm(*args, **kwargs)
+
+  monkeypatch.setattr(pipeline.tqdm, "tqdm", counting)
+
+  def build(max_len=64, template=None, split="train"):
+    return data.prompt_iterator(
+      prepared.source(split), _BYTE, max_prompt_len=max_len, seed=0, on_long_prompt="error",
+      chat_template=template, origin=prepared.path(split),
+    )  # fmt: skip
+
+  for _ in range(2):
+    with pytest.raises(data.DataError, match=r"p\.jsonl:6: 31 tokens > max 8"):
+      build(max_len=8)
+  build()
+  build()  # a resume: recorded, not scanned
+  assert len(scans) == 3
+  build(template=data.ChatTemplate())  # another rendering: scanned
+  build(split="train[:50%]")  # another split
+  build(max_len=63)
+  assert len(scans) == 6
+  checks = json.loads((pathlib.Path(prepared.source("train").dataset_info.data_dir) /
+                       "length_checks.json").read_text())  # fmt: skip
+  assert sorted(checks.values()) == [3, 6, 6, 6]  # the records each pass covered
 
 
 def test_sft_loss_mask_marks_exactly_the_response_and_eos():

@@ -38,6 +38,10 @@ class ByteTokenizer:
       ASSISTANT_TOKEN: self.assistant_id,
     }
 
+  def fingerprint(self) -> str:
+    """Fixed: the byte vocabulary and its specials never change."""
+    return f"byte:{self.vocab_size}"
+
   def token_to_id(self, token: str) -> int | None:
     """Id of a special token string, or None when this tokenizer has no such token."""
     return self.special_tokens.get(token)

@@ -20,8 +20,12 @@ uninterrupted iterator would have produced.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -131,13 +135,63 @@ _SHOW_CHECK_FROM = 20_000
 """Records from which the start-up length check shows its progress (stderr)."""
 
 
+_CHECKS = "length_checks.json"
+"""Beside a prepared dataset (`rlhfjax.data.jsonl`): the length checks it passed."""
+
+
+def _check_key(source: Sequence, encode: Callable) -> tuple[str, str] | None:
+  """Where a passed length check of `source` under `encode` is recorded, and its key: the
+  prepared dataset's directory (named by its files' contents) and a hash of the split, the
+  tokenizer, the chat template and the lengths. None for a source that is not a prepared
+  dataset, or an `encode` that is not `encode_example`'s."""
+  info = getattr(source, "dataset_info", None)
+  if info is None or not isinstance(encode, functools.partial):
+    return None
+  if encode.func is not encode_example:
+    return None
+  kw = dict(encode.keywords)
+  tokenizer, template = kw.pop("tokenizer"), kw.pop("chat_template")
+  kw.pop("origin", None)
+  fingerprint = getattr(tokenizer, "fingerprint", None)
+  if fingerprint is None:
+    return None
+  what = json.dumps(
+    [str(getattr(source, "split", "")), fingerprint(), repr(template), sorted(kw.items())]
+  )
+  return os.path.join(info.data_dir, _CHECKS), hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def _passes(path: str) -> dict[str, int]:
+  """The keys of the checks recorded in `path` (and their record counts); {} if none."""
+  with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
+    return dict(json.load(f))
+  return {}
+
+
+def _record_pass(where: tuple[str, str], records: int) -> None:
+  """Adds the key to the file (written whole, then renamed: processes and runs that check at
+  once each leave a complete file)."""
+  path, key = where
+  passed = {**_passes(path), key: records}
+  with contextlib.suppress(OSError):  # a read-only data dir: the next run checks again
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(passed, f)
+    os.replace(tmp, path)
+
+
 def _check_lengths(source: Sequence, encode: Callable[[int, Any], Encoded], max_len: int) -> None:
   """With on_long_prompt='error': every record checked when the stream is built, in one pass,
-  so a record too long at line 900,000 stops the run at its start, not hours into it.
+  so a record too long at line 900,000 stops the run at its start, not hours into it. A pass
+  is recorded beside a prepared dataset (`_check_key`): a resume, or another run with the same
+  files, tokenizer, template and lengths, does not scan again.
 
   Raises:
     DataError: the first record too long, named.
   """
+  where = _check_key(source, encode)
+  if where is not None and where[1] in _passes(where[0]):
+    return
   records = grain.MapDataset.source(source).map_with_index(encode).to_iter_dataset(_READ_OPTIONS)
   shown = len(source) >= _SHOW_CHECK_FROM
   with tqdm.tqdm(total=len(source), desc="checking lengths", disable=not shown) as bar:
@@ -149,6 +203,8 @@ def _check_lengths(source: Sequence, encode: Callable[[int, Any], Encoded], max_
           f"{where}: {example.length} tokens > max {max_len} (on_long_prompt='error', checked "
           f"over all {len(source)} records at start; set it to 'truncate' or 'skip')"
         )
+  if where is not None:
+    _record_pass(where, len(source))
 
 
 class _Stream:

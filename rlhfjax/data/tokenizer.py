@@ -8,6 +8,8 @@ BOS, EOS and PAD ids, so anything with those methods works.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -49,6 +51,10 @@ class Tokenizer(Protocol):
 
   def token_to_id(self, token: str) -> int | None:
     """Id of a special (or any single) token string; None when the vocabulary lacks it."""
+    ...
+
+  def fingerprint(self) -> str:
+    """A hash of everything that decides the ids of a text (what a cached check keys on)."""
     ...
 
 
@@ -119,6 +125,13 @@ class HFTokenizer:
   def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
     """Text of the ids; special tokens dropped unless `skip_special_tokens=False`."""
     return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+  @functools.cache  # noqa: B019 - one tokenizer per run, kept alive by it anyway
+  def fingerprint(self) -> str:
+    """A hash of the tokenizer.json as read and the special ids chosen."""
+    digest = hashlib.sha256(self._tok.to_str().encode())
+    digest.update(f"{self.bos_id},{self.eos_id},{self.pad_id}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _config_specials(directory: str) -> dict[str, str]:
