@@ -237,7 +237,12 @@ def test_readme_quotes_the_prediction():
     f"textbook 1F1B bubble is {schedules.textbook_bubble(4, 8):.3f}",
     f"at {gain.memory_gib['fused']:.1f} GiB per device instead of "
     f"{gain.memory_gib['two_1f1b']:.1f}",
-    f"at {flat.unpipelined_s:.1f} s",
+    f"`unpipelined_s`, {gain.unpipelined_s:.1f} s, prices",
+    f"FSDP over all {gain.unpipelined_layout.stage_group.fsdp} devices, tensor "
+    f"{gain.unpipelined_layout.stage_group.tensor} as the flag says",
+    f"tensor {flat.unpipelined_layout.stage_group.tensor} x FSDP "
+    f"{flat.unpipelined_layout.stage_group.fsdp}, at {flat.unpipelined_s:.1f} s",
   )
   for text in quoted:
     assert text in readme, text
+  assert gain.to_json()["unpipelined_layout"] == {"tensor": 1, "fsdp": 32}

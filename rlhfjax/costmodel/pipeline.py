@@ -380,6 +380,8 @@ class FusionGain:
   unpipelined_s: float
   """Both updates back to back without a pipeline, FSDP (and `tensor`) over all devices, the
   same rows per device per micro-batch."""
+  unpipelined_layout: Layout
+  """The layout `unpipelined_s` prices: one stage of every device, `tensor` and FSDP."""
   one_1f1b: PipelineTime
   """The actor's update alone in one 1F1B pipeline."""
   two_1f1b: PipelineTime
@@ -407,6 +409,10 @@ class FusionGain:
       "bubble_two_1f1b": round(self.two_1f1b.bubble_fraction, 4),
       "bubble_fused": round(self.fused.bubble_fraction, 4),
       "unpipelined_s": round(self.unpipelined_s, 3),
+      "unpipelined_layout": {
+        "tensor": self.unpipelined_layout.stage_group.tensor,
+        "fsdp": self.unpipelined_layout.stage_group.fsdp,
+      },
       "two_1f1b_s": round(self.two_1f1b.seconds, 3),
       "fused_s": round(self.fused.seconds, 3),
       "send_s": round(self.fused.send_s, 3),
@@ -475,7 +481,8 @@ def compare(
 
   models = ((w.actor, "lm"), (w.critic, "value"))
   works = [work(c, h, g, stages, micro_batches) for c, h in models]
-  whole = layout(devices, 1, tensor, per_node).stage_group
+  flat_layout = layout(devices, 1, tensor, per_node)
+  whole = flat_layout.stage_group
   flat = math.ceil(micro_batches / stages)  # the same rows per device over every device
   unpipelined = sum(work(c, h, whole, 1, flat).busy_s for c, h in models)
 
@@ -499,6 +506,7 @@ def compare(
     rows=rows,
     layout=lay,
     unpipelined_s=unpipelined,
+    unpipelined_layout=flat_layout,
     one_1f1b=priced(table("1f1b", stages, micro_batches), works[:1]),
     two_1f1b=priced(table("two_1f1b", stages, micro_batches), works),
     fused=priced(table("fused", stages, micro_batches), works),
