@@ -34,17 +34,22 @@ Arrays already laid out as asked are returned as they are.
 
 Multi-process runs (arrays that span or live on other processes' devices):
 
-- The plan above, each process doing the steps on its own devices, and the pieces
+- Same devices at both ends (a relayout of a mesh spanning processes, as a co-located weight
+  sync): one jitted program per set of target shardings, in which each leaf is first gathered
+  whole (replicated over the mesh) and then sliced to its target layout; XLA's collectives carry
+  the shards. Left to choose, XLA's partitioner finds no efficient path from FSDP-sharded
+  parameters to the rollout's data x tensor layout either, and does the same with a warning
+  per leaf ("involuntary full rematerialization"); the pieces of `_move_across` would move
+  fewer bytes but compile one exchange per plan, which cost more than the gathers (a two-step
+  job of the five placements took 40 s longer).
+- Different devices (a weight sync or experience moving between groups on different
+  processes): the plan above, each process doing the steps on its own devices, and the pieces
   that cross processes sent by collective permutes in one program over the devices of both
   ends (`_exchange`), compiled once per plan. JAX 0.10's cross-host `jax.device_put` needs the
   same layout at both ends and, on CPU, its socket transfer library, whose batched copies
   delivered pieces to the wrong arrays when tried (two to one device in one call); the
   collectives work on every backend. Every process whose devices take part must call
   `transfer` for the same arrays in the same order (every process runs the same program).
-  This holds for a relayout on the same devices too (a co-located weight sync on a mesh that
-  spans processes): a jitted identity with `out_shardings` there made XLA gather whole arrays
-  (its "involuntary full rematerialization" warning, one per leaf, from fsdp-sharded parameters
-  to the rollout's data x tensor layout) and moved more bytes than the pieces do.
 """
 
 from __future__ import annotations
@@ -446,6 +451,7 @@ def transfer(
       moving.append(i)
   kinds = {i: _kind(leaves[i], shardings[i]) for i in moving}
   elsewhere = [i for i in moving if kinds[i] == "elsewhere"]
+  global_moves = [i for i in moving if kinds[i] == "global"]
   across = [i for i in moving if kinds[i] == "across"]
   moving = [i for i in moving if kinds[i] == "local"]
   olds = _disown_aliases(olds, leaves)
@@ -454,11 +460,17 @@ def transfer(
     out[i] = jax.make_array_from_single_device_arrays(
       leaves[i].shape, shardings[i], [], dtype=leaves[i].dtype
     )
+  if global_moves:
+    owners = {d.process_index for i in global_moves for d in shardings[i].device_set}
+    distributed.wait_for(owners, "reshard")
+    moved = _reshard(tuple(shardings[i] for i in global_moves))(*(leaves[i] for i in global_moves))
+    for i, y in zip(global_moves, moved, strict=True):
+      out[i] = y  # fresh buffers: the `into` leaves are freed below
   if across:
     moved = _move_across([leaves[i] for i in across], [shardings[i] for i in across])
     for i, y in zip(across, moved, strict=True):
       out[i] = y  # fresh buffers: the `into` leaves are freed below
-  global_moves = across + elsewhere
+  global_moves += across + elsewhere
   for group in _groups(moving, leaves, shardings):
     moved = _move([leaves[i] for i in group], [shardings[i] for i in group],
                   [olds[i] for i in group])  # fmt: skip
@@ -545,12 +557,15 @@ def _addressable(x: jax.Array, target: Sharding) -> bool:
 
 def _kind(x: jax.Array, target: Sharding) -> str:
   """How `transfer` moves `x`, decided alike on every process: 'local' (every device at both
-  ends is this process's: `_move`), 'elsewhere' (none is: nothing to do here) or 'across'
-  (devices of several processes: `_move_across`)."""
+  ends is this process's: `_move`), 'elsewhere' (none is: nothing to do here), 'global' (the
+  same devices at both ends, on several processes: `_reshard`) or 'across' (different devices
+  on several processes: `_move_across`)."""
   owners = {d.process_index for d in x.sharding.device_set | target.device_set}
   if jax.process_index() not in owners:
     return "elsewhere"
-  return "local" if len(owners) == 1 else "across"
+  if len(owners) == 1:
+    return "local"
+  return "global" if x.sharding.device_set == target.device_set else "across"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -777,6 +792,25 @@ def _one_device_per_process() -> Sharding:
     first.setdefault(device.process_index, device)
   mesh = jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), ("process",))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+@functools.lru_cache(maxsize=64)
+def _reshard(shardings: tuple[Sharding, ...]):
+  """A jitted identity laying its arguments out as `shardings` on their own devices, each
+  gathered whole first (see the module docstring): one all-gather, then a local slice."""
+  whole = tuple(
+    jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+    if isinstance(s, jax.sharding.NamedSharding) else None
+    for s in shardings
+  )  # fmt: skip
+
+  def relayout(*xs):
+    return tuple(
+      x if w is None else jax.lax.with_sharding_constraint(x, w)
+      for x, w in zip(xs, whole, strict=True)
+    )
+
+  return jax.jit(relayout, out_shardings=shardings)
 
 
 @contextlib.contextmanager
