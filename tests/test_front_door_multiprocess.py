@@ -175,9 +175,12 @@ def test_processes_started_with_different_flags_stop_at_the_join_in_one_line(
 
 # Process 0 waits for the others at `first`, process 1 at `second` (with a stop request active):
 # different paths through the program, a deadlock without a bound.
-_DIFFERENT_PATHS = _PROCESS.replace("{peer}", "30").replace(
-  "{then}",
-  """  import threading
+_DIFFERENT_PATHS = (
+  _PROCESS.replace("{peer}", "30")
+  .replace("wait_timeout_s={wait}", "wait_timeout_s=600")
+  .replace(
+    "{then}",
+    """  import threading
   from rlhfjax import signals
 
   def say_when_waiting():  # for the test: once the main thread is at its meeting point
@@ -185,9 +188,13 @@ _DIFFERENT_PATHS = _PROCESS.replace("{peer}", "30").replace(
       time.sleep(0.01)
     print("waiting", flush=True)
 
+  # Both at one point first (the job's bound would cover a slow start too), then the bound:
+  distributed.wait_for([0, 1], "the start")
+  distributed._wait_timeout_s = {wait}
   with signals.StopRequest():
     threading.Thread(target=say_when_waiting, daemon=True).start()
     distributed.wait_for([0, 1], ["the update", "the scoring"][{process_id}])""",
+  )
 )
 
 
