@@ -159,6 +159,8 @@ _MEANINGLESS = [
   ("ppo_tiny", "placement.num_devices", 0, r"num_devices must be >= 1, got 0"),
   ("ppo_tiny", "placement.memory_per_device_gb", 0.0, r"'placement\.memory_per_device_gb' must"),
   ("ppo_tiny", "distributed.start_timeout_s", 0, r"start_timeout_s must be >= 1"),
+  ("ppo_tiny", "distributed.wait_timeout_s", 0, r"wait_timeout_s must be >= 1"),
+  ("ppo_tiny", "rollout.attention", "flash", r"'rollout\.attention' must be one of auto, pallas"),
   ("ppo_tiny", "reward.fn_coef", math.nan, r"'reward\.fn_coef' must be a finite number"),
   ("sft_tiny", "seed", -1, r"'seed' must be in \[0, 2147483647\]"),
   ("sft_tiny", "eval.every_steps", -1, r"'eval\.every_steps' must be >= 0"),
@@ -294,8 +296,8 @@ def test_field_paths_are_the_schemas_fields():
     ),
     (
       "ppo.model.attention",  # the stage is kept
-      "no such field; did you mean --config.ppo.model.roles.<role>.attention (<role>: actor, "
-      "critic, reference, reward, rollout)?",
+      "no such field; did you mean --config.ppo.model.roles.<role>.attention or "
+      "--config.ppo.rollout.attention (<role>: actor, critic, reference, reward, rollout)?",
     ),
     ("zzz", "no such field"),
   ],

@@ -1,5 +1,6 @@
 """The paged rollout engine against the dense one: outputs, pages, sharing, admission, layout."""
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -8,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from rlhfjax import models, rollout
 from rlhfjax.config.model import get_model_config
 from rlhfjax.models import transformer
 from rlhfjax.placement.spec import RoleSpec
-from rlhfjax.rollout import paged_decode, paging
+from rlhfjax.rollout import paged_decode, paged_engine, paging
 from rlhfjax.rollout.lengths import tail_lengths
 
 pytestmark = pytest.mark.unit
@@ -383,15 +385,19 @@ def test_slot_api_gives_each_slot_a_dense_rows_pages(paged, dense):
   assert table[1].tolist() == list(range(7, 13)) and table.max() == 24
 
 
-@pytest.mark.parametrize("width", [4, 6])
-def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path(width):
-  """JAX's Pallas GPU paged-attention kernel, run by Pallas' interpreter on the CPU, against
-  the gather + XLA attention path, on a pool with two replicas (6 pages a row: 3 key splits of
-  2-page blocks)."""
+@pytest.mark.parametrize(("kernel", "width"), [("pallas_gpu", 4), ("pallas_gpu", 6),
+                                               ("pallas_tpu", 6)])  # fmt: skip
+def test_pallas_kernels_in_interpret_mode_equal_the_gather_path(kernel, width):
+  """JAX's Pallas paged-attention kernels, run by Pallas' interpreters on the CPU, against the
+  gather + XLA attention path, on a pool with two replicas (6 pages a row: 3 key splits of
+  2-page blocks on GPU, one 6-page block on TPU). The TPU kernel reads keys and values as bf16
+  (what 'auto' picks it for: a bf16 pool), so the pool here holds bf16 values in fp32."""
   rng = np.random.default_rng(0)
   layers, d, k, e, n, h = 2, 2, 2, 4, 16, 4
   pages = 2 * width + 1
-  pool = lambda: jnp.asarray(rng.normal(size=(layers, d, k, pages, e, n)), jnp.float32)
+  pool = lambda: jnp.asarray(rng.normal(size=(layers, d, k, pages, e, n)), jnp.bfloat16).astype(
+    jnp.float32
+  )
   table = rng.permutation(np.arange(1, pages))[: 2 * width].reshape(2, width).repeat(2, 0)
   table = jnp.asarray(table)
   index = jnp.asarray([0, 5, 11, width * e - 1])
@@ -399,13 +405,31 @@ def test_pallas_gpu_kernel_in_interpret_mode_equals_the_gather_path(width):
   cfg = CONFIG.replace(attention="xla")
   mask = jnp.arange(width * e)[None, None, :] <= index[:, None, None]
   k_pool, v_pool = pool(), pool()
-  outs = {
-    kernel: transformer.paged_attend(
-      cfg, q, transformer.PagedKV(k_pool, v_pool, table, kernel), jnp.int32(1), mask, index
-    )
-    for kernel in ("gather", "pallas_gpu")
-  }
-  np.testing.assert_allclose(outs["pallas_gpu"], outs["gather"], atol=1e-5, rtol=0)
+  outs = {}
+  for name in ("gather", kernel):
+    with pltpu.force_tpu_interpret_mode() if name == "pallas_tpu" else contextlib.nullcontext():
+      kv = transformer.PagedKV(k_pool, v_pool, table, name)
+      outs[name] = transformer.paged_attend(cfg, q, kv, jnp.int32(1), mask, index)
+  np.testing.assert_allclose(outs[kernel], outs["gather"], atol=1e-5, rtol=0)
+
+
+def test_auto_and_pallas_resolve_to_a_kernel_that_can_run():
+  """'auto' takes the platform's Pallas kernel only where it runs (on TPU with a bf16 pool);
+  'pallas' where it cannot is one line naming why and what works."""
+  resolve = paged_engine.resolve_kernel
+  assert resolve("auto", "gpu", None, 64) == resolve("pallas", "gpu", None, 64) == "pallas_gpu"
+  assert resolve("auto", "tpu", None, 128, "bfloat16") == "pallas_tpu"
+  assert resolve("auto", "tpu", None, 128, "float32") == "gather"  # the kernel rounds to bf16
+  assert resolve("pallas", "tpu", None, 128, "float32") == "pallas_tpu"  # asked for
+  assert resolve("auto", "cpu", None, 64) == resolve("auto", "gpu", 8, 64) == "gather"
+  assert resolve("auto", "gpu", None, 24) == resolve("gather", "gpu", None, 64) == "gather"
+  for platform, window, head_dim, why in (
+    ("cpu", None, 64, "the rollout's devices are cpu, it needs a GPU or TPU"),
+    ("gpu", 8, 64, "the model has a sliding window"),
+    ("tpu", None, 24, "the head dim 24 is not a multiple of 16"),
+  ):
+    with pytest.raises(ValueError, match=f"^rollout.attention='pallas' cannot run here: {why}"):
+      resolve("pallas", platform, window, head_dim)
 
 
 def test_pallas_gpu_blocks_are_powers_of_two_that_tile_the_row():
@@ -439,6 +463,9 @@ def test_bad_paged_configs_raise_one_line_errors(params):
       dataclasses.replace(PAGED, **{field: bad})
   with pytest.raises(ValueError, match="EngineConfig.paged_attention"):
     dataclasses.replace(PAGED, paged_attention="flash")
+  with pytest.raises(ValueError, match="devices are cpu, it needs a GPU or TPU; set rollout"):
+    rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, paged_attention="pallas"),
+                            _role([0]))  # fmt: skip
   with pytest.raises(ValueError, match="EngineConfig.num_pages=6 gives 6 pages per 'data'"):
     rollout.Engine.for_role(CONFIG, dataclasses.replace(PAGED, num_pages=6), _role([0]))
   with pytest.raises(ValueError, match="multiple of the mesh's 'data' axis"):

@@ -86,6 +86,7 @@ def engine_config(rollout: RolloutSection, pad_id: int, replicas: int) -> Engine
     num_pages=rollout.kv_pages(replicas) if rollout.paged else None,
     share_prefixes=rollout.share_prefixes,
     decode_chunk=rollout.decode_chunk,
+    paged_attention=rollout.attention,
   )
 
 

@@ -389,6 +389,12 @@ class RolloutSection:
   decode_chunk: int = 64
   """Most decode steps one device call runs while prompts wait (their admission and the page
   reservations happen between calls; finished slots refill on device within a call)."""
+  attention: str = "auto"
+  """Decode attention over the KV pages (with `paged`): 'gather' (each row's pages gathered,
+  then XLA's attention; any backend, any model), 'pallas' (JAX's Pallas paged-attention kernel
+  of the rollout's platform, GPU or TPU; refused elsewhere and for models it cannot run: a
+  sliding window, a head dim not a multiple of 16) or 'auto': 'pallas' where it can run (on
+  TPU only with a bf16 cache: its kernel rounds keys and values to bf16), else 'gather'."""
   fused_scoring: bool = False
   """Score finished samples in micro-batches while the rest still generate (RLHFuse): each
   scoring role on its own mesh, concurrently when disjoint from the rollout's, between decode
@@ -425,6 +431,7 @@ class RolloutSection:
         f"'rollout.max_tokens_per_score_batch'={self.max_tokens_per_score_batch} is below one "
         f"sequence's capacity, max_prompt_len + max_new_tokens = {self.max_seq_len}"
       )
+    _check_choice("rollout.attention", self.attention, _ROLLOUT_ATTENTION)
     if self.paged and self.tail_threshold > 0:
       raise ConfigError(
         "'rollout.tail_threshold' compacts the dense KV cache's rows: set 'rollout.paged=False' "
@@ -783,6 +790,7 @@ class RewardSection:
       raise ConfigError("no reward: set 'reward.fn' or a non-zero 'reward.model_coef'")
 
 
+_ROLLOUT_ATTENTION = ("auto", "pallas", "gather")
 _ON_BAD_RECORD = ("error", "skip")
 _ON_LONG_PROMPT = ("truncate", "skip", "error")
 

@@ -97,8 +97,8 @@ class EngineConfig:
   paged_attention: str = "auto"
   """Attention over pages: 'gather' (the rows' pages gathered, then XLA's attention; any
   backend), 'pallas_gpu' or 'pallas_tpu' (JAX's Pallas paged-attention kernels for decode;
-  'pallas_gpu' runs in Pallas' interpret mode off a GPU) or 'auto': the kernel of the mesh's
-  platform on GPU or TPU when the model has no sliding window, else 'gather'."""
+  'pallas_gpu' runs in Pallas' interpret mode off a GPU), 'pallas' (the kernel of the mesh's
+  platform; refused where none can run) or 'auto' (`paged_engine.resolve_kernel`)."""
 
   def __post_init__(self):
     if self.num_slots < 1:
@@ -138,9 +138,9 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.num_pages must be >= 2 or None, got {self.num_pages}")
     if self.decode_chunk < 1:
       raise ValueError(f"EngineConfig.decode_chunk must be >= 1, got {self.decode_chunk}")
-    if self.paged_attention not in ("auto", *PAGED_KERNELS):
+    if self.paged_attention not in ("auto", "pallas", *PAGED_KERNELS):
       raise ValueError(
-        f"EngineConfig.paged_attention must be one of {('auto', *PAGED_KERNELS)}, "
+        f"EngineConfig.paged_attention must be one of {('auto', 'pallas', *PAGED_KERNELS)}, "
         f"got {self.paged_attention!r}"
       )
 

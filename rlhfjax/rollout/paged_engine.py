@@ -35,16 +35,43 @@ if TYPE_CHECKING:
   from rlhfjax.rollout.engine import Engine
 
 
-def resolve_kernel(choice: str, platform: str, sliding_window: int | None, head_dim: int) -> str:
-  """The paged attention `EngineConfig.paged_attention` resolves to on `platform`.
+_PLATFORM_KERNELS = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
 
-  'auto' takes a Pallas kernel on GPU or TPU when the model has no sliding window (the kernels
-  have none) and the head dim is a multiple of 16 (their matmul tiles), else 'gather'."""
-  if choice != "auto":
+
+def resolve_kernel(
+  choice: str, platform: str, sliding_window: int | None, head_dim: int, dtype: str = "float32"
+) -> str:
+  """The paged attention `EngineConfig.paged_attention` resolves to on `platform` for a model
+  (its sliding window, head dim and compute dtype, the KV pool's).
+
+  'pallas' is the platform's Pallas kernel, refused in one line where it cannot run: off GPU
+  and TPU, with a sliding window (the kernels have none) or a head dim that is not a multiple
+  of 16 (their matmul tiles). 'auto' takes it where it can run, and on TPU only with a bf16
+  pool (its kernel rounds keys and values to bf16: exact for a bf16 pool, not for fp32), else
+  'gather'.
+
+  Raises:
+    ValueError: 'pallas' where it cannot run, naming why and the values that work.
+  """
+  if choice not in ("auto", "pallas"):
     return choice
-  if sliding_window is not None or head_dim % 16:
+  kernel = _PLATFORM_KERNELS.get(platform)
+  why = (
+    f"the rollout's devices are {platform}, it needs a GPU or TPU" if kernel is None
+    else "the model has a sliding window, which the kernels lack" if sliding_window is not None
+    else f"the head dim {head_dim} is not a multiple of 16" if head_dim % 16
+    else None
+  )  # fmt: skip
+  if choice == "pallas":
+    if why is not None:
+      raise ValueError(
+        f"rollout.attention='pallas' cannot run here: {why}; set rollout.attention to 'gather' "
+        "(or 'auto', which picks the kernel where it can run)"
+      )
+    return kernel
+  if why is not None or (kernel == "pallas_tpu" and dtype != "bfloat16"):
     return "gather"
-  return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "gather")
+  return kernel
 
 
 def _slot_state(model_config, *, num_slots: int, replicas: int, pages: int, width: int, **sizes):
@@ -86,6 +113,7 @@ class PagedPrograms:
       mesh.devices.flat[0].platform,
       model.sliding_window,
       model.head_dim,
+      model.dtype,
     )
     if self.kernel != "gather" and model.sliding_window is not None:
       raise ValueError(
