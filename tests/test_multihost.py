@@ -278,10 +278,10 @@ def test_only_process_zero_writes_and_prints(placed):
 def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, references):
   """One chain of runs of the disaggregated placement in one workdir: four processes of 2
   devices (training on processes 0-1, the rollout on 2-3, every group's mesh spanning two
-  processes), one of which is killed with SIGKILL mid-run once the checkpoint of step 1 is
+  processes), one of which is killed with SIGKILL mid-run once the checkpoint of step 2 is
   complete, which stops the others within a bounded time with one line each; rerunning as two
-  processes of 4 devices resumes and ends with the numbers of an uninterrupted run: step 0 by
-  four processes, steps 1-2 by two. (A single process's checkpoint read by several processes:
+  processes of 4 devices resumes and ends with the numbers of an uninterrupted run: steps 0-1
+  by four processes, step 2 by two. (A single process's checkpoint read by several processes:
   the multi-process export, tests/test_export_multiprocess.py; a chain that began with one
   process here cost a fifth more.)"""
   run = [*_config("disaggregated"), "--config.checkpoint.every_steps=1",
@@ -293,17 +293,17 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, referenc
   references.start()
 
   # As 4 x 2, killed mid-run: process 3 (a rollout process) dies once the checkpoint of step
-  # 1, which all four wrote, is complete.
+  # 2, which all four wrote, is complete.
   port = reserve_port()
   procs = [_start([*run, f"--workdir={multi}", *_distributed(k, port, 4)], logs / f"killed{k}.log")
            for k in range(4)]  # fmt: skip
-  committed = multi / "checkpoints" / "1" / "commit_success.txt"
+  committed = multi / "checkpoints" / "2" / "commit_success.txt"
   deadline = time.monotonic() + _TIMEOUT_S
   try:
     while not committed.exists() and time.monotonic() < deadline:
-      assert all(p.poll() is None for p in procs), "a process ended before step 1"
+      assert all(p.poll() is None for p in procs), "a process ended before step 2"
       time.sleep(0.2)  # polling the file system for the checkpoint; the assertion is the kill
-    assert committed.exists(), "no checkpoint of step 1"
+    assert committed.exists(), "no checkpoint of step 2"
     procs[3].kill()
     killed_at = time.monotonic()
     procs[3].wait()
@@ -332,13 +332,13 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, referenc
     assert rc != 0 and len(errors) == 1 and any(c in errors[0] for c in named), text[-2000:]
   assert waited < 10 + 60
 
-  # Rerun as 2 x 4: resumed, then the numbers of the uninterrupted run (step 0 by the four
-  # killed processes, steps 1-2 by the rerun's two).
+  # Rerun as 2 x 4: resumed, then the numbers of the uninterrupted run (steps 0-1 by the four
+  # killed processes, step 2 by the rerun's two).
   port = reserve_port()
   rerun = _run_all({f"process{k}": [*run, f"--workdir={multi}", *_distributed(k, port)]
                     for k in (0, 1)}, logs / "rerun")  # fmt: skip
   _assert_exited_cleanly(rerun)
-  assert "resuming from the checkpoint of step 1" in rerun["process0"][1]
+  assert "resuming from the checkpoint of step 2" in rerun["process0"][1]
   single = references.result()
   assert single[0] == 0, _tails({"single": single})
   _assert_same_numbers(_metrics(references.workdir("disaggregated")), _metrics(multi))
