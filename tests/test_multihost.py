@@ -276,14 +276,13 @@ def test_only_process_zero_writes_and_prints(placed):
 
 @pytest.mark.slow
 def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, references):
-  """One chain of runs of the disaggregated placement in one workdir: four processes of 2
-  devices (training on processes 0-1, the rollout on 2-3, every group's mesh spanning two
-  processes), one of which is killed with SIGKILL mid-run once the checkpoint of step 2 is
-  complete, which stops the others within a bounded time with one line each; rerunning as two
-  processes of 4 devices resumes and ends with the numbers of an uninterrupted run: steps 0-1
-  by four processes, step 2 by two. (A single process's checkpoint read by several processes:
-  the multi-process export, tests/test_export_multiprocess.py; a chain that began with one
-  process here cost a fifth more.)"""
+  """One chain of runs of the disaggregated placement in one workdir: step 0 by one process of
+  8 devices; its checkpoint of step 1 resumed by four processes of 2 devices (training on
+  processes 0-1, the rollout on 2-3, every group's mesh spanning two processes), one of which
+  is killed with SIGKILL mid-run once the checkpoint of step 2 is complete, which stops the
+  others within a bounded time with one line each; rerunning as two processes of 4 devices
+  resumes and ends with the numbers of an uninterrupted run: step 1 by four processes, step 2
+  by two."""
   run = [*_config("disaggregated"), "--config.checkpoint.every_steps=1",
          "--config.distributed.peer_timeout_s=10"]  # fmt: skip
   logs = tmp_path / "logs"
@@ -291,9 +290,12 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, referenc
   # The uninterrupted run is the module's single-process one (checkpoint frequency and
   # peer_timeout_s change no number).
   references.start()
+  first_step = _run_all({"first_step": [*run, "--config.total_steps=1", f"--workdir={multi}"]},
+                        logs)  # fmt: skip
+  assert first_step["first_step"][0] == 0, _tails(first_step)
 
-  # As 4 x 2, killed mid-run: process 3 (a rollout process) dies once the checkpoint of step
-  # 2, which all four wrote, is complete.
+  # Resumed as 4 x 2, then killed mid-run: process 3 (a rollout process) dies once the
+  # checkpoint of step 2, which all four wrote, is complete.
   port = reserve_port()
   procs = [_start([*run, f"--workdir={multi}", *_distributed(k, port, 4)], logs / f"killed{k}.log")
            for k in range(4)]  # fmt: skip
@@ -327,13 +329,15 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, referenc
   coordinator_gone = "lost the job's coordination service"
   for k, rc in enumerate(codes):
     text = (logs / f"killed{k}.log").read_text()
+    if k == 0:  # the single process's checkpoint of step 1, resumed as four processes
+      assert "resuming from the checkpoint of step 1" in text, text[-2000:]
     errors = [x for x in text.splitlines() if x.startswith("error:")]
     named = clear if k == 0 else (*clear, coordinator_gone)
     assert rc != 0 and len(errors) == 1 and any(c in errors[0] for c in named), text[-2000:]
   assert waited < 10 + 60
 
-  # Rerun as 2 x 4: resumed, then the numbers of the uninterrupted run (steps 0-1 by the four
-  # killed processes, step 2 by the rerun's two).
+  # Rerun as 2 x 4: resumed, then the numbers of the uninterrupted run (step 0 by one process,
+  # step 1 by the four killed processes, step 2 by the rerun's two).
   port = reserve_port()
   rerun = _run_all({f"process{k}": [*run, f"--workdir={multi}", *_distributed(k, port)]
                     for k in (0, 1)}, logs / "rerun")  # fmt: skip
