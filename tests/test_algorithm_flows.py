@@ -27,8 +27,8 @@ pytestmark = pytest.mark.integration
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
-# GSPO's and CISPO's configs (GRPO's flow, another `ppo.policy_loss`) run through the script in
-# test_algorithm_flows_e2e.py; their losses packed and padded in test_packing.py.
+# GSPO's and CISPO's configs (GRPO's flow, another `ppo.policy_loss`): their own test below;
+# their losses packed and padded in test_packing.py.
 _VARIANTS = ("colocated", "disaggregated")
 _PADDED = "colocated, padded"  # the colocated run without `ppo.packing`
 _CRITIC_PREFIXES = ("value/", "critic/")
@@ -83,6 +83,26 @@ def runs(tmp_path_factory):
       runner = Runner(cfg, str(tmp_path_factory.mktemp(name)), show_progress=False)
       out[name, variant] = (runner, runner.run())
   return out
+
+
+@pytest.mark.slow
+def test_gspo_and_cispo_run_from_their_configs(tmp_path):
+  """configs/gspo_tiny.py and configs/cispo_tiny.py (GRPO's config with another policy loss)
+  on the interleaved placement: the same first batch, another loss. (scripts/train.py runs a
+  config file as `Runner` does here: test_front_door_e2e, test_resume_e2e.)"""
+  rows = {}
+  for name in ("gspo", "cispo"):
+    # The reward model's continuous scores beside the rule: advantages that are not all 0.
+    cfg = _config(name, "interleaved", reward__model_coef=0.5)
+    rows[name] = Runner(cfg, str(tmp_path / name), show_progress=False).run().metrics
+  for name, run in rows.items():
+    assert [r["step"] for r in run] == [0, 1], name
+    assert "loss/kl" not in run[0]  # neither config has a KL term
+    assert all(0.0 <= r["policy/clipfrac"] <= 1.0 for r in run)
+    assert run[0]["loss/policy"] != run[1]["loss/policy"]
+  gspo, cispo = rows["gspo"][0], rows["cispo"][0]
+  assert gspo["reward/mean"] == cispo["reward/mean"]
+  assert gspo["loss/policy"] != pytest.approx(cispo["loss/policy"], abs=1e-6)
 
 
 @pytest.mark.parametrize("name", _ALGORITHMS)

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from runs_testing import assert_same_numbers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
@@ -139,17 +140,26 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
 _PLACED = {
   # variant of configs/ppo_tiny.py: where its groups land with 2 processes of 4 devices
   "colocated": "every group on both processes",
-  "disaggregated": "training roles on process 0, rollout on process 1",
-  # Generation of the next batch on process 1 while process 0 trains (two threads each).
-  "disaggregated_async": "as disaggregated, generating one batch ahead",
+  # Generation of the next batch on process 1 while process 0 trains (two threads each); the
+  # disaggregated placement itself runs as 2 x 4 (and 4 x 2) in the kill chain below.
+  "disaggregated_async": "training roles on process 0, rollout on process 1, one batch ahead",
   "interleaved": "reference on process 0, reward on process 1, the rest on both",
   "explicit": "actor, reference and rollout on process 0, critic and reward on process 1",
 }
+_REFERENCE = {
+  "colocated": "colocated",
+  # Every synchronous placement gives the co-located numbers (in one process: test_ppo.py).
+  "interleaved": "colocated",
+  "explicit": "colocated",
+  "disaggregated_async": "disaggregated_async",  # one step off-policy: numbers of its own
+  "disaggregated": "disaggregated",  # the kill chain's
+}
+"""The single-process run each variant's numbers are compared with."""
 
 
 class _References:
-  """The single-process runs (one process of 8 devices) that the jobs compare with, one per
-  variant of configs/ppo_tiny.py in `_PLACED`, made once for the module in turn by one process
+  """The single-process runs (one process of 8 devices) that the jobs compare with, those of
+  `_REFERENCE` (variants of configs/ppo_tiny.py), made once for the module in turn by one process
   (`tests/placements_job.py`): started beside the first job that needs them (it keeps the
   cores busy while the job's processes wait on each other), and read once that job is done."""
 
@@ -158,11 +168,13 @@ class _References:
     self.run: tuple[subprocess.Popen, float] | None = None
 
   def workdir(self, variant: str) -> pathlib.Path:
-    return self.root / variant
+    """The workdir of the run `variant`'s numbers are compared with (`_REFERENCE`)."""
+    return self.root / _REFERENCE[variant]
 
   def start(self) -> None:
     if self.run is None:
-      args = [*_RUN, f"--variants={','.join(_PLACED)}", f"--workdir={self.root}"]
+      variants = ",".join(dict.fromkeys(_REFERENCE.values()))
+      args = [*_RUN, f"--variants={variants}", f"--workdir={self.root}"]
       self.run = _start(args, self.root / "logs" / "single.log", _JOB), time.monotonic()
 
   def result(self) -> tuple[int, str]:
@@ -170,7 +182,7 @@ class _References:
     self.start()
     proc, started = self.run
     log = self.root / "logs" / "single.log"
-    timeout_s = _TIMEOUT_S * len(_PLACED)
+    timeout_s = _TIMEOUT_S * len(set(_REFERENCE.values()))
     try:
       proc.wait(timeout=max(started + timeout_s - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
@@ -227,17 +239,12 @@ def test_every_process_exits_cleanly(placed):
 
 
 def _assert_same_numbers(single: list[dict], multi: list[dict]) -> None:
-  """`multi`'s rows are `single`'s (its first ones, for a shorter run)."""
+  """`multi`'s rows are `single`'s (its first ones, for a shorter run): the same programs, the
+  reductions in another order (gloo's across processes against XLA's in one) and the sampled
+  tokens identical (`runs_testing.assert_same_numbers`)."""
   assert [r["step"] for r in single] == [0, 1, 2]
   assert [r["step"] for r in multi] == list(range(len(multi))) and len(multi) >= 2
-  for a, b in zip(single, multi, strict=False):
-    for key in _COMPARED:
-      # The programs are the same; the rest is the order of cross-process (gloo) reductions
-      # against in-process ones, and XLA's CPU thread pool splitting reductions by the devices
-      # in a process (4 against 8): measured at most 4.9e-5 relative (kl/mean, a mean of
-      # differences near 0) and otherwise under 1.1e-5 (loss/value); the sampled tokens are
-      # identical.
-      assert b[key] == pytest.approx(a[key], rel=5e-5, abs=1e-7), (a["step"], key)
+  assert_same_numbers(single[: len(multi)], multi, _COMPARED)
   # Not trivially equal: training moved the numbers.
   assert single[0]["loss/policy"] != single[1]["loss/policy"]
 

@@ -179,25 +179,18 @@ def test_an_interrupted_pipeline_ends_as_the_uninterrupted_one(uninterrupted, tm
   assert proc.returncode == 0, err[-3000:]
   assert "stopped: SFT checkpoint written" in out
 
-  # kill -9 between the stages: as soon as SFT has finished and the reward model begins.
-  proc = _start(workdir)
-  lines = []
-  while not (line := proc.stdout.readline()).startswith("stage 2/3"):
-    assert line, proc.communicate()
-    lines.append(line.strip())
-  resumed = [x for x in lines if x.startswith("resuming from the checkpoint of step ")]
-  proc.kill()
-  proc.wait(timeout=60)
-  assert len(resumed) == 1 and resumed[0].endswith(f" in {os.path.join(workdir, 'sft')}"), lines
-
-  # This run trains the reward model (and holds its directory: the stage's own script is
-  # refused there), then is killed -9 mid-PPO, once iteration 1 is written (its checkpoint is
-  # due right after it).
+  # This run resumes SFT, trains the reward model (and holds its directory: the stage's own
+  # script is refused there), then is killed -9 mid-PPO, once iteration 1 is written (its
+  # checkpoint is due right after it).
   proc = _start(workdir)
   _assert_rm_script_refused(proc, workdir)
   runs_testing.wait_for_row(proc, os.path.join(workdir, "ppo"), 1)
   proc.kill()
   proc.wait(timeout=60)
+  lines = [x.strip() for x in proc.stdout.read().splitlines()]
+  resumed = [x for x in lines if x.startswith("resuming from the checkpoint of step ")]
+  # SFT resumed; the reward model and PPO started afresh.
+  assert len(resumed) == 1 and resumed[0].endswith(f" in {os.path.join(workdir, 'sft')}"), lines
   assert not os.path.exists(os.path.join(workdir, "summary.md"))
 
   done = _run(workdir)
