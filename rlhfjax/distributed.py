@@ -322,18 +322,18 @@ def wait_for(processes: Iterable[int], what: str) -> None:
                              int(_wait_timeout_s * 1000), list(ids))  # fmt: skip
 
 
-def flagged(flag: bool, what: str) -> list[int]:
-  """The processes of the job where `flag` is set, the same list on every process: a decision
-  they must take together (stop after this iteration when any one was asked to). Every process
-  calls it the same number of times with the same `what`; waits for the others at most
-  `distributed.wait_timeout_s` (`wait_for`'s error past that). One process: [0] or []."""
+def shared(value: str, what: str) -> dict[int, str]:
+  """Every process's `value`, the same mapping on every process: this one posts its own and
+  reads the others' through the coordination service. Every process calls it the same number
+  of times with the same `what`; waits for the others at most `distributed.wait_timeout_s`
+  (`wait_for`'s error past that). One process: {0: value}."""
   count, me = jax.process_count(), jax.process_index()
   if count == 1:
-    return [0] if flag else []
+    return {0: value}
   ids = tuple(range(count))
-  n = _meeting(f"flag:{what}", ids)
-  c, key = client(), f"rlhfjax/flag/{what}/"
-  c.key_value_set(f"{key}{n}/{me}", "1" if flag else "0")
+  n = _meeting(f"share:{what}", ids)
+  c, key = client(), f"rlhfjax/share/{what}/"
+  c.key_value_set(f"{key}{n}/{me}", value)
   with _at(what, ids):
     values = {p: c.blocking_key_value_get(f"{key}{n}/{p}", int(_wait_timeout_s * 1000))
               for p in ids}  # fmt: skip
@@ -341,7 +341,14 @@ def flagged(flag: bool, what: str) -> list[int]:
   if n:
     with contextlib.suppress(Exception):
       c.key_value_delete(f"{key}{n - 1}/{me}")
-  return [p for p, value in values.items() if value == "1"]
+  return values
+
+
+def flagged(flag: bool, what: str) -> list[int]:
+  """The processes of the job where `flag` is set, the same list on every process: a decision
+  they must take together (stop after this iteration when any one was asked to). Called as
+  `shared` is. One process: [0] or []."""
+  return [p for p, value in shared("1" if flag else "0", what).items() if value == "1"]
 
 
 @contextlib.contextmanager

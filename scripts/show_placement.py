@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
   try:
     config = registry.configure(config_lib.from_config_dict(_CONFIG.value))
     spec = place.plan_placement(config, available_devices=jax.device_count())
+    config, pool = place.sized(config, spec)
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
   train_rows, score_rows = auto.memory_rows(config)
@@ -48,6 +49,8 @@ def main(argv: list[str]) -> None:
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
+  if pool is not None:
+    print(pool.describe())
   print(placement.format_batches(config, train_rows, score_rows, packed=registry.packs(config)))
   print()
   print(placement.option_report(config, spec, train_rows, score_rows))

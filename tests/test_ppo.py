@@ -17,7 +17,9 @@ from rlhfjax.cluster import dispatch
 from rlhfjax.config import from_config_dict
 from rlhfjax.data import packing
 from rlhfjax.observe.timeline import Timeline
+from rlhfjax.placement import memory
 from rlhfjax.placement.spec import Role
+from rlhfjax.planner.place import place, sized
 from rlhfjax.runner import Runner
 
 pytestmark = pytest.mark.integration
@@ -160,10 +162,27 @@ def test_outputs_metrics_timeline_and_plots(runs):
   assert any(f.startswith("events") for f in os.listdir(workdir / "tb"))
 
 
-def test_async_rollout_overlaps_generation_with_training(tmp_path):
-  trainer = Runner(
-    _config("disaggregated_async", total_steps=3), str(tmp_path), show_progress=False
+def test_async_rollout_overlaps_generation_with_training(tmp_path, capsys):
+  # The rollout's KV pool sized from memory (`rollout.kv_memory_fraction`): the fraction of
+  # 16 GiB that leaves 8 pages and the reserved one per 'data' replica beside the rollout's
+  # weights: two sequences of 56 tokens at full length, of its 4 slots, so sequences wait for
+  # pages or are preempted.
+  roomy = _config(
+    "disaggregated_async", rollout__kv_memory_fraction=1.0, placement__memory_per_device_gb=16.0
   )
+  _, pool = sized(roomy, place(roomy, 8))
+  page_bytes = roomy.rollout.page_size * pool.token_bytes
+  assert pool.capped and pool.tokens == 16 * pool.replicas * roomy.rollout.page_size
+  fraction = (pool.resident + 9.5 * page_bytes) / (16 * memory.GIB)
+  cfg = _config(
+    "disaggregated_async",
+    total_steps=3,
+    rollout__kv_memory_fraction=fraction,
+    placement__memory_per_device_gb=16.0,
+  )
+  trainer = Runner(cfg, str(tmp_path), show_progress=False)
+  assert trainer.cluster.engine.config.num_pages == pool.replicas * 9
+  assert f"rollout KV pool: {8 * pool.replicas * 16:,} tokens" in capsys.readouterr().out
   result = trainer.run()
   records = trainer.timeline.records
   generate = {r.iteration: r for r in records if r.stage == "generate"}

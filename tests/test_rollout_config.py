@@ -1,13 +1,17 @@
 """The config's rollout section builds the engine the cluster runs, and prices its KV memory."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from rlhfjax.cluster.cluster import engine_config
 from rlhfjax.config import ConfigError, from_config_dict
+from rlhfjax.flows import registry
 from rlhfjax.mesh import meshes
-from rlhfjax.placement import Layout, Role, RoleSpec, estimate_memory
+from rlhfjax.placement import Layout, PlacementError, Role, RoleSpec, estimate_memory, memory
+from rlhfjax.planner import place
 from rlhfjax.rollout import Engine
 
 pytestmark = pytest.mark.unit
@@ -90,3 +94,142 @@ def test_the_memory_estimate_is_the_engines_kv_cache(paged):
   assert total == 4 * estimate.kv_cache
   if paged:
     assert np.shape(state.cache["k"])[0] == 2  # a pool per replica
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool sized from memory (`rollout.kv_memory_fraction`).
+
+
+_GIB = 16.0  # every role fits; the fraction decides the pool
+
+
+def _fraction_config(fraction, strategy="colocated", gib=_GIB):
+  return registry.configure(
+    from_config_dict(
+      {
+        "model": {"size": "tiny"},
+        "placement": {"strategy": strategy, "memory_per_device_gb": gib},
+        "rollout": {
+          "batch_size": 16,
+          "max_prompt_len": 24,
+          "max_new_tokens": 40,
+          "kv_memory_fraction": fraction,
+        },
+      }
+    )
+  )
+
+
+def _pool(fraction, strategy="colocated", gib=_GIB):
+  config = _fraction_config(fraction, strategy, gib)
+  spec = place.plan_placement(config, 8)
+  sized, pool = place.sized(config, spec)
+  return sized, pool, spec
+
+
+def _fraction_for(pool, pages: float) -> float:
+  """The fraction of `_GIB` that leaves `pool`'s rollout devices `pages` pages of 16 tokens."""
+  return (pool.resident + pages * 16 * pool.token_bytes) / (_GIB * memory.GIB)
+
+
+@pytest.mark.parametrize(
+  "fields, named",
+  [
+    ({"kv_memory_fraction": 1.5}, "'rollout.kv_memory_fraction' must be in [0, 1], got 1.5"),
+    ({"kv_memory_fraction": -0.1}, "'rollout.kv_memory_fraction' must be in [0, 1]"),
+    ({"kv_memory_fraction": 0.9, "paged": False}, "set 'rollout.paged=True'"),
+  ],
+)
+def test_bad_memory_fractions_fail_in_one_line(fields, named):
+  with pytest.raises(ConfigError) as error:
+    _config(**fields)
+  assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_memory_fraction_fills_what_the_placement_leaves_on_the_rollouts_devices():
+  # Plenty of memory: every slot at full length, the dense cache's pool, and no more.
+  _, roomy, _ = _pool(0.9)
+  replicas, page_bytes = roomy.replicas, 16 * roomy.token_bytes
+  per_replica = _fraction_config(0.0).rollout.kv_pages(replicas) // replicas - 1
+  assert roomy.capped and roomy.tokens == per_replica * 16 * replicas
+  # Room for 5 pages and the reserved one, and half a page more.
+  fraction = _fraction_for(roomy, 6.5)
+  sized, pool, spec = _pool(fraction)
+  assert not pool.capped and pool.tokens == replicas * 5 * 16
+  assert sized.rollout.kv_cache_tokens == pool.tokens
+  assert sized.rollout.kv_pages(replicas) == replicas * 6
+  # The placement's own estimate of the sized config: each rollout device at the rollout's
+  # stage (the idle state of every role on it, plus the rollout's stage bytes) fits the
+  # fraction, and one more page would not.
+  estimates = memory.estimate_placement_memory(spec, sized.model, sized.rollout)
+  rollout = estimates[Role.ROLLOUT]
+  need = max(
+    rollout.transient + sum(e.persistent for r, e in estimates.items() if d in spec[r].devices)
+    for d in spec[Role.ROLLOUT].devices
+  )
+  assert rollout.kv_cache == 6 * page_bytes
+  assert need <= fraction * _GIB * memory.GIB < need + page_bytes
+  assert f"rollout KV pool: {pool.tokens:,} tokens" in pool.describe()
+
+
+def test_the_roles_sharing_the_rollouts_devices_leave_it_less():
+  # Co-located, the rollout's devices hold the actor's and critic's weights and moments and
+  # the reference's and reward's weights; disaggregated, only its own.
+  for strategy, shared in (("colocated", True), ("disaggregated", False)):
+    config, pool, spec = _pool(0.9, strategy)
+    estimates = memory.estimate_placement_memory(spec, config.model, config.rollout)
+    own = estimates.pop(Role.ROLLOUT)
+    others = {
+      d: sum(e.persistent for r, e in estimates.items() if d in spec[r].devices)
+      for d in spec[Role.ROLLOUT].devices
+    }
+    assert (min(others.values()) > 0) == shared, strategy
+    assert pool.resident == own.total - own.kv_cache + max(others.values()), strategy
+
+
+def test_a_fraction_too_small_for_one_sequence_says_which_fits():
+  _, roomy, _ = _pool(0.9)
+  # One sequence is 64 tokens: 4 pages and the reserved one; room for 3.
+  with pytest.raises(PlacementError) as error:
+    _pool(_fraction_for(roomy, 3.5))
+  message = str(error.value)
+  assert "\n" not in message and "max_prompt_len + max_new_tokens = 64 tokens" in message
+  fits = float(message.split("a fraction of at least ")[1].split(" fits one")[0])
+  assert fits >= _fraction_for(roomy, 5)
+  _, pool, _ = _pool(fits)  # the fraction it names does
+  assert pool.tokens >= pool.replicas * 64
+  # Less memory than the rollout's own weights: no fraction fits.
+  with pytest.raises(PlacementError, match="no fraction does"):
+    _pool(1.0, gib=roomy.resident / 2 / memory.GIB)
+
+
+def test_devices_that_report_no_memory_need_the_budget():
+  config = _fraction_config(0.9)
+  config = dataclasses.replace(
+    config, placement=dataclasses.replace(config.placement, memory_per_device_gb=None)
+  )
+  with pytest.raises(PlacementError, match="the cpu devices report none: set "
+                     "'placement.memory_per_device_gb' too"):  # fmt: skip
+    place.plan_placement(config, 8)
+
+
+def test_the_engine_allocates_the_pool_the_fraction_gives():
+  _, roomy, _ = _pool(0.9, "disaggregated")
+  page_bytes = 16 * roomy.token_bytes
+  fraction = _fraction_for(roomy, 5.5)  # 4 pages (one sequence) and the reserved one
+  sized, pool, spec = _pool(fraction, "disaggregated")
+  rollout = spec[Role.ROLLOUT]
+  engine = Engine(
+    sized.model.for_role("actor"),
+    engine_config(sized.rollout, 0, pool.replicas),
+    meshes.make_mesh(rollout),
+  )
+  cache = engine.init_decode_state().cache
+  per_device = {}
+  for leaf in jax.tree.leaves(cache):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+  ids = [d.id for d in jax.devices()]
+  assert set(per_device) == {ids[i] for i in rollout.devices}
+  assert set(per_device.values()) == {5 * page_bytes}
+  assert pool.resident + 5 * page_bytes <= fraction * _GIB * memory.GIB

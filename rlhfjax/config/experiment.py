@@ -383,6 +383,13 @@ class RolloutSection:
   cache's memory). 0: every slot at full length, `slots x max_seq_len`, the dense cache's
   memory. A smaller pool with more `slots` runs more sequences at once on long-tailed lengths;
   when it fills, the youngest sequence is preempted and recomputed later."""
+  kv_memory_fraction: float = 0.0
+  """With `paged`, in (0, 1]: size the pool from memory, like vLLM's `gpu_memory_utilization`:
+  this fraction of a rollout device's memory (`placement.memory_per_device_gb`, else what the
+  device reports) less what it holds while generating (the rollout's weights, logits and sync
+  buffer, the parameters and optimizer state of roles sharing it) goes to the pool, in the
+  memory model's bytes (`rlhfjax.placement.memory.kv_pool`), at most every slot at full length.
+  0: `kv_cache_tokens` sizes it. `kv_cache_tokens` set too overrides it."""
   share_prefixes: bool = True
   """With `paged`: the samples of one prompt (a GRPO group) prefill it once and share its
   pages."""
@@ -422,6 +429,7 @@ class RolloutSection:
       tail_threshold=ranges.between(0, 1, high_open=True),
       page_size=ranges.COUNT,
       kv_cache_tokens=ranges.NON_NEGATIVE,
+      kv_memory_fraction=ranges.between(0, 1),
       decode_chunk=ranges.COUNT,
       score_micro_batch=ranges.NON_NEGATIVE,
       max_tokens_per_score_batch=ranges.NON_NEGATIVE,
@@ -436,6 +444,11 @@ class RolloutSection:
       raise ConfigError(
         "'rollout.tail_threshold' compacts the dense KV cache's rows: set 'rollout.paged=False' "
         "with it (the paged engine frees finished rows' pages and refills their slots instead)"
+      )
+    if self.kv_memory_fraction and not self.paged:
+      raise ConfigError(
+        f"'rollout.kv_memory_fraction'={self.kv_memory_fraction:g} sizes the paged engine's "
+        "pool: set 'rollout.paged=True' with it (the dense cache holds every slot at full length)"
       )
     if self.paged and 0 < self.kv_cache_tokens < self.max_seq_len:
       raise ConfigError(

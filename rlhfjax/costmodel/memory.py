@@ -214,12 +214,8 @@ def rollout_memory(
 
   `cache_tokens`: tokens the data group's KV cache holds (a paged pool); None: every slot at
   full length, `slots x seq_len`."""
-  c = activation_bytes(config, options.native_half)
-  _, _, _, k, n = _dims(config)
-  kv_per_token = 2 * config.num_layers * k * n * c
-  kv_shards = sharding.tensor if k % sharding.tensor == 0 else 1
   tokens = slots * seq_len if cache_tokens is None else cache_tokens
-  kv_cache = tokens * _ceil_div(kv_per_token, kv_shards)
+  kv_cache = tokens * kv_token_bytes(config, sharding, options)
   logits = slots * config.vocab_size * 4 * 2 // sharding.tensor
   transfer = 0
   if receives_sync:
@@ -232,6 +228,14 @@ def rollout_memory(
     logits=logits,
     transfer=transfer,
   )
+
+
+def kv_token_bytes(config: ModelConfig, sharding: Sharding, options: Options) -> int:
+  """Bytes one token's keys and values take on one device of the rollout: every layer's, in
+  the activation dtype, the KV heads split over `tensor` where it divides them."""
+  _, _, _, k, n = _dims(config)
+  kv_per_token = 2 * config.num_layers * k * n * activation_bytes(config, options.native_half)
+  return _ceil_div(kv_per_token, sharding.tensor if k % sharding.tensor == 0 else 1)
 
 
 def _parked(params: int, optimizer: int, options: Options) -> int:

@@ -36,6 +36,7 @@ from rlhfjax.costmodel.memory import (
   Options,
   Sharding,
   forward_memory,
+  kv_token_bytes,
   rollout_memory,
   train_memory,
 )
@@ -67,11 +68,13 @@ BATCH_AXES: Mapping[Layout, tuple[str, ...]] = {
 
 __all__ = [
   "GIB",
+  "KvPool",
   "MemoryEstimate",
   "OptionEffect",
   "Options",
   "estimate_memory",
   "estimate_placement_memory",
+  "kv_pool",
   "offload_options",
   "option_effects",
   "option_peaks",
@@ -193,6 +196,126 @@ def estimate_placement_memory(
     )
     for role, spec in placement.roles.items()
   }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KvPool:
+  """The rollout's KV page pool sized from device memory (`rollout.kv_memory_fraction`)."""
+
+  tokens: int
+  """Tokens of the pool over all 'data' replicas, in whole pages (`rollout.kv_cache_tokens`)."""
+  replicas: int
+  """'data' replicas of the rollout, one pool each."""
+  fraction: float
+  device_bytes: int
+  """Memory of one rollout device (the least of them)."""
+  resident: int
+  """Bytes a rollout device holds while it generates, the pool aside (the most of any): the
+  rollout's weights, logits and sync buffer, and the idle state of the roles sharing it."""
+  token_bytes: int
+  """Bytes of one token's keys and values on one rollout device."""
+  capped: bool
+  """The memory would hold more, but the pool stops at every slot at full length: more pages
+  could never be used."""
+
+  def describe(self) -> str:
+    """One line: the pool and where its size comes from."""
+    per_device = self.tokens // self.replicas * self.token_bytes
+    cap = ", every slot at full length: the most its slots can use" if self.capped else ""
+    return (
+      f"rollout KV pool: {self.tokens:,} tokens ({_size(per_device)} per device{cap}), "
+      f"rollout.kv_memory_fraction={self.fraction:g} of {_size(self.device_bytes)} less "
+      f"{_size(self.resident)} of weights and resident state"
+    )
+
+
+def _size(num_bytes: int) -> str:
+  """Bytes as GiB from 1 GiB up, else MiB."""
+  if num_bytes >= GIB:
+    return f"{num_bytes / GIB:.3g} GiB"
+  return f"{num_bytes / 2**20:.3g} MiB"
+
+
+def kv_pool(
+  placement: PlacementSpec,
+  model: ModelSection,
+  rollout: RolloutSection,
+  device_bytes: int,
+  *,
+  train_rows: int | None = None,
+  score_rows: int | None = None,
+  options: Options | None = None,
+  offload: OffloadSection | None = None,
+) -> KvPool:
+  """The largest page pool per rollout replica that fits `rollout.kv_memory_fraction` of
+  `device_bytes` beside what the rollout's devices hold while it generates (its weights,
+  logits and sync buffer; the parameters and moments of co-located roles, unless offloaded),
+  in the memory model's bytes; at most every slot at full length. The pool's reserved page
+  counts in the memory.
+
+  Raises:
+    PlacementError: the fraction leaves room for less than one sequence of `max_seq_len`
+      tokens; the message gives the memory one sequence needs and the fraction that fits it.
+  """
+  from rlhfjax.placement.validate import PlacementError  # validate imports this module
+
+  spec = placement[Role.ROLLOUT]
+  replicas = sharding_of(spec).batch_shards
+  token_bytes = kv_token_bytes(
+    model.for_role(Role.ROLLOUT), sharding_of(spec), options or Options()
+  )
+  # Without a pool: the rollout's stage bytes, and what every role keeps while idle.
+  estimates = estimate_placement_memory(
+    placement,
+    model,
+    dataclasses.replace(rollout, kv_cache_tokens=rollout.max_seq_len),
+    train_rows=train_rows,
+    score_rows=score_rows,
+    options=options,
+    offload=offload,
+  )
+  estimates[Role.ROLLOUT] = dataclasses.replace(estimates[Role.ROLLOUT], kv_cache=0)
+  rollout_stage = estimates[Role.ROLLOUT].total - estimates[Role.ROLLOUT].persistent
+  resident = max(
+    rollout_stage
+    + sum(e.persistent for role, e in estimates.items() if device in placement[role].devices)
+    for device in spec.devices
+  )
+  page_bytes = rollout.page_size * token_bytes
+  free = int(rollout.kv_memory_fraction * device_bytes) - resident
+  pages = max(0, free // page_bytes - 1)  # less the reserved page
+  one = -(-rollout.max_seq_len // rollout.page_size)
+  if pages < one:
+    need = resident + (one + 1) * page_bytes
+    fits = (
+      f"a fraction of at least {_round_up(need / device_bytes):.3g} fits one"
+      if need <= device_bytes
+      else f"no fraction does: {_size(need)} per device would (more devices for the rollout, "
+      "or a smaller model)"
+    )
+    raise PlacementError(
+      f"'rollout.kv_memory_fraction'={rollout.kv_memory_fraction:g} of {_size(device_bytes)} "
+      f"per rollout device leaves {_size(max(free, 0))} for the KV pool after "
+      f"{_size(resident)} of weights and resident state, less than one sequence of "
+      f"max_prompt_len + max_new_tokens = {rollout.max_seq_len} tokens needs "
+      f"({_size((one + 1) * page_bytes)} with the reserved page): {fits}"
+    )
+  most = -(-rollout.num_slots // replicas) * one
+  return KvPool(
+    tokens=replicas * min(pages, most) * rollout.page_size,
+    replicas=replicas,
+    fraction=rollout.kv_memory_fraction,
+    device_bytes=device_bytes,
+    resident=resident,
+    token_bytes=token_bytes,
+    capped=pages > most,
+  )
+
+
+def _round_up(x: float, digits: int = 3) -> float:
+  """`x` > 0 rounded up to `digits` significant digits."""
+  scale = 10.0 ** (digits - math.ceil(math.log10(x)))
+  return math.ceil(x * scale) / scale
 
 
 def device_totals(

@@ -10,13 +10,19 @@ search; the placement package below builds and checks specs only.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import jax
+
+from rlhfjax import distributed
 from rlhfjax.cluster.cluster import HEADS
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.flows.registry import configure, roles_of, section_of
 from rlhfjax.placement import memory, single_role
 from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
-from rlhfjax.placement.spec import PlacementSpec, RoleSpec
+from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import (
   PlacementError,
@@ -48,6 +54,7 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
   check_spec(spec, num_devices, roles)
   if config.ppo.fuse_actor_critic:
     check_fusable(spec)
+  config, _ = sized(config, spec)
   train_rows, score_rows = auto.memory_rows(config)
   check_models(
     spec,
@@ -59,6 +66,66 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     offload=config.offload,
   )
   return spec
+
+
+def sized(
+  config: ExperimentConfig, spec: PlacementSpec
+) -> tuple[ExperimentConfig, memory.KvPool | None]:
+  """`config` with `rollout.kv_cache_tokens` sized from memory when `rollout.kv_memory_fraction`
+  asks for it, and the pool (`kv_pool`); else `config` as it is and None (no rollout, no
+  fraction, or the tokens given)."""
+  rollout = config.rollout
+  if not rollout.kv_memory_fraction or rollout.kv_cache_tokens or Role.ROLLOUT not in spec.roles:
+    return config, None
+  pool = kv_pool(config, spec)
+  rollout = dataclasses.replace(rollout, kv_cache_tokens=pool.tokens)
+  return dataclasses.replace(config, rollout=rollout), pool
+
+
+def kv_pool(config: ExperimentConfig, spec: PlacementSpec) -> memory.KvPool:
+  """The KV pool `rollout.kv_memory_fraction` gives the rollout of `spec`.
+
+  Raises:
+    PlacementError: the devices report no memory and `placement.memory_per_device_gb` is
+      unset, or the fraction leaves no room for one sequence.
+  """
+  budget = config.placement.memory_per_device_gb
+  if budget is not None:
+    device_bytes = int(budget * memory.GIB)
+  else:
+    device_bytes = device_memory(tuple(spec[Role.ROLLOUT].devices))
+  train_rows, score_rows = auto.memory_rows(config)
+  return memory.kv_pool(
+    spec,
+    config.model,
+    config.rollout,
+    device_bytes,
+    train_rows=train_rows,
+    score_rows=score_rows,
+    offload=config.offload,
+  )
+
+
+@functools.cache
+def device_memory(devices: tuple[int, ...]) -> int:
+  """The least memory (bytes) JAX may allocate on any of `devices` (indices into
+  `jax.devices()`), as their `memory_stats()` say, agreed by every process of the job.
+
+  Raises:
+    PlacementError: a device of this process reports none (XLA's CPU devices).
+  """
+  here = [d for d in (jax.devices()[i] for i in devices) if d.process_index == jax.process_index()]
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in here]
+  missing = [d for d, limit in zip(here, limits, strict=True) if not limit]
+  mine = "" if missing else str(min(limits, default=0))
+  theirs = distributed.shared(mine, "device memory")
+  if not all(theirs.values()):
+    platform = (missing or here or jax.devices())[0].platform
+    raise PlacementError(
+      "'rollout.kv_memory_fraction' sizes the KV pool from the rollout devices' memory, but "
+      f"the {platform} devices report none: set 'placement.memory_per_device_gb' too"
+    )
+  return min(int(v) for v in theirs.values() if v != "0")
 
 
 def tensor_warnings(config: ExperimentConfig, spec: PlacementSpec) -> list[str]:

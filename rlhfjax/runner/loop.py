@@ -41,7 +41,7 @@ from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import Timeline, plot_gantt
 from rlhfjax.placement.spec import PlacementSpec, Role
-from rlhfjax.planner.place import place
+from rlhfjax.planner.place import place, sized
 from rlhfjax.runner import evaluation as evaluation_lib
 from rlhfjax.runner import identity as identity_lib
 from rlhfjax.runner import machines
@@ -109,6 +109,10 @@ class Runner:
     self.cfg, self.workdir, self.show_progress = cfg, workdir, show_progress
     factory = registry.resolve(cfg)
     self.placement: PlacementSpec = place(cfg, len(jax.devices()))
+    cfg, pool = sized(cfg, self.placement)
+    self.cfg = cfg
+    if pool is not None and distributed.is_primary():
+      print(pool.describe(), flush=True)
     distributed.check_placement(self.placement)
     machines.warn_tensor_across_hosts(self.placement)
     self.prediction = None
