@@ -14,7 +14,7 @@ import pytest
 from runs_testing import LEARNING_RUN, assert_same_numbers
 
 from rlhfjax.cluster import dispatch
-from rlhfjax.config import from_config_dict
+from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.data import packing
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement import memory
@@ -26,6 +26,9 @@ pytestmark = pytest.mark.integration
 
 _CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 _VARIANTS = ("colocated", "interleaved_split", "disaggregated")
+_RELEASED = "interleaved_split"
+"""The variant whose rollout frees its weight copy between generations (`rollout.release`): its
+rollout (tensor 2 over all 8 devices) copies the actor's weights (fsdp over 4)."""
 
 
 def _config(variant: str, **changes):
@@ -46,7 +49,9 @@ def _config(variant: str, **changes):
 def runs(tmp_path_factory):
   out = {}
   for variant in _VARIANTS:
-    trainer = Runner(_config(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False)
+    changes = {"rollout__release": True} if variant == _RELEASED else {}
+    cfg = _config(variant, **changes)
+    trainer = Runner(cfg, str(tmp_path_factory.mktemp(variant)), show_progress=False)
     out[variant] = (trainer, trainer.run())
   return out
 
@@ -92,6 +97,42 @@ def test_each_program_compiles_once(runs, variant):
   assert set(trainer.cluster.engine.compilations.values()) == {1}, (
     trainer.cluster.engine.compilations
   )
+
+
+def test_a_released_rollout_frees_its_weights_between_generations_and_no_run_keeps_its_pool(runs):
+  # Each generation freed the rollout's own copy: every shard of the weights the sync had to
+  # move into the rollout's layout (norm scales replicated on the same devices stay the
+  # actor's). The sync after the update copied them in again (the numbers are the co-located
+  # run's: above).
+  trainer, result = runs[_RELEASED]
+  assert not trainer.cluster.rollout_reads_source
+  pairs = zip(
+    jax.tree.leaves(trainer.cluster.states[Role.ACTOR].params),
+    jax.tree.leaves(trainer.cluster.engine.params),
+    strict=True,
+  )
+  copy = sum(
+    shard.data.nbytes
+    for a, x in pairs
+    if not a.sharding.is_equivalent_to(x.sharding, x.ndim)
+    for shard in x.addressable_shards
+  )
+  assert copy > 0
+  assert [row["rollout/released_bytes"] for row in result.metrics] == [copy, copy]
+  assert all("rollout/released_bytes" not in row for v in _VARIANTS if v != _RELEASED
+             for row in runs[v][1].metrics)  # fmt: skip
+  # The KV pool lives only while a generation runs, in every run: none of the engines' pools
+  # (their caches' shapes and dtypes) is alive now that the runs are done.
+  pools = set()
+  for variant in _VARIANTS:
+    state = jax.eval_shape(runs[variant][0].cluster.engine.init_decode_state)
+    pools |= {(x.shape, x.dtype) for x in jax.tree.leaves(state.cache)}
+  assert pools and not pools & {(x.shape, x.dtype) for x in jax.live_arrays()}
+
+
+def test_release_refuses_a_rollout_that_generates_ahead(tmp_path):
+  with pytest.raises(ConfigError, match="'rollout.release' frees the rollout's weights"):
+    _config("disaggregated_async", rollout__release=True)
 
 
 def _devices_of(tree):

@@ -233,3 +233,21 @@ def test_the_engine_allocates_the_pool_the_fraction_gives():
   assert set(per_device) == {ids[i] for i in rollout.devices}
   assert set(per_device.values()) == {5 * page_bytes}
   assert pool.resident + 5 * page_bytes <= fraction * _GIB * memory.GIB
+
+
+def test_a_released_rollouts_weights_count_only_while_it_generates():
+  # `rollout.release`: the rollout's weights leave its devices between generations, so a
+  # co-located device's peak (every role's idle state plus the largest stage) drops by them.
+  kept = _fraction_config(0.0)
+  freed = dataclasses.replace(kept, rollout=dataclasses.replace(kept.rollout, release=True))
+  spec = place.plan_placement(kept, 8)
+  totals, estimates = {}, {}
+  for name, config in (("kept", kept), ("freed", freed)):
+    estimates[name] = memory.estimate_placement_memory(spec, config.model, config.rollout)
+    totals[name] = memory.device_totals(spec, estimates[name])
+  rollout = estimates["freed"][Role.ROLLOUT]
+  assert rollout.parked == rollout.params > 0 and rollout.persistent == 0
+  assert rollout.total == estimates["kept"][Role.ROLLOUT].total  # the same while generating
+  # The training's stage is the largest here, so each device's peak is lower by the weights.
+  for device in spec[Role.ROLLOUT].devices:
+    assert totals["freed"][device] == totals["kept"][device] - rollout.params

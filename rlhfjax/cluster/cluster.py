@@ -149,6 +149,8 @@ class Cluster:
     self._rollout_from: Role | None = None
     self._pad_id = 0
     self.engine: Engine | None = None
+    self.released_bytes = 0
+    """Bytes of weights the rollout freed after its last generation (`rollout.release`)."""
     self.residency = residency.Residency(
       self._offloaded, self._get_part, self._put_part, lambda role: self.roles[Role(role)].devices
     )
@@ -520,6 +522,19 @@ class Cluster:
     with self.timeline.stage(iteration, "rollout", "sync", devices):
       moved = self._take_weights()
     return moved
+
+  @contextlib.contextmanager
+  def generating(self) -> Iterator[None]:
+    """Around one generation: the engine has weights (the source's current ones copied again
+    when `rollout.release` freed them), and with `rollout.release` frees its copy after
+    (`released_bytes`)."""
+    if not self.engine.has_params:
+      self._take_weights()
+    try:
+      yield
+    finally:
+      if self.cfg.rollout.release:
+        self.released_bytes = self.engine.release_params()
 
   def resync(self) -> float:
     """Runs `sync` again outside the timeline and returns its wall seconds (0 where nothing

@@ -390,6 +390,13 @@ class RolloutSection:
   buffer, the parameters and optimizer state of roles sharing it) goes to the pool, in the
   memory model's bytes (`rlhfjax.placement.memory.kv_pool`), at most every slot at full length.
   0: `kv_cache_tokens` sizes it. `kv_cache_tokens` set too overrides it."""
+  release: bool = False
+  """Free the rollout's own copy of the weights after each generation, so scoring and training
+  on its devices have that memory; the sync after the update (or the next generation) copies
+  the actor's current weights in again. Its KV pool lives only while it generates anyway. A
+  rollout that reads the actor's arrays themselves (co-located, same layout and dtype) has no
+  copy to free. Not with generation ahead of the update (`ppo.async_rollout`,
+  `ppo.max_staleness`), whose rollout never stops."""
   share_prefixes: bool = True
   """With `paged`: the samples of one prompt (a GRPO group) prefill it once and share its
   pages."""
@@ -1148,6 +1155,12 @@ class ExperimentConfig:
     width, lengths = self.rollout.max_seq_len, "rollout.max_prompt_len + rollout.max_new_tokens"
     self.ppo.check_budget("ppo", width, f"one sequence's capacity, {lengths}")
     _check_fusable(self.ppo, self.placement)
+    if self.rollout.release and self.ppo.generates_ahead:
+      raise ConfigError(
+        "'rollout.release' frees the rollout's weights between generations, but "
+        "'ppo.async_rollout' or 'ppo.max_staleness' keeps it generating while the update "
+        "trains: set one of them"
+      )
     for name in ("dpo", "online_dpo"):
       getattr(self, name).check_budget(name, 2 * width, f"one pair's capacity, 2 x ({lengths})")
 

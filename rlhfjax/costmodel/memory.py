@@ -209,11 +209,13 @@ def rollout_memory(
   options: Options,
   receives_sync: bool,
   cache_tokens: int | None = None,
+  released: bool = False,
 ) -> MemoryEstimate:
   """Per-device memory of generation with `slots` sequences per data group.
 
   `cache_tokens`: tokens the data group's KV cache holds (a paged pool); None: every slot at
-  full length, `slots x seq_len`."""
+  full length, `slots x seq_len`. `released`: the weights are freed between generations
+  (`rollout.release`), so they count in the generation only, as offloaded parts do."""
   tokens = slots * seq_len if cache_tokens is None else cache_tokens
   kv_cache = tokens * kv_token_bytes(config, sharding, options)
   logits = slots * config.vocab_size * 4 * 2 // sharding.tensor
@@ -222,11 +224,13 @@ def rollout_memory(
     d, f = config.hidden_size, config.intermediate_size
     largest = max(config.num_layers * d * f, config.vocab_size * d)
     transfer = _ceil_div(largest * _BYTES[config.param_dtype], sharding.tensor)
+  params = param_bytes(config, "lm", sharding.param_shards)
   return MemoryEstimate(
-    params=param_bytes(config, "lm", sharding.param_shards),
+    params=params,
     kv_cache=kv_cache,
     logits=logits,
     transfer=transfer,
+    parked=params if released else 0,
   )
 
 

@@ -661,6 +661,8 @@ class PPOFlow:
       "sync/bytes": float(bytes_synced),
       "loss/policy": update_metrics["loss/policy"],
     }
+    if self.ctx.cfg.rollout.release:
+      row["rollout/released_bytes"] = float(self.ctx.cluster.released_bytes)
     # The critic's metrics (loss/value, value/*, critic/*) come only from a critic's update:
     # a critic-free flow has none to log, not zeros.
     for key, value in update_metrics.items():

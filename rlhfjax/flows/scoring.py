@@ -220,7 +220,7 @@ def generate_and_score(
   finished = iter(stream)
   with cluster.timeline.stage(
     iteration, "rollout", "generate", cluster.roles[Role.ROLLOUT].devices
-  ):
+  ), cluster.generating():  # fmt: skip
     while True:
       with cluster.host("generate"):
         done = next(finished, None)

@@ -92,7 +92,7 @@ def generate_with_versions(
   when `on_decode_call` swaps weights in while rows are mid-answer."""
   cfg = ctx.cfg
   prompts = PromptBatch.of(prompts)
-  with ctx.cluster.host("generate"):
+  with ctx.cluster.host("generate"), ctx.cluster.generating():
     out = ctx.cluster.engine.generate(
       prompts.tokens, sampling=params, seed=seed, on_decode_call=on_decode_call
     )

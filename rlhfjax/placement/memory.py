@@ -132,6 +132,7 @@ def estimate_memory(
       options=options,
       receives_sync=receives_sync,
       cache_tokens=rollout_cache_tokens(rollout, sharding.batch_shards),
+      released=rollout.release,
     )
   trained = role in TRAINED_ROLES
   rows = (train_rows if trained else score_rows) or rollout.batch_size

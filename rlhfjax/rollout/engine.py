@@ -260,6 +260,8 @@ class Engine:
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
     self._owns_params = False
+    self._owned: list[bool] = []
+    """Per leaf of `_params`: copied by this engine (not the caller's array, adopted)."""
     self._source: Callable[[], Any] | None = None
     self.params_version = 0
     """Incremented by every `update_params` and `read_params_from`: the weights' version."""
@@ -420,13 +422,34 @@ class Engine:
     self._params = None
     moved_from = jax.tree.leaves(params)
     params, moved = transfer.transfer(params, self.param_shardings, into=old)
-    self._owns_params = all(
-      a is not b for a, b in zip(moved_from, jax.tree.leaves(params), strict=True)
-    )
+    self._owned = [a is not b for a, b in zip(moved_from, jax.tree.leaves(params), strict=True)]
+    self._owns_params = all(self._owned)
     # Arrays the transfer left in place may carry an equivalent but different sharding object
     # (say a single-device one); relabel them so every call hits the same compiled program.
     self._params = jax.tree.map(_relabel, params, self.param_shardings)
     return moved
+
+  @property
+  def has_params(self) -> bool:
+    """Whether the engine has weights to run (not before the first `update_params`, nor after
+    `release_params`)."""
+    return self._source is not None or self._params is not None
+
+  def release_params(self) -> int:
+    """Frees the engine's own copy of the weights (`rollout.release`): their device memory is
+    free until `update_params` brings weights again. Returns the bytes freed over this
+    process's devices: 0 when it reads another role's arrays (`read_params_from`); the arrays
+    it adopted rather than copied (say norm scales already replicated where it needs them)
+    stay with their owner."""
+    if self._source is not None or self._params is None:
+      return 0
+    freed = 0
+    for x, owned in zip(jax.tree.leaves(self._params), self._owned, strict=True):
+      if owned:
+        freed += sum(shard.data.nbytes for shard in x.addressable_shards)
+        x.delete()
+    self._params, self._owns_params, self._owned = None, False, []
+    return freed
 
   def read_params_from(self, source: Callable[[], Any]) -> None:
     """From now on every program reads `source()`'s arrays, called when it runs: no copy and

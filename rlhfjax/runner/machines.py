@@ -18,24 +18,13 @@ from rlhfjax import distributed
 from rlhfjax.placement.hosts import tensor_across_hosts
 from rlhfjax.placement.spec import PlacementSpec
 
-_KEY = "rlhfjax:host:"
-_WAIT_MS = 10 * 60 * 1000
-"""How long to wait for another process's host name: every process posts it at start-up; one
-that died before is noticed by the liveness watch (`distributed.peer_timeout_s`) first."""
-
 
 def device_hosts(devices: Sequence[jax.Device] | None = None) -> list[str]:
   """The host name of each device of `devices` (default `jax.devices()`), by index. Every
-  process of the job must call it (each posts its own name and reads the others')."""
+  process of the job must call it (each posts its own name and reads the others':
+  `distributed.shared`, which bounds the wait by `distributed.wait_timeout_s`)."""
   devices = jax.devices() if devices is None else list(devices)
-  me = socket.gethostname()
-  if jax.process_count() == 1:
-    return [me] * len(devices)
-  client = distributed.client()
-  client.key_value_set(f"{_KEY}{jax.process_index()}", me, allow_overwrite=True)
-  names = {
-    p: client.blocking_key_value_get(f"{_KEY}{p}", _WAIT_MS) for p in range(jax.process_count())
-  }
+  names = distributed.shared(socket.gethostname(), "the host names")
   return [names[d.process_index] for d in devices]
 
 
