@@ -13,6 +13,7 @@ from rlhfjax.cluster.cluster import Cluster, WeightSource, initial_rngs
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, from_config_dict
 from rlhfjax.config.model import get_model_config
+from rlhfjax.flows import registry
 from rlhfjax.mesh import offload
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Layout, Role, RoleSpec
@@ -141,7 +142,10 @@ def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
   runs = {}
   for name, section in (
     ("resident", {}),
-    ("offload", {"params": ("reference", "reward"), "optimizer": ("actor", "critic")}),
+    (
+      "offload",
+      {"params": ("reference", "reward", "actor", "critic"), "optimizer": ("actor", "critic")},
+    ),
   ):
     trainer = Runner(_ppo_config(**section), str(tmp_path / name), show_progress=False)
     runs[name] = (trainer, trainer.run())
@@ -159,8 +163,17 @@ def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
   assert offload.memory_kinds(cluster.params[Role.REWARD]) == host
   assert offload.memory_kinds(cluster.states[Role.ACTOR].opt_state) == host
   assert offload.memory_kinds(cluster.states[Role.CRITIC].opt_state) == host
-  assert offload.memory_kinds(cluster.states[Role.ACTOR].params) == device
+  assert offload.memory_kinds(cluster.states[Role.ACTOR].params) == host
+  assert offload.memory_kinds(cluster.states[Role.CRITIC].params) == host
   assert offload.memory_kinds(runs["resident"][0].cluster.params[Role.REFERENCE]) == device
+  assert offload.memory_kinds(runs["resident"][0].cluster.states[Role.ACTOR].params) == device
+  # The sync read a device copy of the actor's parked weights: the rollout holds its final ones.
+  for a, b in zip(
+    jax.tree.leaves(cluster.states[Role.ACTOR].params),
+    jax.tree.leaves(cluster.engine.params),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # Every stage found its offloaded state in device memory; the update's optimizer states were
   # requested while a scoring stage on their devices ran (after its start, before its end).
   events = cluster.residency.events
@@ -187,10 +200,19 @@ def test_colocated_ppo_with_offload_equals_the_resident_run(tmp_path):
 
 
 def test_offload_section_names_only_roles_it_can_park():
-  with pytest.raises(ConfigError, match=r"'offload\.params' may name reference and reward"):
-    _ppo_config(params=("actor",))
+  with pytest.raises(
+    ConfigError, match=r"'offload\.params' may name reference, reward, actor and critic"
+  ):
+    _ppo_config(params=("rollout",))
   with pytest.raises(ConfigError, match=r"'offload\.optimizer' may name actor and critic"):
     _ppo_config(optimizer=("reference",))
+  # A trained role's parameters come back for the PPO-family stages only.
+  dpo = runpy.run_path(str(pathlib.Path(__file__).parent.parent / "configs" / "dpo_tiny.py"))[
+    "get_config"
+  ]()
+  dpo.offload = {"params": ("actor",)}
+  with pytest.raises(ConfigError, match="'offload.params' names actor: .* dpo updates"):
+    registry.configure(from_config_dict(dpo))
 
 
 def _prefetch_run(offload_section: dict):

@@ -31,8 +31,8 @@ from rlhfjax import models
 from rlhfjax.cluster import dispatch, residency
 from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
-from rlhfjax.config import ExperimentConfig, RolloutSection
-from rlhfjax.mesh import rules, sharing, transfer
+from rlhfjax.config import ConfigError, ExperimentConfig, RolloutSection
+from rlhfjax.mesh import offload, rules, sharing, transfer
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import reverse_stages
@@ -228,6 +228,11 @@ class Cluster:
       rt, source = self.roles[Role.ROLLOUT], self._rollout_from
       engine_cfg = engine_config(rollout, self._pad_id, dict(rt.mesh.shape).get("data", 1))
       self._cast = None
+      if self.rollout_reads_source and source.value in self.cfg.offload.params:
+        raise ConfigError(
+          f"'offload.params' names the {source.value}, whose arrays the rollout reads while it "
+          f"generates (co-located, in its layout and dtype): leave the {source.value} out"
+        )
       if self.rollout_reads_source:
         # Co-located in the same layout and dtype: the engine reads the source's arrays
         # themselves each time it runs (after each update, whose donation freed the old ones).
@@ -457,21 +462,28 @@ class Cluster:
 
   def _offloaded(self) -> list[residency.Part]:
     """The parts `cfg.offload` names that this cluster holds."""
-    off = self.cfg.offload
-    return [residency.Part(name, "params") for name in off.params if Role(name) in self.params] + [
-      residency.Part(name, "optimizer") for name in off.optimizer if Role(name) in self.states
-    ]
+    off, parts = self.cfg.offload, []
+    for kind, names in (("params", off.params), ("optimizer", off.optimizer)):
+      for name in names:
+        role = Role(name)
+        if role in self.states or (kind == "params" and role in self.params):
+          parts.append(residency.part_of(name, kind, trained=role in self.states))
+    return parts
 
   def _get_part(self, part: residency.Part) -> Any:
     role = Role(part.role)
-    return self.params[role] if part.kind == "params" else self.states[role].opt_state
+    if part.kind == "optimizer":
+      return self.states[role].opt_state
+    return self.states[role].params if role in self.states else self.params[role]
 
   def _put_part(self, part: residency.Part, tree: Any) -> None:
     role = Role(part.role)
-    if part.kind == "params":
-      self.params[role] = tree
-    else:
+    if part.kind == "optimizer":
       self.states[role] = self.states[role].replace(opt_state=tree)
+    elif role in self.states:
+      self.states[role] = self.states[role].replace(params=tree)
+    else:
+      self.params[role] = tree
 
   def park(self) -> None:
     """Every offloaded part in host memory (between iterations, during generation)."""
@@ -508,6 +520,10 @@ class Cluster:
     differ (bf16 rollout weights from fp32 masters: half the bytes then move), else as they
     are."""
     params = self.weights(self._rollout_from)
+    if self._rollout_from.value in self.cfg.offload.params:
+      # Parked in host memory after their stages (and deleted on the device): the engine gets a
+      # device copy it may keep, never arrays that the next park deletes.
+      params = offload.device_copy(params)
     return params if self._cast is None else self._cast(params)
 
   def sync(self, iteration: int) -> int:

@@ -1,8 +1,9 @@
 """When offloaded state is in device memory: for its stage, prefetched while the stage before runs.
 
 `cfg.offload` names parts of roles that live in host memory while idle (`rlhfjax.mesh.offload`):
-a frozen role's parameters, used by its 'score' stages, and a trained role's optimizer state,
-used by its 'update' stages. Stages on shared devices run one after another (`dispatch`), so
+a frozen role's parameters, used by its 'score' stages, a trained role's parameters, used by
+its 'score' and 'update' stages, and a trained role's optimizer state, used by its 'update'
+stages. Stages on shared devices run one after another (`dispatch`), so
 while one runs, the next one's parts can come back: `to_device` only enqueues the copies (JAX
 dispatches them asynchronously and the next stage's program waits for them), so issuing them
 before the current stage runs overlaps them with it where the backend copies concurrently (a
@@ -28,9 +29,6 @@ from rlhfjax.mesh import offload
 Key = tuple[str, str]
 """(role, stage name) of a stage."""
 
-STAGE_OF_PART = {"params": "score", "optimizer": "update"}
-"""The stage that uses each kind of part."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Part:
@@ -38,11 +36,21 @@ class Part:
 
   role: str
   kind: str
-  """'params' (a frozen role's parameters) or 'optimizer' (a trained role's optimizer state)."""
+  """'params' (a role's parameters) or 'optimizer' (a trained role's optimizer state)."""
+  stages: tuple[str, ...]
+  """The names of the role's stages that use it."""
 
   @property
-  def key(self) -> Key:
-    return (self.role, STAGE_OF_PART[self.kind])
+  def keys(self) -> frozenset[Key]:
+    return frozenset((self.role, stage) for stage in self.stages)
+
+
+def part_of(role: str, kind: str, trained: bool) -> Part:
+  """The part `kind` of `role`, with the stages that use it: a frozen role's parameters its
+  'score' stages; a trained role's its 'score' and 'update' stages, its moments the latter."""
+  if kind == "optimizer":
+    return Part(role, kind, ("update",))
+  return Part(role, kind, ("score", "update") if trained else ("score",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,12 +102,12 @@ class Residency:
   def place(self, active: set[Key] | None) -> None:
     """Parts used by a stage in `active` (every part with None) to device memory, the rest to
     host memory; no events."""
-    for part in self._parts():
-      self._move(part, active is None or part.key in active)
+    for p in self._parts():
+      self._move(p, active is None or bool(p.keys & active))
 
   def _used(self, keys: Iterable[Key]) -> list[Part]:
     keys = set(keys)
-    return [p for p in self._parts() if p.key in keys]
+    return [p for p in self._parts() if p.keys & keys]
 
   def run(
     self,
@@ -116,9 +124,9 @@ class Residency:
     # Parts no stage of this call or of the next uses go to host memory now; the others stay
     # where they are until their turn.
     wanted = set(keys) | then
-    for part in self._parts():
-      if part.key not in wanted:
-        self._move(part, False, iteration)
+    for p in self._parts():
+      if not p.keys & wanted:
+        self._move(p, False, iteration)
     groups = dispatch.device_groups(stages)
     following: dict[int, list[Part]] = {}
     """Per stage: the parts to prefetch when it starts."""

@@ -912,15 +912,21 @@ class OffloadSection:
   """Idle roles' state parked in host memory between their stages (`rlhfjax.mesh.offload`)."""
 
   params: tuple[str, ...] = ()
-  """Roles whose parameters live in host memory outside their scoring: 'reference', 'reward'."""
+  """Roles whose parameters live in host memory outside their stages: 'reference', 'reward'
+  (their scoring), 'actor', 'critic' (their scoring and updates, PPO-family flows; the sync
+  reads a device copy of the actor's)."""
   optimizer: tuple[str, ...] = ()
   """Roles whose optimizer state lives in host memory outside their update: 'actor', 'critic'."""
 
   def __post_init__(self):
-    for name, allowed in (("params", ("reference", "reward")), ("optimizer", ("actor", "critic"))):
+    for name, allowed in (
+      ("params", ("reference", "reward", "actor", "critic")),
+      ("optimizer", ("actor", "critic")),
+    ):
       for role in getattr(self, name):
         if role not in allowed:
-          raise ConfigError(f"'offload.{name}' may name {' and '.join(allowed)}, got {role!r}")
+          names = f"{', '.join(allowed[:-1])} and {allowed[-1]}"
+          raise ConfigError(f"'offload.{name}' may name {names}, got {role!r}")
 
 
 WANDB_MODES = ("online", "offline", "disabled")

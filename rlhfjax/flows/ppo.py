@@ -738,8 +738,9 @@ def _check_policy_loss(name: str, estimator: str) -> None:
 
 
 def _check_fusion(cfg, use_critic: bool, cluster) -> None:
-  """`ppo.fuse_actor_critic` needs a critic, padded updates, and its optimizer state in device
-  memory (the fused stage is the actor's, whose prefetch knows nothing of the critic's)."""
+  """`ppo.fuse_actor_critic` needs a critic, padded updates, and its parameters and optimizer
+  state in device memory (the fused stage is the actor's, whose prefetch knows nothing of the
+  critic's)."""
   if not use_critic:
     raise ConfigError(
       f"'ppo.fuse_actor_critic' fuses the actor's and the critic's updates; "
@@ -749,6 +750,8 @@ def _check_fusion(cfg, use_critic: bool, cluster) -> None:
     raise ConfigError("'ppo.fuse_actor_critic' runs padded micro-batches: set 'ppo.packing=False'")
   if Role.CRITIC.value in cfg.offload.optimizer:
     raise ConfigError("'ppo.fuse_actor_critic' keeps the critic's optimizer state on the devices")
+  if Role.CRITIC.value in cfg.offload.params:
+    raise ConfigError("'ppo.fuse_actor_critic' keeps the critic's parameters on the devices")
   if not cluster.placement.colocated(Role.ACTOR, Role.CRITIC):
     raise ConfigError(
       "'ppo.fuse_actor_critic' runs actor and critic on the same devices: "

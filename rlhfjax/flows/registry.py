@@ -163,9 +163,16 @@ def configure(config: Any) -> Any:
       "'rollout.fused_scoring' is for the flows that score samples while they generate "
       f"({', '.join(fused_scoring_flows())}); {spec.name} does not: set it to False"
     )
+  trained = tuple(role.value for role in spec.trains)
+  parked = [name for name in config.offload.params if name in trained]
+  if parked and spec.section != "ppo":
+    raise ConfigError(
+      f"'offload.params' names {', '.join(parked)}: a trained role's parameters come back for "
+      f"the stages of the PPO-family flows; {spec.name} updates and evaluates outside them: "
+      "leave it out"
+    )
   if spec.check is not None:
     spec.check(config)
-  trained = tuple(role.value for role in spec.trains)
   if config.model.trained_roles == trained:
     return config
   model = dataclasses.replace(config.model, trained_roles=trained)

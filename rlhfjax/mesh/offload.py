@@ -68,6 +68,16 @@ def to_device(tree: Any, *, donate: bool = True) -> Any:
   return _move(tree, DEVICE, donate)
 
 
+def device_copy(tree: Any) -> Any:
+  """A copy of `tree` in device memory, same partitioning, wherever its arrays live: arrays a
+  caller may keep while `tree`'s own go to host memory (and are deleted there)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  shardings = [leaf.sharding.with_memory_kind(DEVICE) for leaf in leaves]
+  return jax.tree.unflatten(treedef, jax.device_put(leaves, shardings, may_alias=False))
+
+
 def memory_kinds(tree: Any) -> set[str]:
   """The memory kinds every shard of every array of `tree` really lives in."""
   return {
