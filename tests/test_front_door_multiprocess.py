@@ -188,9 +188,20 @@ _DIFFERENT_PATHS = (
       time.sleep(0.01)
     print("waiting", flush=True)
 
-  # Both at one point first (the job's bound would cover a slow start too), then the bound:
+  # Both at one point first (the job's bound would cover a slow start too). Then process 1
+  # waits at its point (bounded by 60 s at least), and once it is there, process 0 at its own
+  # with the bound `wait`: process 0's wait expires first, finding process 1 where it waits,
+  # however slowly a loaded machine runs either (a bound of 3 s on both once raced).
   distributed.wait_for([0, 1], "the start")
-  distributed._wait_timeout_s = {wait}
+  distributed._wait_timeout_s = {wait} if {process_id} == 0 else max({wait}, 60)
+  def point_of_1():
+    try:
+      return distributed.client().key_value_try_get(distributed._AT + "1")
+    except Exception:  # not posted yet
+      return None
+
+  while {process_id} == 0 and point_of_1() != "the scoring":
+    time.sleep(0.01)  # polls process 1's posted meeting point
   with signals.StopRequest():
     threading.Thread(target=say_when_waiting, daemon=True).start()
     distributed.wait_for([0, 1], ["the update", "the scoring"][{process_id}])""",
@@ -203,19 +214,19 @@ def test_processes_waiting_at_different_points_stop_at_the_bound_in_one_line(res
   start = time.monotonic()
   procs = [_python(_DIFFERENT_PATHS.format(port=port, process_id=k, start=120, wait=3))
            for k in (0, 1)]  # fmt: skip
-  points = ("the update", "the scoring")
-  for k, proc in enumerate(procs):
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err[-3000:]
-    mine = (
-      f"error: process {k} of 2 gave up after 3 s (distributed.wait_timeout_s) waiting for the "
-      f"others at {points[k]!r}: process {1 - k} waits at {points[1 - k]!r}: the processes took "
-      "different paths through the program, or one is far slower"
-    )
-    # Or the other's, when its failure reached this one first (its liveness watch).
-    theirs = f"error: process {1 - k} of 2 failed, so process {k} stops too: "
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and (lines[0] == mine or lines[0].startswith(theirs)), err[-3000:]
+  results = [proc.communicate(timeout=120) for proc in procs]
+  assert [proc.returncode for proc in procs] == [2, 2], [err[-3000:] for _, err in results]
+  # Process 0's bound expired, with process 1 waiting elsewhere; process 1 heard of it through
+  # the job (its liveness watch), long before its own bound.
+  assert results[0][1].strip().splitlines() == [
+    "error: process 0 of 2 gave up after 3 s (distributed.wait_timeout_s) waiting for the "
+    "others at 'the update': process 1 waits at 'the scoring': the processes took different "
+    "paths through the program, or one is far slower"
+  ], results[0][1][-3000:]
+  lines = results[1][1].strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+    "error: process 0 of 2 failed, so process 1 stops too: "
+  ), results[1][1][-3000:]
   assert time.monotonic() - start < 60
 
 
