@@ -261,10 +261,9 @@ def kv_pool(
   from rlhfjax.placement.validate import PlacementError  # validate imports this module
 
   spec = placement[Role.ROLLOUT]
-  replicas = sharding_of(spec).batch_shards
-  token_bytes = kv_token_bytes(
-    model.for_role(Role.ROLLOUT), sharding_of(spec), options or Options()
-  )
+  sharding = sharding_of(spec)
+  replicas = sharding.batch_shards
+  token_bytes = kv_token_bytes(model.for_role(Role.ROLLOUT), sharding, options or Options())
   # Without a pool: the rollout's stage bytes, and what every role keeps while idle.
   estimates = estimate_placement_memory(
     placement,

@@ -259,9 +259,9 @@ class Engine:
       self.param_shardings = param_shardings
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
-    self._owns_params = False
     self._owned: list[bool] = []
-    """Per leaf of `_params`: copied by this engine (not the caller's array, adopted)."""
+    """Per leaf of `_params`: copied by this engine (not the caller's array, adopted); empty
+    while it holds none of its own."""
     self._source: Callable[[], Any] | None = None
     self.params_version = 0
     """Incremented by every `update_params` and `read_params_from`: the weights' version."""
@@ -418,12 +418,11 @@ class Engine:
     # The previous weights are dead once swapped: write the new ones into their buffers (no
     # fresh memory on the rollout devices), but only if the engine owns all of them, that is
     # the last transfer copied every leaf rather than adopting the caller's arrays.
-    old = self._params if self._owns_params else None
+    old = self._params if self._owned and all(self._owned) else None
     self._params = None
     moved_from = jax.tree.leaves(params)
     params, moved = transfer.transfer(params, self.param_shardings, into=old)
     self._owned = [a is not b for a, b in zip(moved_from, jax.tree.leaves(params), strict=True)]
-    self._owns_params = all(self._owned)
     # Arrays the transfer left in place may carry an equivalent but different sharding object
     # (say a single-device one); relabel them so every call hits the same compiled program.
     self._params = jax.tree.map(_relabel, params, self.param_shardings)
@@ -448,7 +447,7 @@ class Engine:
       if owned:
         freed += sum(shard.data.nbytes for shard in x.addressable_shards)
         x.delete()
-    self._params, self._owns_params, self._owned = None, False, []
+    self._params, self._owned = None, []
     return freed
 
   def read_params_from(self, source: Callable[[], Any]) -> None:
@@ -458,7 +457,7 @@ class Engine:
     Reading at each call, rather than holding the arrays, means an update that donates the
     previous weights never leaves the engine with deleted buffers. `update_params` ends it.
     """
-    self._params, self._owns_params, self._source = None, False, source
+    self._params, self._owned, self._source = None, [], source
     self.params_version += 1
 
   # -------------------------------------------------------------------------------------------
