@@ -4,9 +4,10 @@
 background threads wrapped, sometimes several times) and returns the most useful single line:
 
 - the exceptions rlhfjax defines (config, placement, data, checkpoint, workdir, reward
-  function errors) say what is wrong already;
-- an `OSError` anywhere in the chain (a full or read-only disk, a missing permission) names
-  the file and the reason, whatever wrapped it;
+  function errors) say what is wrong already, and what they wrap;
+- an `OSError` (a full or read-only disk, a missing permission) names the file and the reason,
+  whatever other exceptions wrapped it;
+- of those two, the outermost in the chain wins;
 - anything else is reported as an internal error with its type, pointing at `--debug`.
 
 Nothing here imports JAX.
@@ -91,12 +92,13 @@ def describe(error: BaseException) -> tuple[str, int]:
   """The one line (without the `error: ` prefix) and the exit status for `error`."""
   errors = chain(error)
   for e in errors:
-    if isinstance(e, OSError) and (e.errno in _DISK_ERRNOS or e.filename):
-      return _os_error_line(e), USER_ERROR
-  for e in errors:
-    # Exceptions rlhfjax defines are raised on purpose, with a message meant for the user.
+    # Exceptions rlhfjax defines are raised on purpose, with a message meant for the user that
+    # already says what it wraps (a failed save names its step and the cause's line), so they
+    # outrank what they wrap; an OS error under other wrappers names its file and reason.
     if type(e).__module__.startswith("rlhfjax"):
       return one_line(e), USER_ERROR
+    if isinstance(e, OSError) and (e.errno in _DISK_ERRNOS or e.filename):
+      return _os_error_line(e), USER_ERROR
   for e in errors:
     reason = _disk_errno_in_text(e)
     if reason:

@@ -134,6 +134,15 @@ def test_describe_finds_the_os_error_under_wrappers():
   except RuntimeError as outer:
     line, status = errors.describe(outer)
   assert (line, status) == ("no space left on the device: /w/checkpoints/3.tmp/x", 2)
+  # A failed save wraps the OS error in rlhfjax's own, whose line names the step and the
+  # cause: it wins over the bare OS error (which here names no file, as some writes do).
+  try:
+    try:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as inner:
+      raise ckpt.CheckpointError("checkpoint of step 2 in /w failed: no space left") from inner
+  except ckpt.CheckpointError as outer:
+    assert errors.describe(outer) == ("checkpoint of step 2 in /w failed: no space left", 2)
   text = ValueError("TensorStore write: [errno 30] Read-only file system writing x")
   assert errors.describe(text)[0].startswith("read-only file system: ")
   line, status = errors.describe(KeyError("kl_coef"))
