@@ -1,7 +1,8 @@
 """Multi-process runs end to end: scripts/train_ppo.py as processes joined by jax.distributed
 (gloo: 2 processes of 4 CPU devices, or 4 of 2) gives the numbers of one process of 8 devices,
-for every placement; a killed process stops the others; a rerun resumes, across process layouts
-too. The config section and the placement checks are tested in test_distributed_config.py.
+for placements whose roles' meshes meet across processes in every way (`_PLACED`); a killed
+process stops the others; a rerun resumes, across process layouts too. The config section
+and the placement checks are tested in test_distributed_config.py.
 
 The single-process runs the jobs compare with are made once for the module, all variants in
 turn in one process (`references`), and the placements across two processes in turn in one job
@@ -12,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +29,9 @@ _JOB = _ROOT / "tests" / "placements_job.py"
 _RUN = (
   "--config=configs/ppo_tiny.py",
   "--config.total_steps=3",  # the chain of kill and resume takes a step each; the rows match
+  # A checkpoint at every step, all kept: the kill chain resumes the reference's of step 1.
+  "--config.checkpoint.every_steps=1",
+  "--config.checkpoint.keep=3",
   "--config.rollout.batch_size=8",
   "--config.rollout.max_new_tokens=8",
   "--config.reward.model_coef=0.5",  # the reward model's scores are gathered too
@@ -139,20 +144,24 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
 
 _PLACED = {
   # variant of configs/ppo_tiny.py: where its groups land with 2 processes of 4 devices
-  "colocated": "every group on both processes",
+  # Actor, critic and rollout on both processes, as in 'colocated' (the co-located weight sync
+  # on a mesh spanning processes among them), and the scoring models on one process each.
+  "interleaved": "reference on process 0, reward on process 1, the rest on both",
   # Generation of the next batch on process 1 while process 0 trains (two threads each); the
   # disaggregated placement itself runs as 2 x 4 (and 4 x 2) in the kill chain below.
   "disaggregated_async": "training roles on process 0, rollout on process 1, one batch ahead",
-  "interleaved": "reference on process 0, reward on process 1, the rest on both",
-  "explicit": "actor, reference and rollout on process 0, critic and reward on process 1",
 }
+"""The placements run across processes: between them (and the kill chain's) every way a role's
+mesh meets another's across processes, a mesh spanning both processes, one process's sub-mesh
+to the other's and to one spanning both. 'colocated' (every role on both processes, a layout
+'interleaved' holds) and 'explicit' (each role on one process, as 'disaggregated') move arrays
+no other way, and every synchronous placement gives the co-located numbers in one process
+(test_ppo.py): as 2 x 4 they would add 50-60 s to the job and check no new crossing."""
 _REFERENCE = {
-  "colocated": "colocated",
+  "disaggregated": "disaggregated",  # the kill chain's, first: the chain starts from it
   # Every synchronous placement gives the co-located numbers (in one process: test_ppo.py).
   "interleaved": "colocated",
-  "explicit": "colocated",
   "disaggregated_async": "disaggregated_async",  # one step off-policy: numbers of its own
-  "disaggregated": "disaggregated",  # the kill chain's
 }
 """The single-process run each variant's numbers are compared with."""
 
@@ -284,22 +293,25 @@ def test_only_process_zero_writes_and_prints(placed):
 @pytest.mark.slow
 def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, references):
   """One chain of runs of the disaggregated placement in one workdir: step 0 by one process of
-  8 devices; its checkpoint of step 1 resumed by four processes of 2 devices (training on
-  processes 0-1, the rollout on 2-3, every group's mesh spanning two processes), one of which
-  is killed with SIGKILL mid-run once the checkpoint of step 2 is complete, which stops the
-  others within a bounded time with one line each; rerunning as two processes of 4 devices
-  resumes and ends with the numbers of an uninterrupted run: step 1 by four processes, step 2
-  by two."""
-  run = [*_config("disaggregated"), "--config.checkpoint.every_steps=1",
-         "--config.distributed.peer_timeout_s=10"]  # fmt: skip
+  8 devices (the module's reference run, as if killed after its checkpoint of step 1: its
+  workdir without the later checkpoints and the marker of a finished run); that checkpoint
+  resumed by four processes of 2 devices (training on processes 0-1, the rollout on 2-3, every
+  group's mesh spanning two processes), one of which is killed with SIGKILL mid-run once the
+  checkpoint of step 2 is complete, which stops the others within a bounded time with one line
+  each; rerunning as two processes of 4 devices resumes and ends with the numbers of an
+  uninterrupted run: step 1 by four processes, step 2 by two."""
+  run = [*_config("disaggregated"), "--config.distributed.peer_timeout_s=10"]
   logs = tmp_path / "logs"
   multi = tmp_path / "multi"
-  # The uninterrupted run is the module's single-process one (checkpoint frequency and
-  # peer_timeout_s change no number).
-  references.start()
-  first_step = _run_all({"first_step": [*run, "--config.total_steps=1", f"--workdir={multi}"]},
-                        logs)  # fmt: skip
-  assert first_step["first_step"][0] == 0, _tails(first_step)
+  # The uninterrupted run is the module's single-process one (peer_timeout_s changes no
+  # number); its first step is the chain's (a resume drops the rows and timeline entries of
+  # the steps after the one it resumes).
+  single = references.result()
+  assert single[0] == 0, _tails({"single": single})
+  uninterrupted = references.workdir("disaggregated")
+  shutil.copytree(uninterrupted, multi, ignore=shutil.ignore_patterns(".lock", "finished.json"))
+  for step in (2, 3):
+    shutil.rmtree(multi / "checkpoints" / str(step))
 
   # Resumed as 4 x 2, then killed mid-run: process 3 (a rollout process) dies once the
   # checkpoint of step 2, which all four wrote, is complete.
@@ -350,6 +362,4 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, referenc
                     for k in (0, 1)}, logs / "rerun")  # fmt: skip
   _assert_exited_cleanly(rerun)
   assert "resuming from the checkpoint of step 2" in rerun["process0"][1]
-  single = references.result()
-  assert single[0] == 0, _tails({"single": single})
-  _assert_same_numbers(_metrics(references.workdir("disaggregated")), _metrics(multi))
+  _assert_same_numbers(_metrics(uninterrupted), _metrics(multi))
