@@ -29,9 +29,6 @@ _JOB = _ROOT / "tests" / "placements_job.py"
 _RUN = (
   "--config=configs/ppo_tiny.py",
   "--config.total_steps=3",  # the chain of kill and resume takes a step each; the rows match
-  # A checkpoint at every step, all kept: the kill chain resumes the reference's of step 1.
-  "--config.checkpoint.every_steps=1",
-  "--config.checkpoint.keep=3",
   "--config.rollout.batch_size=8",
   "--config.rollout.max_new_tokens=8",
   "--config.reward.model_coef=0.5",  # the reward model's scores are gathered too
@@ -183,7 +180,9 @@ class _References:
   def start(self) -> None:
     if self.run is None:
       variants = ",".join(dict.fromkeys(_REFERENCE.values()))
-      args = [*_RUN, f"--variants={variants}", f"--workdir={self.root}"]
+      # A checkpoint at every step, all kept: the kill chain resumes the one of step 1.
+      every_step = ("--config.checkpoint.every_steps=1", "--config.checkpoint.keep=3")
+      args = [*_RUN, *every_step, f"--variants={variants}", f"--workdir={self.root}"]
       self.run = _start(args, self.root / "logs" / "single.log", _JOB), time.monotonic()
 
   def result(self) -> tuple[int, str]:
@@ -300,12 +299,13 @@ def test_kill_and_resume_across_process_layouts(tmp_path, reserve_port, referenc
   checkpoint of step 2 is complete, which stops the others within a bounded time with one line
   each; rerunning as two processes of 4 devices resumes and ends with the numbers of an
   uninterrupted run: step 1 by four processes, step 2 by two."""
-  run = [*_config("disaggregated"), "--config.distributed.peer_timeout_s=10"]
+  run = [*_config("disaggregated"), "--config.checkpoint.every_steps=1",
+         "--config.distributed.peer_timeout_s=10"]  # fmt: skip
   logs = tmp_path / "logs"
   multi = tmp_path / "multi"
-  # The uninterrupted run is the module's single-process one (peer_timeout_s changes no
-  # number); its first step is the chain's (a resume drops the rows and timeline entries of
-  # the steps after the one it resumes).
+  # The uninterrupted run is the module's single-process one (checkpoint frequency and
+  # peer_timeout_s change no number); its first step is the chain's (a resume drops the rows
+  # and timeline entries of the steps after the one it resumes).
   single = references.result()
   assert single[0] == 0, _tails({"single": single})
   uninterrupted = references.workdir("disaggregated")
