@@ -78,15 +78,20 @@ def test_periodic_evaluations_report_the_runs_own_reward(uninterrupted):
   assert 0 < rows[1]["eval/reward"] <= 1 and rows[1]["eval/response_length"] > 0
 
 
-# The reward's calls: 1 the evaluation before training, 2-3 iterations 0-1, 4 the periodic
-# evaluation after iteration 1, 5-6 iterations 2-3, ...: stop in an iteration and in an evaluation.
-@pytest.mark.parametrize("stop_at", [3, 4, 6])
-def test_a_resumed_run_neither_repeats_nor_skips_a_periodic_evaluation(
-  uninterrupted, tmp_path, stop_at
-):
-  first = _run(tmp_path, stop_at=stop_at)
-  assert first.preempted
-  _run(tmp_path)
+# The reward's calls in a run from step 0: 1 the evaluation before training, 2-3 iterations 0-1,
+# 4 the periodic evaluation after iteration 1, 5-6 iterations 2-3, 7 the periodic evaluation
+# after iteration 3, ...; resumed at step 2: 1-2 iterations 2-3, 3 the periodic evaluation after
+# iteration 3, .... A stop anywhere in an iteration, its periodic evaluation included, ends the
+# run after it with a checkpoint.
+def test_a_resumed_run_neither_repeats_nor_skips_a_periodic_evaluation(uninterrupted, tmp_path):
+  # One workdir, stopped in an iteration whose periodic evaluation is still to come, then
+  # resumed and stopped in a periodic evaluation, then run to the end.
+  first = _run(tmp_path, stop_at=3)
+  assert first.preempted and (first.start_step, first.final_step) == (0, 2)
+  second = _run(tmp_path, stop_at=3)
+  assert second.preempted and (second.start_step, second.final_step) == (2, 4)
+  last = _run(tmp_path)
+  assert not last.preempted and (last.start_step, last.final_step) == (4, 5)
   assert deterministic_rows(str(tmp_path)) == deterministic_rows(str(uninterrupted[0]))
 
 
