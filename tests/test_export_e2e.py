@@ -49,12 +49,15 @@ def _supervised(path: str, workdir: pathlib.Path, **fields):
   return config_lib.from_config_dict(config)
 
 
-def one_step_runs(root: pathlib.Path) -> pathlib.Path:
-  """One SFT, one reward-model and one GRPO run of one step each, in `root`/{sft,rm,grpo}."""
-  cfg = _supervised("configs/sft_tiny.py", root / "sft")
-  Runner(cfg, str(root / "sft"), show_progress=False).run()
-  cfg = _supervised("configs/rm_tiny.py", root / "rm")
-  Runner(cfg, str(root / "rm"), show_progress=False).run()
+def one_step_runs(root: pathlib.Path, kinds=("sft", "rm", "grpo")) -> pathlib.Path:
+  """One SFT, one reward-model and one GRPO run of one step each (those of `kinds`), in
+  `root`/{sft,rm,grpo}."""
+  for kind in ("sft", "rm"):
+    if kind in kinds:
+      cfg = _supervised(f"configs/{kind}_tiny.py", root / kind)
+      Runner(cfg, str(root / kind), show_progress=False).run()
+  if "grpo" not in kinds:
+    return root
   cd = runpy.run_path(str(ROOT / "configs" / "grpo_tiny.py"))["get_config"]("colocated")
   cd.total_steps = 1
   cd.rollout.batch_size = 8
