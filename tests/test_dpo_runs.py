@@ -91,9 +91,13 @@ def _online(variant, **changes):
 
 @pytest.fixture(scope="module")
 def online(tmp_path_factory):
+  """The co-located run frees its rollout's weight copy between generations (`rollout.release`):
+  the numbers are the disaggregated run's all the same."""
   return {
     variant: Runner(
-      _online(variant), str(tmp_path_factory.mktemp(variant)), show_progress=False
+      _online(variant, rollout__release=variant == "colocated"),
+      str(tmp_path_factory.mktemp(variant)),
+      show_progress=False,
     ).run()
     for variant in ("colocated", "disaggregated")
   }
@@ -111,6 +115,11 @@ def test_online_dpo_same_numbers_on_two_placements(online):
   assert base[1]["loss/dpo"] != base[0]["loss/dpo"]
   assert set(online["disaggregated"].compilations.values()) == {1}
   assert online["disaggregated"].metrics[0]["sync/bytes"] > 0
+  # What the release freed: the rollout's own copy of the weights (laid out for generation, not
+  # the actor's buffers), after each generation; no row says so where nothing is released.
+  released = [row["rollout/released_bytes"] for row in base]
+  assert released[0] > 0 and released == [released[0]] * len(base)
+  assert all("rollout/released_bytes" not in row for row in other)
 
 
 @pytest.mark.parametrize("name", ["dpo", "online_dpo"])

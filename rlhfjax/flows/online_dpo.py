@@ -299,6 +299,7 @@ class OnlineDPOFlow(Flow):
       "update/skipped": float(sum(m["skipped"] for m in updates)),
       "update/skipped_in_row": float(self.skipped_in_row),
       "sync/bytes": float(moved),
+      **stages.release_metrics(ctx),
       "time/iteration": cluster.timeline.now() - start,
     }
     row.update({k: mean(k) for k in updates[0] if "/" in k})

@@ -660,9 +660,8 @@ class PPOFlow:
       "throughput/tokens_per_s_per_device": seqs.num_tokens / elapsed / num_devices,
       "sync/bytes": float(bytes_synced),
       "loss/policy": update_metrics["loss/policy"],
+      **stages.release_metrics(self.ctx),
     }
-    if self.ctx.cfg.rollout.release:
-      row["rollout/released_bytes"] = float(self.ctx.cluster.released_bytes)
     # The critic's metrics (loss/value, value/*, critic/*) come only from a critic's update:
     # a critic-free flow has none to log, not zeros.
     for key, value in update_metrics.items():

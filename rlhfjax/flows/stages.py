@@ -140,6 +140,14 @@ def generate_stage_with_versions(
     )
 
 
+def release_metrics(ctx: FlowContext) -> dict[str, float]:
+  """`rollout/released_bytes` (the rollout's weight bytes freed after the last generation) when
+  `rollout.release` frees them between generations; nothing otherwise."""
+  if not ctx.cfg.rollout.release:
+    return {}
+  return {"rollout/released_bytes": float(ctx.cluster.released_bytes)}
+
+
 def grouped_prompts(ctx: FlowContext, group_size: int) -> PromptBatch:
   """`rollout.batch_size / group_size` new prompts, each repeated `group_size` times (with its
   record, so every sample of a group sees its prompt's fields)."""
