@@ -23,7 +23,7 @@ from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement import strategies
 from rlhfjax.placement.memory import model_options
 from rlhfjax.placement.spec import Role, RoleSpec
-from rlhfjax.planner import evaluate, search
+from rlhfjax.planner import auto, evaluate, search
 from rlhfjax.planner.place import plan_placement
 from rlhfjax.training import steps
 from rlhfjax.training.optimizer import make_optimizer
@@ -203,6 +203,39 @@ def test_offload_flag_parks_frozen_params_and_moments_only_while_idle():
   assert off.peak_memory_gib * hardware.GIB == hand
   assert hand > max(e.total for e in off.memory.values())  # not just the largest single role
   assert off.peak_memory_gib < plain.peak_memory_gib
+
+
+def test_kv_memory_fraction_plans_generation_in_its_share_of_memory():
+  """`rollout.kv_memory_fraction` reaches the planner: generation runs in waves of the most
+  slots whose KV cache fits the fraction of memory beside the resident state, and a fraction
+  that holds no slot makes the placement unfit, saying why."""
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  spec, budget = strategies.colocated(8), hw.memory_gib * hardware.GIB
+  fraction = 0.6
+  plans = {
+    f: evaluate.evaluate(spec, _workload(kv_memory_fraction=f), hw, eff, micro_batch=1)
+    for f in (0.0, fraction, 0.05)
+  }
+  whole, share = plans[0.0], plans[fraction]
+  assert whole.fits and share.fits and 1 < share.slots < whole.slots
+  # Co-located: every role's persistent state is on every rollout device.
+  resident = sum(e.persistent for e in share.memory.values())
+  rollout = lambda slots: evaluate.role_memory(
+    Role.ROLLOUT, spec, _workload(kv_memory_fraction=fraction), hw, eff, 0, slots
+  )
+  assert resident + rollout(share.slots).transient <= fraction * budget
+  assert resident + rollout(2 * share.slots).transient > fraction * budget  # the largest wave
+  assert not plans[0.05].fits
+  resident = sum(e.persistent for e in plans[0.05].memory.values())
+  assert plans[0.05].why_not == (
+    f"kv_memory_fraction=0.05 leaves generation {0.05 * hw.memory_gib:.1f} GiB, less than the "
+    f"devices hold beside it ({resident / hardware.GIB:.1f} GiB)"
+  )
+  # From the config: the fraction, unless the pool's tokens are given.
+  config = lambda **rollout: from_config_dict({"model": {"size": "tiny"}, "rollout": rollout})
+  workload = lambda **rollout: auto.workload_of(config(**rollout))
+  assert workload(kv_memory_fraction=fraction).kv_memory_fraction == fraction
+  assert workload(kv_memory_fraction=fraction, kv_cache_tokens=4096).kv_memory_fraction == 0
 
 
 def test_named_strategy_and_fixed_rollout_split():

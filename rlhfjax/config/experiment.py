@@ -389,7 +389,8 @@ class RolloutSection:
   device reports) less what it holds while generating (the rollout's weights, logits and sync
   buffer, the parameters and optimizer state of roles sharing it) goes to the pool, in the
   memory model's bytes (`rlhfjax.placement.memory.kv_pool`), at most every slot at full length.
-  0: `kv_cache_tokens` sizes it. `kv_cache_tokens` set too overrides it."""
+  `placement.strategy=auto` plans generation in that share of memory too. 0: `kv_cache_tokens`
+  sizes it. `kv_cache_tokens` set too overrides it."""
   release: bool = False
   """Free the rollout's own copy of the weights after each generation, so scoring and training
   on its devices have that memory; the sync after the update (or the next generation) copies

@@ -55,6 +55,10 @@ class Workload:
   generation_batch: int = 0
   """Most sequences one rollout data group decodes at once (the engine's generation batch);
   0: as many as memory allows."""
+  kv_memory_fraction: float = 0.0
+  """The share of a rollout device's memory generation may fill, its KV cache included
+  (rlhfjax's `rollout.kv_memory_fraction`): generation runs in waves of fewer slots until it
+  fits, and a placement where one slot does not is over memory; 0: all of it."""
   decode_gathers_weights: bool = False
   """Generation runs on the training layout (ZeRO-3 partitioned weights, as DeepSpeed-Chat's
   hybrid engine with ZeRO-3): every decode step all-gathers every layer's weights."""

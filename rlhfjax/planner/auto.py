@@ -50,6 +50,8 @@ def workload_of(config: ExperimentConfig) -> Workload:
     ppo_epochs=batch.epochs,
     optimizer_steps=batch.mini_batches,
     offload=config.offload,
+    # A pool of `kv_cache_tokens` is the user's to size; the fraction sizes it from memory.
+    kv_memory_fraction=0.0 if rollout.kv_cache_tokens else rollout.kv_memory_fraction,
     train_rows=train_rows(config),
     **packing_of(config),
   )

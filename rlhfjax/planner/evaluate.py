@@ -220,15 +220,18 @@ def evaluate(
   estimates = {
     role: role_memory(role, spec, workload, hw, eff, micro_batch, slots) for role in roles
   }
-  # Generate in waves when the KV cache of every slot does not fit beside the persistent state.
+  # Generate in waves when the KV cache of every slot does not fit beside the persistent state
+  # (in the share of memory `kv_memory_fraction` gives generation, when set).
   rollout_devices = set(spec[Role.ROLLOUT].devices) if generates else set()
   resident = max(
     sum(e.persistent for r, e in estimates.items() if set(spec[r].devices) & rollout_devices),
     0,
   )
+  fraction = workload.kv_memory_fraction
+  generation_budget = fraction * budget if fraction else budget
   # (Only when the persistent state itself fits: otherwise the plan is over memory anyway and
   # its generation is predicted at the configured batch.)
-  while slots > 1 and resident <= budget < resident + estimates[Role.ROLLOUT].transient:
+  while slots > 1 and resident <= generation_budget < resident + estimates[Role.ROLLOUT].transient:
     slots = math.ceil(slots / 2)
     estimates[Role.ROLLOUT] = role_memory(Role.ROLLOUT, spec, workload, hw, eff, 0, slots)
 
@@ -242,7 +245,17 @@ def evaluate(
   peak_device = max(peaks, key=peaks.get)
   fits = peaks[peak_device] <= budget
   why_not = ""
-  if not fits:
+  short = ""
+  if generates and fraction:
+    left = f"kv_memory_fraction={fraction:g} leaves generation {generation_budget / GIB:.1f} GiB"
+    generating = resident + estimates[Role.ROLLOUT].transient
+    if resident > generation_budget:
+      short = f"{left}, less than the devices hold beside it ({resident / GIB:.1f} GiB)"
+    elif generating > generation_budget:
+      short = f"{left}, less than one slot needs beside the rest ({generating / GIB:.1f} GiB)"
+  if short:
+    fits, why_not = False, short
+  elif not fits:
     on_it = [r for r in roles if peak_device in spec[r].devices]
     worst = max(on_it, key=lambda r: estimates[r].total)
     e = estimates[worst]
