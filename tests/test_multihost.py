@@ -153,7 +153,8 @@ mesh meets another's across processes, a mesh spanning both processes, one proce
 to the other's and to one spanning both. 'colocated' (every role on both processes, a layout
 'interleaved' holds) and 'explicit' (each role on one process, as 'disaggregated') move arrays
 no other way, and every synchronous placement gives the co-located numbers in one process
-(test_ppo.py): as 2 x 4 they would add 50-60 s to the job and check no new crossing."""
+(test_ppo.py): as 2 x 4 they checked no new crossing, and the module's set-up took 165 s in
+CI with them against 118 s without (with the kill chain's start from the references)."""
 _REFERENCE = {
   "disaggregated": "disaggregated",  # the kill chain's, first: the chain starts from it
   # Every synchronous placement gives the co-located numbers (in one process: test_ppo.py).
