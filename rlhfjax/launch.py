@@ -78,13 +78,7 @@ def run(main: Callable[[list[str]], None]) -> None:
         traceback.print_exc()
       line, status = errors.describe(error)
       if "jax" in sys.modules and sys.modules["jax"].process_count() > 1:
-        # Not through atexit: the others learn of the failure first (`report_failure`), so
-        # that they too come to JAX's shutdown barrier, which it then passes through.
-        sys.stderr.write(errors.error_line(line))
-        sys.stderr.flush()
-        sys.stdout.flush()
-        liveness.report_failure(line, leave=not line.startswith(errors.PEER_LOST))
-        os._exit(status)
+        liveness.fail(line, status)
       fail(line, status)
 
   app.run(guarded, flags_parser=parse_flags)

@@ -28,10 +28,11 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from rlhfjax import errors, signals
 
@@ -51,11 +52,22 @@ class _Watch:
 
 
 _watch: _Watch | None = None  # this process's, once `watch_peers` started it
+_ending = threading.Lock()  # held by the one thread that ends the process (`_claim_the_end`)
+
+
+def _claim_the_end() -> None:
+  """Returns in the first thread to end the process; blocks any later one until that one's
+  `os._exit`. Two threads ending it at once (the liveness thread hears of a failed peer while
+  the main thread's collective fails because of it) would print two lines and call JAX's
+  shutdown twice, and the second, finding the coordination service gone, aborts the process."""
+  if not _ending.acquire(blocking=False):
+    threading.Event().wait()
 
 
 def _die(message: str, leave: bool = False) -> None:
   """Ends the process from any thread: the main one may be blocked in a collective. `leave`:
   through JAX's shutdown first (`_leave`)."""
+  _claim_the_end()
   os.write(2, errors.error_line(message).encode())
   if leave:
     _leave()
@@ -150,6 +162,21 @@ def watch_peers(timeout_s: float, coordinator_address: str | None) -> None:
   )
   # Registered after JAX's own shutdown handler, so it runs first (atexit is LIFO).
   atexit.register(finish)
+
+
+def fail(line: str, status: int) -> NoReturn:
+  """Ends this process of a multi-process job, from its main thread, with the error `line` and
+  exit `status`: the line first, then `report_failure` (leaving through JAX's shutdown unless
+  the failure is a lost peer), then the exit. Not through atexit: the others learn of the
+  failure first, so that they too come to JAX's shutdown barrier, which it then passes
+  through. When the liveness thread is already ending the process (a peer failed, and this
+  thread's collective failed because of it), this one waits for that end and says nothing."""
+  _claim_the_end()
+  sys.stderr.write(errors.error_line(line))
+  sys.stderr.flush()
+  sys.stdout.flush()
+  report_failure(line, leave=not line.startswith(errors.PEER_LOST))
+  os._exit(status)
 
 
 def report_failure(line: str, leave: bool = True) -> None:

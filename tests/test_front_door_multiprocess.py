@@ -262,3 +262,30 @@ def test_a_stop_request_reaches_a_process_blocked_in_a_wait(reserve_port):
     "error: process 1 of 2 failed, so process 0 stops too: process 1 was stopped at once by a "
     "second stop request"
   ], results[0][1][-3000:]
+
+
+def test_a_process_ends_once_when_two_threads_end_it_together():
+  """The liveness thread hears of a failed peer and leaves through JAX's shutdown while the
+  main thread's collective fails because of it: the main thread says nothing more and calls no
+  second shutdown (the second found the service gone and aborted the process), and the
+  process ends with the liveness thread's line and status."""
+  proc = _python(
+    """
+    import threading, time
+    from rlhfjax import liveness
+
+    leaving = threading.Event()
+
+    def leave():  # JAX's shutdown barrier, while the main thread's collective fails
+      leaving.set()
+      time.sleep(0.5)
+
+    liveness._leave = leave
+    threading.Thread(target=liveness._die, args=("the peer failed", True)).start()
+    leaving.wait()
+    liveness.fail("the collective failed", 1)
+    """
+  )
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 2, err[-3000:]
+  assert err.splitlines() == ["error: the peer failed"], err[-3000:]
