@@ -1,11 +1,11 @@
-r"""Single-GPU efficiency of a 1B PPO actor: train-step MFU and decode bandwidth (the dense and
-the paged engine, batch 64 and 256), JSON lines.
+r"""Single-GPU efficiency of a 1B PPO actor: train-step MFU and the rollout engine's decode
+bandwidth (batch 64 and 256), JSON lines.
 
   python scripts/bench_gpu.py [--batch=8 --seq_len=2048 --decode_batch=64 --cache_len=2048]
 
 First the device's measured copy bandwidth and bf16 matmul rate beside its datasheet peaks,
 which the MFU and bandwidth fractions are taken against (`step_bench.peaks`: H100 or H200).
-The paged rows run each of `--paged_kernels` ('auto': the Pallas kernel on a GPU; 'gather':
+The decode rows run each of `--paged_kernels` ('auto': the Pallas kernel on a GPU; 'gather':
 pages gathered into a contiguous cache, then XLA's attention).
 
 The train step keeps fp32 master weights and trains in bf16 with the size's remat, chunked
@@ -50,8 +50,6 @@ def main(argv):
     print(json.dumps({"size": _SIZE.value, **row}), flush=True)
   rollout = get_model_config(_SIZE.value, param_dtype="bfloat16")
   for batch in map(int, _DECODE_BATCH.value):
-    row = step_bench.decode_step(rollout, batch, _CACHE_LEN.value)
-    print(json.dumps({"size": _SIZE.value, **row}), flush=True)
     for kernel in _PAGED_KERNELS.value:
       try:
         row = step_bench.paged_decode_step(rollout, batch, _CACHE_LEN.value, kernel=kernel)

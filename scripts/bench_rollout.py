@@ -3,8 +3,9 @@ r"""Rollout engine throughput: one JSON line per (size, batch, prompt length, ne
   python scripts/bench_rollout.py --size=small --batch=8 --prompt_len=64 --new_tokens=128
   python scripts/bench_rollout.py --size=1b --batch=1,16,64 --copy_mib=4096 --matmul_n=8192
 
-With `--engines`, one line per engine instead: the dense and the paged engines on a long-tailed
-length mix in the same KV memory (`rlhfjax.bench.engines_bench`):
+With `--engines`, one line per engine instead: a dense KV cache (the engine with a page per
+slot) and small pages on a long-tailed length mix in the same KV memory
+(`rlhfjax.bench.engines_bench`):
 
   python scripts/bench_rollout.py --engines=dense,paged,paged_prefix_shared
 
@@ -38,7 +39,7 @@ _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "--engines: samples per prom
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "--engines: response token limit.")
 _MEAN_NEW = flags.DEFINE_integer("mean_new_tokens", 64, "--engines: mean response length.")
 _DENSE_SLOTS = flags.DEFINE_integer(
-  "dense_slots", 8, "--engines: the dense engine's slots; the KV budget is these at full length."
+  "dense_slots", 8, "--engines: slots of the dense cache (a page per slot); the KV budget."
 )
 _PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 32, "--engines: the paged engines' slots.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "--engines: tokens per page.")

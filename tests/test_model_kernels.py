@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhfjax import models
+from rlhfjax import models, rollout
 from rlhfjax.config import ConfigError, ModelSection, RoleModelSection
 from rlhfjax.config.model import REMAT_POLICIES, get_model_config
 from rlhfjax.models import transformer
-from rlhfjax.rollout import decode
+from rlhfjax.placement.spec import RoleSpec
 
 pytestmark = pytest.mark.unit
 
@@ -69,39 +69,28 @@ def test_auto_attention_is_xla_on_cpu_and_names_are_checked():
     CONFIG.replace(remat="some")
 
 
-def _requests(lengths, p, max_new):
-  rng = np.random.default_rng(7)
-  b = len(lengths)
-  return decode.Requests(
-    tokens_bp=jnp.asarray(rng.integers(0, CONFIG.vocab_size, size=(b, p)).astype(np.int32)),
-    lengths_b=jnp.asarray(lengths, jnp.int32),
-    max_new_b=jnp.full((b,), max_new, jnp.int32),
-    stop_bm=jnp.full((b, 1), -1, jnp.int32),
-    temperature_b=jnp.zeros((b,), jnp.float32),
-    top_k_b=jnp.zeros((b,), jnp.int32),
-    top_p_b=jnp.ones((b,), jnp.float32),
-    seed_b=jnp.zeros((b,), jnp.int32),
-    request_id_b=jnp.arange(b, dtype=jnp.int32),
-  )
-
-
 @pytest.mark.parametrize("window", [None, 4])
-def test_decode_path_with_dot_product_attention_equals_einsum(params, window):
-  max_new, p = 6, 9
-  requests = _requests([9, 4, 7], p, max_new)
+def test_decode_attention_of_every_kind_equals_einsum(params, window):
+  """The engine's decode with XLA's attention over the gathered pages ('xla') and with the
+  CPU's products and sums in the pages' layout ('auto', `decode_attention_over_pages`) gives
+  the einsum path's tokens and log-probs, across page boundaries and a sliding window."""
+  prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 12, 13, 14], [3, 1, 4, 1, 5, 9, 2]]
+  setting = rollout.SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=())
+  engine = rollout.EngineConfig(
+    num_slots=4, prompt_buckets=(9,), max_new_tokens=6, prefill_batch_sizes=(1, 4), page_size=4
+  )
   outs = []
-  for attention in ("einsum", "xla"):
+  for attention in ("einsum", "xla", "auto"):
     config = CONFIG.replace(attention=attention, sliding_window=window)
-    state = jax.jit(decode.prefill, static_argnums=(0, 1))(config, max_new, params, requests)
-    # Decode in a cache longer than the prefill's, as the engine does after `insert`.
-    empty = decode.empty_state(config, 3, p + max_new, max_new, 1)
-    state = decode.insert(state, empty, jnp.arange(3))
-    step = jax.jit(decode.decode_step, static_argnums=0)
-    for _ in range(max_new - 1):
-      state = step(config, params, state)
-    outs.append(state)
-  np.testing.assert_array_equal(outs[1].out_tokens_br, outs[0].out_tokens_br)
-  np.testing.assert_allclose(outs[1].out_logprobs_br, outs[0].out_logprobs_br, atol=2e-5, rtol=0)
+    spec = RoleSpec.generation([0], data=1, tensor=1)
+    outs.append(
+      rollout.Engine.for_role(config, engine, spec, params).generate(
+        prompts, sampling=setting, seed=4
+      )
+    )
+  for out in outs[1:]:
+    np.testing.assert_array_equal(out.tokens, outs[0].tokens)
+    np.testing.assert_allclose(out.logprobs, outs[0].logprobs, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rlhfjax.bench import calibrate, localcheck
-from rlhfjax.cluster.cluster import Cluster
+from rlhfjax.cluster.cluster import Cluster, engine_config
 from rlhfjax.costmodel.hardware import PRESETS, Hardware
 from rlhfjax.mesh import transfer
 from rlhfjax.placement.spec import Role
@@ -126,10 +126,8 @@ def test_calibration_at_moments_takes_the_medians_on_a_shared_host_only():
   assert accelerator.samples == {} and accelerator.hardware() is PRESETS["h100"]
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_engine_cost_times_the_runs_own_engine_at_full_length_on_the_rollouts_layout(paged):
+def test_engine_cost_times_the_runs_own_engine_at_full_length_on_the_rollouts_layout():
   config = localcheck.bench_config("colocated", **SMALL)
-  config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, paged=paged))
   four = jax.devices()[:4]
   step = localcheck.engine_cost(config, four)
   assert step.sizes == [1, 2, 4]
@@ -142,7 +140,8 @@ def test_engine_cost_times_the_runs_own_engine_at_full_length_on_the_rollouts_la
   ]
   assert [list(m.devices.flat) for m in step.meshes] == [four[:1], four[:2], four]
   for engine in step._engines:  # every answer runs to the run's length (no stop token)
-    assert (engine.paged is not None) == paged  # the run's own engine
+    replicas = dict(engine.mesh.shape)["data"]
+    assert engine.config == engine_config(config.rollout, 0, replicas)  # the run's own engine
     out = step._generate(engine)
     assert out.lengths.tolist() == [config.rollout.max_new_tokens] * config.rollout.batch_size
     assert not out.stopped.any()

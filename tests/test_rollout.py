@@ -1,7 +1,5 @@
 """The rollout engine against a no-cache reference, across meshes, slots, seeds and settings."""
 
-import dataclasses
-
 import jax
 import jax.monitoring
 import jax.numpy as jnp
@@ -260,10 +258,9 @@ def test_seeds_reproduce_across_calls_and_slot_counts_and_differ_between_seeds(e
 
 
 def test_slot_api_prefill_insert_generate_and_reuse_a_finished_slot(params):
-  """The dense engine's slot protocol: its prefill samples the first token (the paged one's
-  first decode step does: tests/test_paged.py)."""
-  dense = dataclasses.replace(ENGINE, paged=False)
-  engine = rollout.Engine.for_role(CONFIG, dense, _role([0], 1, 1), params)
+  """JetStream's slot protocol: prefill fills the prompts' KV, each decode step samples a
+  token for every busy slot (the first step the first token), a finished slot is free."""
+  engine = rollout.Engine.for_role(CONFIG, ENGINE, _role([0], 1, 1), params)
   prompts = _prompts(7, (4, 11, 6))
   greedy = _reference_greedy(params, prompts)
   state = engine.init_decode_state()
@@ -273,12 +270,12 @@ def test_slot_api_prefill_insert_generate_and_reuse_a_finished_slot(params):
   view = engine.read(state)
   assert int(steps) == 1
   assert view.done.tolist() == [True, False, True, False]
-  assert view.num_generated[[3, 1]].tolist() == [2, 2]
-  assert view.last_tokens[3] == greedy[0][1]
+  assert view.num_generated[[3, 1]].tolist() == [1, 1]
+  assert view.last_tokens[3] == greedy[0][0]
 
   state, steps = engine.generate_steps(state, until_free=3)  # 2 slots are free already
   view = engine.read(state)
-  assert int(steps) == 1 and view.done.all()
+  assert int(steps) == 2 and view.done.all()
   assert view.tokens[3, :3].tolist() == greedy[0][:3]
   assert view.tokens[1, :3].tolist() == greedy[1][:3]
 

@@ -24,7 +24,8 @@ def _config(**rollout):
 @pytest.mark.parametrize(
   "fields, named",
   [
-    ({"tail_threshold": 0.25}, "rollout.tail_threshold"),
+    ({"tail_threshold": 1.0}, "rollout.tail_threshold"),
+    ({"paged": False}, "config field 'rollout.paged' was removed: the rollout engine always"),
     ({"kv_cache_tokens": 100, "max_prompt_len": 64, "max_new_tokens": 64}, "kv_cache_tokens"),
     ({"page_size": 0}, "rollout.page_size"),
     ({"decode_chunk": 0}, "rollout.decode_chunk"),
@@ -36,9 +37,8 @@ def test_bad_paging_fields_fail_in_one_line(fields, named):
   assert "\n" not in str(error.value)
 
 
-def test_tail_compaction_runs_on_the_dense_engine():
-  config = _config(tail_threshold=0.25, paged=False)
-  assert not engine_config(config.rollout, 0, 2).paged
+def test_the_tail_threshold_reaches_the_engine():
+  assert engine_config(_config(tail_threshold=0.25).rollout, 0, 2).tail_threshold == 0.25
 
 
 @pytest.mark.parametrize(
@@ -51,20 +51,20 @@ def test_tail_compaction_runs_on_the_dense_engine():
 def test_the_page_pool_the_config_asks_for(rollout, replicas):
   section = _config(**rollout).rollout
   engine = engine_config(section, 0, replicas)
-  assert engine.paged and engine.num_pages == section.kv_pages(replicas)
+  assert engine.num_pages == section.kv_pages(replicas)
   assert engine.num_pages % replicas == 0
   per_replica = engine.num_pages // replicas - 1  # the reserved page excluded
   if section.kv_cache_tokens:
     assert per_replica * section.page_size >= section.kv_cache_tokens / replicas
     assert (per_replica - 1) * section.page_size < section.kv_cache_tokens / replicas
-  else:  # the dense cache's memory: what `EngineConfig.num_pages=None` gives
+  else:  # a dense cache's memory: what `EngineConfig.num_pages=None` gives
     assert engine.num_pages == engine_config(section, 0, replicas).pages_total(replicas)
     default = engine.__class__(**{**engine.__dict__, "num_pages": None})
     assert default.pages_total(replicas) == engine.num_pages
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_the_memory_estimate_is_the_engines_kv_cache(paged):
+@pytest.mark.parametrize("tokens", [300, 0])
+def test_the_memory_estimate_is_the_engines_kv_cache(tokens):
   """The placement's KV estimate per device equals the bytes of the cache the engine allocates
   on each device of a data=2 x tensor=2 rollout mesh (XLA's own arrays, read by shard)."""
   config = from_config_dict(
@@ -74,8 +74,7 @@ def test_the_memory_estimate_is_the_engines_kv_cache(paged):
         "batch_size": 8,
         "max_prompt_len": 24,
         "max_new_tokens": 40,
-        "paged": paged,
-        "kv_cache_tokens": 300 if paged else 0,
+        "kv_cache_tokens": tokens,
       },
     }
   )
@@ -92,8 +91,7 @@ def test_the_memory_estimate_is_the_engines_kv_cache(paged):
   assert set(per_device.values()) == {estimate.kv_cache}
   total = sum(x.nbytes for x in jax.tree.leaves(state.cache))
   assert total == 4 * estimate.kv_cache
-  if paged:
-    assert np.shape(state.cache["k"])[0] == 2  # a pool per replica
+  assert np.shape(state.cache["k"])[0] == 2  # a pool per replica
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +135,6 @@ def _fraction_for(pool, pages: float) -> float:
   [
     ({"kv_memory_fraction": 1.5}, "'rollout.kv_memory_fraction' must be in [0, 1], got 1.5"),
     ({"kv_memory_fraction": -0.1}, "'rollout.kv_memory_fraction' must be in [0, 1]"),
-    ({"kv_memory_fraction": 0.9, "paged": False}, "set 'rollout.paged=True'"),
   ],
 )
 def test_bad_memory_fractions_fail_in_one_line(fields, named):

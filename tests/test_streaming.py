@@ -1,4 +1,5 @@
-"""Streaming rollout, tail compaction and fused scoring against the batch-at-a-time path."""
+"""Streaming rollout, the tail's move to fewer replicas and fused scoring against the
+batch-at-a-time path."""
 
 import dataclasses
 
@@ -46,14 +47,14 @@ def _engine(params, devices, data, tensor, **overrides):
 
 @pytest.fixture(scope="module")
 def plain(params):
-  """8 slots over data=4 on devices 0-3, no compaction: the batch path."""
+  """8 slots over data=4 on devices 0-3, the tail where it is: the batch path."""
   return _engine(params, [0, 1, 2, 3], 4, 1)
 
 
 @pytest.fixture(scope="module")
 def compacting(params):
-  """The same mesh, compacting once at most half the slots run (the dense engine's)."""
-  return _engine(params, [0, 1, 2, 3], 4, 1, tail_threshold=0.5, paged=False)
+  """The same mesh; once at most half the slots run, the tail moves to 4 slots on 2 replicas."""
+  return _engine(params, [0, 1, 2, 3], 4, 1, tail_threshold=0.5)
 
 
 def _collect(stream):
@@ -84,69 +85,62 @@ def test_stream_hands_out_each_sample_once_as_it_finishes_like_the_batch(plain):
     rollout.RolloutStream(plain, prompts, min_yield=0)
 
 
-def test_compacted_tail_gives_the_same_tokens_and_logprobs_and_compiles_once_per_size(
-  plain, compacting
-):
+def test_the_tail_moves_to_fewer_replicas_with_the_same_tokens_and_compiles_once(plain, compacting):
   prompts = _prompts(1)
   want = plain.generate(prompts, sampling=SAMPLING, seed=3)
-  assert compaction.allowed_sizes(8) == (4, 2, 1)
+  assert compaction.replicas_for(4, 8, 4) == 2 and compacting.compactor.rows(0.5) == 4
+  counts = []
   for _ in range(2):
-    with jax.transfer_guard("disallow"):  # compaction moves rows device to device only
+    with jax.transfer_guard("disallow"):  # explicit uploads and reads only
       got = compacting.generate(prompts, sampling=SAMPLING, seed=3)
-    for field in ("tokens", "lengths", "mask", "stopped", "inserts"):
+    tail = compacting.compactor.engines[4]
+    counts.append((dict(compacting.compilations), dict(tail.compilations)))
+    for field in ("tokens", "lengths", "mask", "stopped"):
       np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
-  # Request 3 (13 tokens: 12 decode steps after the dense prefill's first token; 13 in the
-  # paged engine, whose first decode step samples it) starts at step 0 and is the last to end;
-  # request 6 (11 tokens) ends 2 steps before it, so request 3 runs its last 2 steps alone on 1
-  # slot. (The paged reference's live batch shrinks too, on its own mesh, as rows finish.)
-  assert sum(want.decode_steps_by_batch.values()) == 13 and 8 in want.decode_steps_by_batch
-  assert sum(got.decode_steps_by_batch.values()) == 12
-  assert got.decode_steps_by_batch[1] == 2 and set(got.decode_steps_by_batch) == {8, 4, 2, 1}
+    # The requests still running at the move (at most 4) were inserted once more, there.
+    moved = got.inserts - want.inserts
+    assert set(moved.tolist()) == {0, 1} and 1 <= moved.sum() <= 4
+    assert moved[3] == 1  # request 3 (13 tokens) is the last to end
+  # Request 3 starts at step 0 and ends last, at step 13: every step is run once, on the
+  # full mesh and then on the tail engine's.
+  assert sum(want.decode_steps_by_batch.values()) == 13
   streamed = rollout.RolloutStream(compacting, prompts, sampling=SAMPLING, seed=3)
   _, order = _collect(streamed)
   assert sorted(order.tolist()) == list(range(len(prompts)))
-  assert streamed.stats.compactions == [4, 2, 1]
-  counts = compacting.compilations
-  for size in (4, 2, 1):
-    assert counts[f"compact[{size}]"] == counts[f"generate_steps[{size}]"] == 1
-  assert counts["generate_steps"] == 1
-  assert compacting.warmup() == counts | {"init_decode_state": 1, "prefill": 2, "insert": 2}
+  assert streamed.stats.compactions == [4]
+  assert streamed.stats.recomputed_tokens > 0 and streamed.scheduler.all_pages_free
+  assert [d.id for d in tail.mesh.devices.flat] == [0, 1]  # the first 2 'data' replicas
+  # The engine's and the tail engine's programs compile once: on the first use of each (the
+  # streamed run's calls return earlier and decode the tail in smaller live batches).
+  assert counts[0] == counts[1] and counts[1][0] == compacting.compilations
+  decode = {k: n for k, n in tail.compilations.items() if k.startswith("generate_steps")}
+  assert set(decode.values()) == {1} and tail.compilations["prefill"] >= 1
 
 
-def test_compacted_cache_moves_to_fewer_replicas_with_the_rows_it_held(params):
-  engine = _engine(params, [4, 5, 6, 7], 2, 2, tail_threshold=0.5, paged=False)  # data x tensor
+def test_the_tail_engine_keeps_its_pages_on_the_first_replicas_and_reads_the_engines_weights(
+  params,
+):
+  engine = _engine(params, [4, 5, 6, 7], 2, 2, tail_threshold=0.5)  # data x tensor
   prompts = _prompts(2, 8)
-  state = engine.init_decode_state()
-  setting = rollout.SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=())
-  state = engine.insert(engine.prefill(prompts, setting), state, range(8))
-  state, _ = engine.generate_steps(state, max_steps=3)
-  before = jax.device_get(state)
-  rows = [6, 1, 3]
-  small = engine.compactor.shrink(state, 4, rows)
-  # 4 rows keep 4 rows per replica: one replica (devices 4, 5), KV heads over 'tensor'.
-  k = small.cache["k"]
-  assert k.shape == (CONFIG.num_layers, 4, before.cache["k"].shape[2], 2, CONFIG.head_dim)
-  assert {s.device.id for s in k.addressable_shards} == {4, 5}
-  for shard in k.addressable_shards:
-    assert shard.data.shape == (CONFIG.num_layers, 4, k.shape[2], 1, CONFIG.head_dim)
-    heads = shard.index[3]
-    np.testing.assert_array_equal(
-      np.asarray(shard.data)[:, :3], before.cache["k"][:, rows][:, :, :, heads]
-    )
-  got = jax.device_get(small)
-  assert got.done_b.tolist() == [False, False, False, True]
-  np.testing.assert_array_equal(got.out_tokens_br[:3], before.out_tokens_br[rows])
-  np.testing.assert_array_equal(got.num_generated_b[:3], before.num_generated_b[rows])
-  # The weights on the smaller mesh are the engine's own buffers, not copies.
-  view = engine.compactor.params(4)
-  for full, part in zip(jax.tree.leaves(engine.params), jax.tree.leaves(view), strict=True):
+  settings = SAMPLING[:8]
+  got = rollout.generate(engine, prompts, sampling=settings, seed=1)
+  plain = _engine(params, [4, 5, 6, 7], 2, 2)
+  want = plain.generate(prompts, sampling=settings, seed=1)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert got.inserts.sum() > len(prompts)  # the tail moved
+  # 4 slots keep the 4 rows per replica of the full batch: one replica (devices 4 and 5),
+  # KV heads over 'tensor'.
+  tail = engine.compactor.engines[4]
+  pool = tail.init_decode_state().cache["k"]
+  assert pool.shape[0] == 1 and {s.device.id for s in pool.addressable_shards} == {4, 5}
+  assert {s.index[2].start for s in pool.addressable_shards} == {0, CONFIG.num_kv_heads // 2}
+  # Its weights are the engine's own buffers on those devices, not copies.
+  for full, part in zip(jax.tree.leaves(engine.params), jax.tree.leaves(tail.params), strict=True):
     held = {s.device: s.data.unsafe_buffer_pointer() for s in full.addressable_shards}
+    assert {s.device.id for s in part.addressable_shards} == {4, 5}
     for s in part.addressable_shards:
       assert s.data.unsafe_buffer_pointer() == held[s.device]
-  tiny = engine.compactor.shrink(small, 2, [0, 2])
-  assert {s.device.id for s in tiny.cache["v"].addressable_shards} == {4, 5}
-  np.testing.assert_array_equal(jax.device_get(tiny.out_tokens_br), before.out_tokens_br[[6, 3]])
 
 
 @pytest.mark.parametrize("placement", ["disaggregated", "co-located"])
@@ -198,7 +192,7 @@ def test_score_stream_rejects_a_stream_that_repeats_or_misses_samples():
 
 
 def test_tail_threshold_is_validated():
-  assert config.RolloutSection(tail_threshold=0.25, paged=False).tail_threshold == 0.25
+  assert config.RolloutSection(tail_threshold=0.25).tail_threshold == 0.25
   for bad in (1.0, -0.1):
     with pytest.raises(ValueError, match=r"'rollout.tail_threshold' must be in \[0, 1\)"):
       config.RolloutSection(tail_threshold=bad)
@@ -206,9 +200,6 @@ def test_tail_threshold_is_validated():
     rollout.EngineConfig(tail_threshold=1.0)
   with pytest.raises(ValueError, match="tail_threshold"):
     rollout.EngineConfig(tail_threshold=-0.1)
-  assert rollout.EngineConfig().paged and not rollout.EngineConfig(tail_threshold=0.5).paged
-  with pytest.raises(ValueError, match="tail_threshold > 0 needs paged=False"):
-    rollout.EngineConfig(tail_threshold=0.5, paged=True)
 
 
 def test_bench_lengths_have_the_asked_tail():
@@ -238,8 +229,11 @@ def test_bench_reports_every_key_per_placement_and_mode():
   for r in rows:
     assert keys | {"decode_steps_by_batch"} <= set(r)
     steps = r["decode_steps_by_batch"]
-    assert sum(steps.values()) == lengths.max() - 1  # every request starts at step 0
-    # Lengths [1 2 1 5 2 1 1 7]: two requests left (<= 0.25 * 8) go onto 2 slots, then 1.
-    assert set(steps) == ({"8", "2", "1"} if r["fused"] else {"8"})
+    assert sum(steps.values()) == lengths.max()  # every request starts at step 0
+    # Lengths [1 2 1 5 2 1 1 7]: fused, the two requests left after 2 steps (<= 0.25 * 8)
+    # move to a tail engine of 2 slots on one replica; unfused, the live batch only halves
+    # where every replica's rows fit (disaggregated: 4 replicas of 2 rows; co-located: 8 of 1).
+    assert r["tail_moves"] == ([2] if r["fused"] else [])
+    assert set(steps) == {"8", "2"} if r["fused"] else set(steps) <= {"8", "4"}
     assert r["tail_s"] <= r["generate_s"] <= r["iteration_s"]
   assert {r["placement"] for r in records if "speedup" in r} == set(fb.PLACEMENTS)

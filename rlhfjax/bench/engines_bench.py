@@ -1,4 +1,4 @@
-"""The dense and the paged rollout engine on a long-tailed length mix, in the same KV memory.
+"""A dense KV cache and a paged one on a long-tailed length mix, in the same KV memory.
 
 Letters in names: n requests, g prompts (groups), p prompt length, r response length.
 
@@ -8,7 +8,8 @@ dense cache gives every slot `max_prompt_len + max_new_tokens` tokens, so a memo
 the tokens sequences really have (in pages), so the same budget runs as many sequences as their
 real lengths allow. Each engine here gets the same budget:
 
-  dense                 `budget / max_seq_len` slots;
+  dense                 `budget / max_seq_len` slots, each owning one page of `max_seq_len`
+                        tokens: the dense cache, as the engine's pool of pages;
   paged                 a pool of `budget / page_size` pages (its reserved page included), more
                         slots than the dense engine, prompts admitted by free pages;
   paged_prefix_shared   the same, and the samples of a prompt prefill it once and share its
@@ -19,7 +20,7 @@ The workload: `groups` prompts of lengths uniform in [p/4, p], each asked `group
 `max_new_tokens` (a per-request token limit; stop tokens off, so every engine generates the
 same lengths). Sampling at temperature 1 with the same seed, so the engines generate the same
 tokens up to float rounding (`tokens_equal` reports the fraction that agree with the dense
-engine's).
+cache's).
 """
 
 from __future__ import annotations
@@ -91,12 +92,16 @@ def engine_config(name: str, workload: Workload, budget: Budget) -> EngineConfig
     max_new_tokens=workload.max_new_tokens,
     prefill_batch_sizes=None,
   )
-  if name == "dense":
-    return EngineConfig(num_slots=budget.dense_slots, paged=False, **common)
+  if name == "dense":  # one page per row: a page is a whole sequence
+    return EngineConfig(
+      num_slots=budget.dense_slots,
+      page_size=workload.max_prompt_len + workload.max_new_tokens,
+      share_prefixes=False,
+      **common,
+    )
   cache_tokens = budget.dense_slots * (workload.max_prompt_len + workload.max_new_tokens)
   return EngineConfig(
     num_slots=budget.paged_slots,
-    paged=True,
     page_size=budget.page_size,
     num_pages=cache_tokens // budget.page_size,
     share_prefixes=name == "paged_prefix_shared",

@@ -11,11 +11,13 @@ ways:
   wave as long as its longest sample; scoring starts when the batch is out, on whole batches
   padded to the longest response.
 * `continuous`: rlhfjax's engine unfused: finished slots refill from the queue; the decode
-  batch stays at `slots` rows to the end (finished rows still cost their KV reads); scoring
+  batch stays at `slots` rows to the end (finished rows still cost their KV reads; the engine's
+  live batch does halve where every replica's rows fit, which this way leaves out); scoring
   starts when the last sample is out.
 * `fused`: continuous, plus tail compaction (once the queue is empty and at most
-  `tail_threshold` of the slots run, the batch halves each time its rows fit) and fused
-  scoring: every `micro_batch` finished samples are scored on each scorer's group as they come.
+  `tail_threshold` of the slots run, the batch halves each time its rows fit: the engine moves
+  the tail onto a tail engine on fewer replicas, whose live batch halves) and fused scoring:
+  every `micro_batch` finished samples are scored on each scorer's group as they come.
   A group disjoint from the rollout's works meanwhile; one sharing its devices runs between
   decode chunks, so generation waits for it. Advantages start when every score is in.
 
@@ -131,7 +133,7 @@ def _decode(
   size, compacted = slots, False
   while active:
     if not queue and threshold > 0:
-      # The engine's sizes halve down to an odd one (`rollout.compaction.allowed_sizes`).
+      # Sizes halve down to an odd one (the live batches of `rollout.paging`).
       fits = lambda size: size % 2 == 0 and len(active) <= size // 2  # noqa: E731
       while fits(size) and (compacted or len(active) <= threshold * slots):
         size, compacted = size // 2, True

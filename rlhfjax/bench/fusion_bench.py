@@ -210,6 +210,7 @@ class _Case:
         str(k): v for k, v in sorted(stream.stats.decode_steps_by_batch.items(), reverse=True)
       },
       "decode_calls": stream.stats.decode_calls,
+      "tail_moves": list(stream.stats.compactions),
       "score_calls": len(calls),
     }, calls
 

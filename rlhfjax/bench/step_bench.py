@@ -6,10 +6,7 @@
   Model FLOPs per step = 6 x (non-embedding parameters + LM head) x tokens + causal attention
   (3 x 2 x b x layers x heads x head_dim x t^2: forward QK^T and PV over half the square, twice
   that backward); recomputation by remat is not counted (MFU, not hardware FLOPs utilisation).
-* `decode_step`: `rollout.decode.generate_steps` over a full batch of slots with bf16 weights;
-  the bytes one step must read are all weights plus the KV cache it attends over (every slot
-  of each row's cache, since attention runs over the cache's whole length).
-* `paged_decode_step`: the paged engine (`rlhfjax.rollout.paged_decode`) over a full batch of
+* `paged_decode_step`: the rollout engine (`rlhfjax.rollout.paged_decode`) over a full batch of
   slots, each with a prompt of `cache_len - steps` tokens; the bytes a step must read are all
   weights plus the live KV (each row's tokens so far: the paged kernels stop at each row's
   length), so `bandwidth_fraction` is what a memory-bound decode reaches of the HBM peak.
@@ -18,7 +15,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any
@@ -35,7 +31,6 @@ from rlhfjax.config.model import (
   kv_cache_bytes_per_token,
   param_count,
 )
-from rlhfjax.rollout import decode
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
 from rlhfjax.training import steps
@@ -152,32 +147,6 @@ def train_step(
   }
 
 
-def decode_step(
-  config: ModelConfig, batch: int, cache_len: int, steps_per_call: int = 64, repeats: int = 5
-) -> dict[str, Any]:
-  """Time decode steps of a full batch; the fraction of HBM bandwidth the bytes read reach."""
-  params = models.init_params(config, "lm", jax.random.key(0))
-  state = decode_state(config, batch, cache_len, steps_per_call)
-  run = jax.jit(
-    lambda p, s: decode.generate_steps(
-      config, p, s, jnp.int32(steps_per_call), jnp.int32(batch + 1)
-    )
-  )
-  seconds = _timed(lambda p, s: run(p, s)[1], params, state, repeats=repeats) / steps_per_call
-  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(state.cache))
-  read = weight_bytes + cache_bytes
-  return {
-    "bench": "decode_step",
-    "batch": batch,
-    "cache_len": cache_len,
-    "step_ms": round(seconds * 1e3, 3),
-    "tokens_per_s": round(batch / seconds, 1),
-    "gb_read_per_step": round(read / 1e9, 3),
-    "bandwidth_fraction": round(read / seconds / peaks()[1], 4),
-  }
-
-
 def paged_decode_step(
   config: ModelConfig,
   batch: int,
@@ -198,7 +167,6 @@ def paged_decode_step(
     prompt_buckets=(prompt_len,),
     max_new_tokens=cache_len - prompt_len,
     prefill_batch_sizes=(1, batch),
-    paged=True,
     page_size=page_size,
     paged_attention=kernel,
   )
@@ -232,21 +200,6 @@ def paged_decode_step(
     "gb_read_per_step": round(read / 1e9, 3),
     "bandwidth_fraction": round(read / seconds / peaks()[1], 4),
   }
-
-
-def decode_state(config: ModelConfig, batch: int, cache_len: int, new_tokens: int):
-  """Every slot busy with a prompt filling the cache up to `cache_len - new_tokens`."""
-  state = decode.empty_state(config, batch, cache_len, new_tokens + 1, 1)
-  start = cache_len - new_tokens - 1
-  full = lambda v, dtype=jnp.int32: jnp.full((batch,), v, dtype)
-  return dataclasses.replace(
-    state,
-    done_b=full(False, bool),
-    index_b=full(start),
-    positions_b=full(start),
-    max_new_b=full(new_tokens + 1),
-    temperature_b=full(1.0, jnp.float32),
-  )
 
 
 def attention_check(dtype: str = "bfloat16") -> list[dict[str, Any]]:

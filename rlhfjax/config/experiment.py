@@ -370,21 +370,20 @@ class RolloutSection:
   """Decode slots of the continuous-batching engine (0: one per prompt of the batch)."""
   tail_threshold: float = 0.0
   """Tail compaction: once at most this fraction of the slots still decode (and no prompt is
-  queued), they move into a smaller decode batch on fewer replicas. 0: off."""
-  paged: bool = True
-  """Keep the rollout's KV cache in fixed-size pages from one pool per 'data' replica
-  (`rlhfjax.rollout.paging`): a sequence holds pages for the tokens it has, prompts are
-  admitted by free pages, and identical prompts share theirs. False: a dense cache of
-  `max_seq_len` tokens per slot."""
+  queued), the running requests move onto that many slots on the fewest 'data' replicas that
+  keep the rows per replica (re-prefilled there with the tokens they have), freeing the other
+  replicas' devices. 0: off (the live batch still halves as the tail finishes)."""
   page_size: int = 16
-  """Tokens per KV page (with `paged`)."""
+  """Tokens per KV page. The rollout keeps its KV cache in fixed-size pages from one pool per
+  'data' replica (`rlhfjax.rollout.paging`): a sequence holds pages for the tokens it has,
+  prompts are admitted by free pages, and identical prompts share theirs."""
   kv_cache_tokens: int = 0
-  """With `paged`: tokens the page pool holds over all the rollout's 'data' replicas (the KV
+  """Tokens the page pool holds over all the rollout's 'data' replicas (the KV
   cache's memory). 0: every slot at full length, `slots x max_seq_len`, the dense cache's
   memory. A smaller pool with more `slots` runs more sequences at once on long-tailed lengths;
   when it fills, the youngest sequence is preempted and recomputed later."""
   kv_memory_fraction: float = 0.0
-  """With `paged`, in (0, 1]: size the pool from memory, like vLLM's `gpu_memory_utilization`:
+  """In (0, 1]: size the pool from memory, like vLLM's `gpu_memory_utilization`:
   this fraction of a rollout device's memory (`placement.memory_per_device_gb`, else what the
   device reports) less what it holds while generating (the rollout's weights, logits and sync
   buffer, the parameters and optimizer state of roles sharing it) goes to the pool, in the
@@ -399,13 +398,13 @@ class RolloutSection:
   copy to free. Not with generation ahead of the update (`ppo.async_rollout`,
   `ppo.max_staleness`), whose rollout never stops."""
   share_prefixes: bool = True
-  """With `paged`: the samples of one prompt (a GRPO group) prefill it once and share its
+  """The samples of one prompt (a GRPO group) prefill it once and share its
   pages."""
   decode_chunk: int = 64
   """Most decode steps one device call runs while prompts wait (their admission and the page
   reservations happen between calls; finished slots refill on device within a call)."""
   attention: str = "auto"
-  """Decode attention over the KV pages (with `paged`): 'gather' (each row's pages gathered,
+  """Decode attention over the KV pages: 'gather' (each row's pages gathered,
   then XLA's attention; any backend, any model), 'pallas' (JAX's Pallas paged-attention kernel
   of the rollout's platform, GPU or TPU; refused elsewhere and for models it cannot run: a
   sliding window, a head dim not a multiple of 16) or 'auto': 'pallas' where it can run (on
@@ -448,17 +447,7 @@ class RolloutSection:
         f"sequence's capacity, max_prompt_len + max_new_tokens = {self.max_seq_len}"
       )
     _check_choice("rollout.attention", self.attention, _ROLLOUT_ATTENTION)
-    if self.paged and self.tail_threshold > 0:
-      raise ConfigError(
-        "'rollout.tail_threshold' compacts the dense KV cache's rows: set 'rollout.paged=False' "
-        "with it (the paged engine frees finished rows' pages and refills their slots instead)"
-      )
-    if self.kv_memory_fraction and not self.paged:
-      raise ConfigError(
-        f"'rollout.kv_memory_fraction'={self.kv_memory_fraction:g} sizes the paged engine's "
-        "pool: set 'rollout.paged=True' with it (the dense cache holds every slot at full length)"
-      )
-    if self.paged and 0 < self.kv_cache_tokens < self.max_seq_len:
+    if 0 < self.kv_cache_tokens < self.max_seq_len:
       raise ConfigError(
         f"'rollout.kv_cache_tokens'={self.kv_cache_tokens} cannot hold one sequence of "
         f"max_prompt_len + max_new_tokens = {self.max_seq_len} tokens"
@@ -480,7 +469,7 @@ class RolloutSection:
     return self.slots or self.batch_size
 
   def kv_pages(self, replicas: int) -> int:
-    """With `paged`: pages of the pool over `replicas` 'data' replicas, one reserved page each
+    """Pages of the pool over `replicas` 'data' replicas, one reserved page each
     included (`kv_cache_tokens` in whole pages per replica; 0: every slot of the replica at
     full length)."""
     ceil = lambda a, b: -(-a // b)
@@ -1324,7 +1313,17 @@ def _type_hints(cls: type) -> dict[str, Any]:
   return typing.get_type_hints(cls)
 
 
+_REMOVED = {
+  "rollout.paged": "the rollout engine always keeps its KV cache in pages (a pool of "
+  "'rollout.kv_cache_tokens' or 'rollout.kv_memory_fraction'; 0 for both: every slot at full "
+  "length, a dense cache's memory)",
+}
+"""Fields that were removed, and why: a config that still sets one says so."""
+
+
 def _unknown_field_message(dotted: str, key: str, fields: Mapping[str, Any], prefix: str) -> str:
+  if dotted in _REMOVED:
+    return f"config field {dotted!r} was removed: {_REMOVED[dotted]}; drop it"
   message = f"unknown config field {dotted!r}"
   close = difflib.get_close_matches(str(key), list(fields), n=1)
   if close:

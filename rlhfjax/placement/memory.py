@@ -141,11 +141,9 @@ def estimate_memory(
   return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
 
 
-def rollout_cache_tokens(rollout: RolloutSection, replicas: int) -> int | None:
+def rollout_cache_tokens(rollout: RolloutSection, replicas: int) -> int:
   """Tokens one 'data' replica's KV cache holds: its share of the page pool in whole pages plus
-  the reserved page, or None for the dense cache (every slot at full length)."""
-  if not rollout.paged:
-    return None
+  the reserved page."""
   return rollout.kv_pages(replicas) // replicas * rollout.page_size
 
 

@@ -3,8 +3,8 @@
 It consumes the stream of `rlhfjax.rollout.streaming` (prompts served through the engine's
 decode slots, refilled as sequences finish) and puts the responses back in input order. One
 short response never waits for the longest in its batch, and the device runs the same
-programs (`generate_steps`: the dense engine's one, the paged engine's per live-batch size and
-table width) whatever the mix of lengths.
+programs (`generate_steps`, one per live-batch size and page-table width) whatever the mix of
+lengths.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ class GenerateOutput:
   max_live: int
   """Most requests decoding at once."""
   max_pages_in_use: int
-  """Most KV pages held at once (the dense engine: its whole cache, in pages)."""
+  """Most KV pages held at once."""
   preemptions: int
   decode_steps_by_batch: dict[int, int]
-  """Decode steps run at each decode batch size (compacted tail sizes included)."""
+  """Decode steps run at each live-batch size."""
 
 
 def generate(

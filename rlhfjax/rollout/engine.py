@@ -10,12 +10,13 @@ The slot API follows JetStream's engine protocol:
 
 A finished slot is free: the next `insert` into it replaces its row. `generate` (continuous
 batching over this API, see `rlhfjax.rollout.batching`) is the call most users want;
-`rlhfjax.rollout.streaming.RolloutStream` hands samples out as they finish, and with
-`tail_threshold` moves the tail onto a smaller batch (`rlhfjax.rollout.compaction`).
+`rlhfjax.rollout.streaming.RolloutStream` hands samples out as they finish, the tail decoding
+ever smaller live batches, and with `tail_threshold` on fewer replicas
+(`rlhfjax.rollout.compaction`).
 
 Compiled programs, each jitted once with explicit in/out shardings on the engine's mesh:
 `prefill` per (prefill batch size, prompt bucket), `insert` per (prefill batch size, bucket),
-one `generate_steps` (the paged engine: one per live-batch size and page-table width, see
+one `generate_steps` per live-batch size and page-table width (see
 `rlhfjax.rollout.paged_engine`) and one `init_decode_state`. Sampling settings, seeds, stop ids
 and token limits are data, so they never recompile; neither does `update_params`.
 
@@ -23,35 +24,33 @@ Layout: the generation rules of `rlhfjax.mesh.rules` (tensor parallel over heads
 MLP and vocab; decode slots over 'data'). Prefill batches smaller than the 'data' axis are
 replicated over it.
 
-Two KV caches, one API. The paged engine (`EngineConfig.paged`, the default) keeps keys and
-values in a pool of fixed-size pages per 'data' replica (`rlhfjax.rollout.paged_decode`):
+One KV cache: a pool of fixed-size pages per 'data' replica (`rlhfjax.rollout.paged_decode`).
 `generate` and `RolloutStream` admit requests by free pages, share the pages of identical
 prompts and refill slots on device (`rlhfjax.rollout.paging` schedules them); the slot API
-gives every slot a fixed row of pages, a dense cache's memory. `paged=False` is the dense
-cache `[l, b, s, k, n]` (`rlhfjax.rollout.decode`), the reference the paged engine is tested
-against. In the paged engine the prefill fills the KV of a prompt's first `L - 1` tokens and the
-first decode step samples its first token; in the dense one the prefill samples it.
+gives every slot a fixed row of pages, a dense cache's memory. The prefill fills the KV of a
+prompt's first `L - 1` tokens and the first decode step samples its first token. The engine is
+tested against the model's forward over the whole sequence, without a cache
+(tests/test_rollout.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from rlhfjax import models, programs
+from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.models.transformer import PAGED_KERNELS
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
 from rlhfjax.programs import TraceCounter
-from rlhfjax.rollout import batching, compaction, decode, paged_engine
-from rlhfjax.rollout.decode import DecodeState
+from rlhfjax.rollout import batching, compaction, paged_engine
+from rlhfjax.rollout.paged_decode import PagedState
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 
 _INT32_MAX = 2**31 - 1
@@ -74,14 +73,10 @@ class EngineConfig:
   pad_token_id: int = 0
   """Written into prompt padding and past the end of responses."""
   tail_threshold: float = 0.0
-  """Tail compaction: once no prompt is queued and at most this fraction of `num_slots` is
-  still running, the running rows move into a smaller decode batch on fewer 'data' replicas
-  (`rlhfjax.rollout.compaction`). 0 turns it off. Dense engine only (`paged=False`): the paged
-  engine refills its slots on device and frees finished rows' pages instead."""
-  paged: bool | None = None
-  """Keep the KV cache in pages (`rlhfjax.rollout.paged_decode`); False: one dense row of
-  `cache_length` slots per decode slot. None (the default) resolves to True, or to False when
-  `tail_threshold > 0` asks for tail compaction, which only the dense engine does."""
+  """Tail compaction: once no prompt waits and at most this fraction of `num_slots` still
+  runs, the running requests move onto an engine of that many slots on the first 'data'
+  replicas of the mesh (`rlhfjax.rollout.compaction`), freeing the other replicas' devices. 0
+  turns it off (the live batch still halves as the tail finishes, on every replica)."""
   page_size: int = 16
   """Tokens per page."""
   num_pages: int | None = None
@@ -126,12 +121,6 @@ class EngineConfig:
     object.__setattr__(self, "prefill_batch_sizes", sizes)
     if not 0.0 <= self.tail_threshold < 1.0:
       raise ValueError(f"EngineConfig.tail_threshold must be in [0, 1), got {self.tail_threshold}")
-    if self.paged is None:
-      object.__setattr__(self, "paged", self.tail_threshold == 0)
-    if self.paged and self.tail_threshold > 0:
-      raise ValueError(
-        "EngineConfig.tail_threshold > 0 needs paged=False: tail compaction moves dense cache rows"
-      )
     if self.page_size < 1:
       raise ValueError(f"EngineConfig.page_size must be >= 1, got {self.page_size}")
     if self.num_pages is not None and self.num_pages < 2:
@@ -155,7 +144,8 @@ class EngineConfig:
     return -(-self.cache_length // self.page_size)
 
   def pages_total(self, replicas: int) -> int:
-    """Pages of the pool over `replicas` 'data' replicas (`num_pages`, or the dense cache's)."""
+    """Pages of the pool over `replicas` 'data' replicas (`num_pages`, or a dense cache's:
+    every slot at full length)."""
     if self.num_pages is not None:
       return self.num_pages
     return self.num_slots * self.pages_per_sequence + replicas
@@ -178,8 +168,9 @@ class EngineConfig:
 class Prefix:
   """Prefilled prompts waiting to be inserted into decode slots."""
 
-  state: DecodeState
-  """Rows padded up to a prefill batch size; only the first `num_prompts` are real."""
+  state: Any
+  """The prefill's output (`rlhfjax.rollout.paged_decode.Prefix`): rows padded up to a prefill
+  batch size; only the first `num_prompts` are real."""
   num_prompts: int
   bucket: int
 
@@ -257,7 +248,6 @@ class Engine:
           "engine's mesh does"
         )
       self.param_shardings = param_shardings
-    self._replicated = NamedSharding(mesh, PartitionSpec())
     self._params = None
     self._owned: list[bool] = []
     """Per leaf of `_params`: copied by this engine (not the caller's array, adopted); empty
@@ -267,59 +257,15 @@ class Engine:
     """Incremented by every `update_params` and `read_params_from`: the weights' version."""
     self.host_transfers = 0
     """Host transfers made so far (uploads and reads, one per call)."""
+    self.paged = paged_engine.PagedPrograms(self)
+    """The compiled programs over the KV pages and the host calls that drive them."""
     self.compactor = compaction.Compactor(self)
-    """The tail compaction programs (built and compiled on first use, once per size)."""
-    self.paged: paged_engine.PagedPrograms | None = None
-    """The paged programs (`EngineConfig.paged`), else None."""
-    if config.paged:
-      self.paged = paged_engine.PagedPrograms(self)
-      self.state_shardings = self.paged.state_shardings
-      self.prefix_shardings = dict(self.paged.prefix_shardings)
-    else:
-      self._build_dense()
+    """The engines the tail moves to (`tail_threshold`), built on first use."""
+    self.state_shardings = self.paged.state_shardings
+    self.prefix_shardings = dict(self.paged.prefix_shardings)
+    """Shardings of a prefill's output, by prefill batch size."""
     if params is not None:
       self.update_params(params)
-
-  def _build_dense(self) -> None:
-    """The dense engine's programs."""
-    config = self.config
-    self.state_shardings = self.state_shardings_for(config.num_slots)
-    r, cfg = config.max_new_tokens, self.model_config
-    self._init_state = self.traces.jit(
-      "init_decode_state",
-      functools.partial(
-        decode.empty_state, cfg, config.num_slots, config.cache_length, r, config.max_stop_tokens
-      ),
-      out_shardings=self.state_shardings,
-    )
-    self._generate_steps = self.traces.jit(
-      "generate_steps",
-      functools.partial(decode.generate_steps, cfg),
-      in_shardings=(self.param_shardings, self.state_shardings, self._replicated, self._replicated),
-      out_shardings=(self.state_shardings, self._replicated),
-      donate_argnums=1,
-    )
-    self._prefill: dict[int, Callable] = {}
-    self._insert: dict[int, Callable] = {}
-    self._request_shardings: dict[int, decode.Requests] = {}
-    self.prefix_shardings: dict[int, DecodeState] = {}
-    """Shardings of a prefill's output, by prefill batch size (rows over 'data' if they divide)."""
-    for m in config.prefill_batch_sizes:
-      prefix_shardings = self.prefix_shardings[m] = self.state_shardings_for(m)
-      self._request_shardings[m] = self._requests_shardings(m)
-      self._prefill[m] = self.traces.jit(
-        "prefill",
-        functools.partial(decode.prefill, cfg, r),
-        in_shardings=(self.param_shardings, self._request_shardings[m]),
-        out_shardings=prefix_shardings,
-      )
-      self._insert[m] = self.traces.jit(
-        "insert",
-        decode.insert,
-        in_shardings=(prefix_shardings, self.state_shardings, self._replicated),
-        out_shardings=self.state_shardings,
-        donate_argnums=1,
-      )
 
   @classmethod
   def for_role(
@@ -341,39 +287,6 @@ class Engine:
   def compilations(self) -> dict[str, int]:
     """Programs traced (and so compiled) so far, by entry point."""
     return self.traces.counts
-
-  def state_shardings_for(self, rows: int, mesh: Mesh | None = None) -> DecodeState:
-    """Shardings of a decode batch of `rows` rows on `mesh` (default: the engine's)."""
-    cfg = self.config
-    shapes = programs.eval_shape(
-      functools.partial(
-        decode.empty_state,
-        self.model_config,
-        rows,
-        cfg.cache_length,
-        cfg.max_new_tokens,
-        cfg.max_stop_tokens,
-      )
-    )
-    return rules.named_shardings(
-      decode.logical_axes(rules.KV_CACHE_AXES), shapes, mesh or self.mesh, Layout.GENERATION
-    )
-
-  def _requests_shardings(self, rows: int) -> decode.Requests:
-    row, row2 = ("batch",), ("batch", None)
-    axes = decode.Requests(
-      tokens_bp=row2,
-      lengths_b=row,
-      max_new_b=row,
-      stop_bm=row2,
-      temperature_b=row,
-      top_k_b=row,
-      top_p_b=row,
-      seed_b=row,
-      request_id_b=row,
-    )
-    shapes = jax.tree.map(lambda a: (rows,) * len(a), axes, is_leaf=lambda x: isinstance(x, tuple))
-    return rules.named_shardings(axes, shapes, self.mesh, Layout.GENERATION)
 
   # -------------------------------------------------------------------------------------------
   # Weights.
@@ -463,11 +376,9 @@ class Engine:
   # -------------------------------------------------------------------------------------------
   # The slot API.
 
-  def init_decode_state(self) -> DecodeState:
+  def init_decode_state(self) -> PagedState:
     """A decode batch with every slot free, allocated on the mesh."""
-    if self.paged is not None:
-      return self.paged.init_state()
-    return self._init_state()
+    return self.paged.init_state()
 
   def prefill(
     self,
@@ -477,8 +388,8 @@ class Engine:
     seed: int = 0,
     request_ids: Sequence[int] | None = None,
   ) -> Prefix:
-    """Prefills prompts (at most the largest prefill batch size); the dense engine also samples
-    their first token (the paged one samples it in the first decode step).
+    """Prefills prompts (at most the largest prefill batch size): the KV of all but each one's
+    last token (the first decode step feeds that one and samples the first response token).
 
     Args:
       prompts: Token ids, one non-empty list per prompt.
@@ -510,28 +421,10 @@ class Engine:
 
     cfg = self.config
     fields = _settings_arrays(settings, rows, cfg, self.model_config.eos_token_ids)
-    if self.paged is not None:
-      state, bucket = self.paged.prefill(self.params, prompts, fields, seed, request_ids, rows)
-      return Prefix(state=state, num_prompts=num, bucket=bucket)
-    tokens = np.full((rows, bucket), cfg.pad_token_id, np.int32)
-    lengths = np.ones(rows, np.int32)  # padding rows: one pad token, never inserted
-    for i, p in enumerate(prompts):
-      tokens[i, bucket - len(p) :] = p
-      lengths[i] = len(p)
-    ids = np.zeros(rows, np.int32)
-    ids[:num] = request_ids
-    host = decode.Requests(
-      tokens_bp=tokens,
-      lengths_b=lengths,
-      seed_b=np.full(rows, seed, np.int32),
-      request_id_b=ids,
-      **fields,
-    )
-    requests = jax.device_put(host, self._request_shardings[rows])
-    self.host_transfers += 1
-    return Prefix(state=self._prefill[rows](self.params, requests), num_prompts=num, bucket=bucket)
+    state, bucket = self.paged.prefill(self.params, prompts, fields, seed, request_ids, rows)
+    return Prefix(state=state, num_prompts=num, bucket=bucket)
 
-  def insert(self, prefix: Prefix, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+  def insert(self, prefix: Prefix, state: PagedState, slots: Sequence[int]) -> PagedState:
     """Puts prefix row `i` into decode slot `slots[i]`. Donates `state`.
 
     Whatever the slots held is replaced, finished or not: the caller tracks which are free.
@@ -541,17 +434,11 @@ class Engine:
       raise ValueError(f"{len(slots)} slots for a prefix of {prefix.num_prompts} prompts")
     if len(set(slots)) != len(slots) or not all(0 <= s < self.config.num_slots for s in slots):
       raise ValueError(f"slots must be distinct and in [0, {self.config.num_slots}), got {slots}")
-    if self.paged is not None:
-      return self.paged.insert(prefix.state, state, slots)
-    rows = prefix.state.num_slots
-    slots_c = np.full(rows, -1, np.int32)
-    slots_c[: len(slots)] = slots
-    self.host_transfers += 1
-    return self._insert[rows](prefix.state, state, jax.device_put(slots_c, self._replicated))
+    return self.paged.insert(prefix.state, state, slots)
 
   def generate_steps(
-    self, state: DecodeState, max_steps: int | None = None, until_free: int | None = None
-  ) -> tuple[DecodeState, jax.Array]:
+    self, state: PagedState, max_steps: int | None = None, until_free: int | None = None
+  ) -> tuple[PagedState, jax.Array]:
     """Decodes every slot on device. Donates `state`.
 
     Args:
@@ -565,13 +452,7 @@ class Engine:
     """
     max_steps = self.config.max_new_tokens if max_steps is None else int(max_steps)
     until_free = self.config.num_slots if until_free is None else int(until_free)
-    if self.paged is not None:
-      return self.paged.generate_steps(self.params, state, max_steps, until_free)
-    self.host_transfers += 1
-    steps_limit, free_limit = jax.device_put(
-      (np.int32(max_steps), np.int32(until_free)), self._replicated
-    )
-    return self._generate_steps(self.params, state, steps_limit, free_limit)
+    return self.paged.generate_steps(self.params, state, max_steps, until_free)
 
   def settings_arrays(self, settings: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
     """Per-request arrays of `settings` (`max_new_b`, `stop_bm`, `temperature_b`, `top_k_b`,
@@ -580,59 +461,27 @@ class Engine:
     return _settings_arrays(settings, len(settings), cfg, self.model_config.eos_token_ids)
 
   def warmup(self) -> dict[str, int]:
-    """Compiles every program the engine can need, so no later call compiles.
-
-    Runs one prefill and insert for each (prefill batch size, prompt bucket) pair and a
-    zero-step decode, and with tail compaction on, a compaction to every allowed size and a
-    zero-step decode there. Returns `compilations`.
-    """
-    if self.paged is not None:
-      self.paged.warmup(self.params)
-      return self.compilations
-    setting = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=())
-    state = self.init_decode_state()
-    for rows in self.config.prefill_batch_sizes:
-      for bucket in self.config.prompt_buckets:
-        prefix = self.prefill([[self.config.pad_token_id] * bucket] * rows, setting)
-        state = self.insert(prefix, state, range(rows))
-    state, _ = self.generate_steps(state, max_steps=0)
-    if self.config.tail_threshold > 0:  # every compacted size: its gather and its decode loop
-      for size in self.compactor.sizes:
-        state = self.compactor.shrink(state, size, [])
-        state, _ = self.compactor.generate_steps(size, state, 0, size)
-    jax.block_until_ready(state)
+    """Compiles every program the engine can need, so no later call compiles
+    (`rlhfjax.rollout.paged_engine.PagedPrograms.warmup`), and with `tail_threshold` those of
+    its tail engine (whose prefills also take prompt + response tokens, in one bucket of
+    `cache_length`). Returns `compilations` (the engine's own)."""
+    self.paged.warmup(self.params)
+    rows = self.compactor.rows(self.config.tail_threshold)
+    if rows:
+      tail = self.compactor.engine(rows)
+      tail.paged.warmup(tail.params, extra_bucket=True)
     return self.compilations
 
-  def read(self, state: DecodeState) -> SlotView:
+  def read(self, state: PagedState) -> SlotView:
     """Copies the slots' progress and responses to the host (waits for the device)."""
-    if self.paged is not None:
-      got = self.paged.read_slots(state)
-      return SlotView(
-        done=got["done_b"],
-        stopped=got["stopped_b"],
-        num_generated=got["num_generated_b"],
-        tokens=got["out_tokens_or"],
-        logprobs=got["out_logprobs_or"],
-        last_tokens=got["tokens_b"],
-      )
-    self.host_transfers += 1
-    got = transfer.to_host(
-      (
-        state.done_b,
-        state.stopped_b,
-        state.num_generated_b,
-        state.out_tokens_br,
-        state.out_logprobs_br,
-        state.tokens_b,
-      )
-    )
+    got = self.paged.read_slots(state)
     return SlotView(
-      done=got[0],
-      stopped=got[1],
-      num_generated=got[2],
-      tokens=got[3],
-      logprobs=got[4],
-      last_tokens=got[5],
+      done=got["done_b"],
+      stopped=got["stopped_b"],
+      num_generated=got["num_generated_b"],
+      tokens=got["out_tokens_or"],
+      logprobs=got["out_logprobs_or"],
+      last_tokens=got["tokens_b"],
     )
 
   def generate(

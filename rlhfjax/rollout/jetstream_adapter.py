@@ -8,16 +8,14 @@ Letters in names: b decode slots.
 
 Mapping onto JetStream 0.2.x:
   * `prefill(padded_tokens, true_length)`: one prompt (JetStream pads on the right) through
-    `Engine.prefill`; the prefix is the engine's one-row `DecodeState`, a pytree the
+    `Engine.prefill`; the prefix is the engine's one-row `paged_decode.Prefix`, a pytree the
     orchestrator can `device_put` to `get_prefix_destination_sharding()`.
   * `insert(prefix, state, slot)` and `init_decode_state()`: the engine's own.
   * `generate(params, state)`: one decode step on device, then one token per slot as
     `ResultTokens`: the slot's next token not reported yet. JetStream's prefill returns no
-    token; the dense engine samples the first response token during prefill, so there each
-    slot reports its response one step behind the device (the first `generate` after an insert
-    reports the prefill's token), while the paged engine samples it in the first decode step. A
-    slot whose response is fully reported gives `valid = False`, which completes it in the
-    orchestrator.
+    token, and neither does the engine's (the first decode step samples the first response
+    token). A slot whose response is fully reported gives `valid = False`, which completes it
+    in the orchestrator.
   * Sampling settings are fixed per adapter (JetStream 0.2 requests carry none); each request
     gets its own PRNG key from a counter.
 
@@ -39,7 +37,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, tokenizer_pb2
 
 from rlhfjax.rollout import paged_decode
-from rlhfjax.rollout.decode import DecodeState
 from rlhfjax.rollout.engine import Engine, Prefix
 from rlhfjax.rollout.paged_decode import PagedState
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
@@ -50,21 +47,14 @@ from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 class AdapterState:
   """The engine's decode batch plus how much of each slot's response JetStream has seen."""
 
-  slots: DecodeState | PagedState
+  slots: PagedState
   reported_b: jax.Array
   """Response tokens of each slot already returned by `generate`."""
 
 
-def _slot_tokens(slots: DecodeState | PagedState) -> jax.Array:
-  """`[b, r]` response tokens of every slot's request."""
-  if isinstance(slots, DecodeState):
-    return slots.out_tokens_br
-  return paged_decode.slot_tokens(slots)
-
-
-def _report(slots: DecodeState, reported_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _report(slots: PagedState, reported_b: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The next unreported token of every slot as `[b, 3]` (token, valid, length) rows."""
-  tokens_br = _slot_tokens(slots)
+  tokens_br = paged_decode.slot_tokens(slots)
   token_b = jnp.take_along_axis(tokens_br, reported_b[:, None], axis=1, mode="clip")[:, 0]
   valid_b = reported_b < slots.num_generated_b
   data_b3 = jnp.stack([token_b, valid_b.astype(jnp.int32), reported_b + 1], axis=-1)
@@ -161,7 +151,7 @@ class JetStreamEngine(engine_api.Engine):
     existing_prefix: Any | None = None,
     padded_tokens: jax.Array,
     true_length: int,
-  ) -> DecodeState | paged_decode.Prefix:
+  ) -> paged_decode.Prefix:
     if existing_prefix is not None:
       raise NotImplementedError("prefill on top of an existing prefix (multi-turn caching)")
     self._use(params)
@@ -173,7 +163,7 @@ class JetStreamEngine(engine_api.Engine):
     ).state
 
   def insert(
-    self, prefix: DecodeState | paged_decode.Prefix, decode_state: AdapterState, slot: int
+    self, prefix: paged_decode.Prefix, decode_state: AdapterState, slot: int
   ) -> AdapterState:
     full = Prefix(state=prefix, num_prompts=1, bucket=prefix.cache["k"].shape[2])
     slots = self._engine.insert(full, decode_state.slots, [slot])

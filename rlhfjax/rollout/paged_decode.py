@@ -17,7 +17,7 @@ and writes of inactive rows land there, never in a page someone else owns. A seq
 Prefill fills the KV of a prompt's first `L - 1` tokens (`prefill`, dense, right padded) and
 `insert` copies them into pages. The first response token is sampled by the first decode step,
 which feeds the last prompt token at index `L - 1`: every token, the first included, is drawn
-by `decode_step` with `fold_in(request key, step)`, as in `rlhfjax.rollout.decode`.
+by `decode_step` with `fold_in(request key, step)` (`step_keys`).
 
 A decode call (`generate_steps`) takes a `Plan` from the host: the page table of every slot,
 slots to evict (preempted), and a queue of prefilled requests per replica with their pages.
@@ -40,7 +40,6 @@ from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.models.transformer import Cache, PagedKV, init_paged_cache
 from rlhfjax.rollout import sampling
-from rlhfjax.rollout.decode import _finished, _step_rngs
 
 
 @jax.tree_util.register_dataclass
@@ -300,6 +299,19 @@ def idle_plan(table_bw: np.ndarray, replicas: int, max_stop_tokens: int, limit: 
   )
 
 
+def step_keys(rng_bx: jax.Array, step_b: jax.Array) -> jax.Array:
+  """Each row's PRNG key for its response token `step_b`: its request's key folded with it."""
+  keys_b = jax.random.wrap_key_data(rng_bx)
+  return jax.vmap(jax.random.fold_in)(keys_b, step_b)
+
+
+def finished_rows(token_b, num_generated_b, max_new_b, stop_bm) -> tuple[jax.Array, jax.Array]:
+  """(finished, on a stop token) of rows that just sampled `token_b` as their
+  `num_generated_b`-th token."""
+  stopped_b = jnp.any(token_b[:, None] == stop_bm, axis=-1)
+  return stopped_b | (num_generated_b >= max_new_b), stopped_b
+
+
 def _request_keys(seed_b: jax.Array, request_id_b: jax.Array) -> jax.Array:
   keys_b = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(seed_b, request_id_b)
   return jax.random.key_data(keys_b)
@@ -544,13 +556,13 @@ def decode_step(
   )
   token_b, logprob_b = sampling.sample(
     logits_b1v[:, 0],
-    _step_rngs(state.rng_bx, state.num_generated_b),
+    step_keys(state.rng_bx, state.num_generated_b),
     state.temperature_b,
     state.top_k_b,
     state.top_p_b,
   )
   num_generated_b = state.num_generated_b + active_b
-  finished_b, stopped_b = _finished(token_b, num_generated_b, state.max_new_b, state.stop_bm)
+  finished_b, stopped_b = finished_rows(token_b, num_generated_b, state.max_new_b, state.stop_bm)
   newly_done_b = active_b & finished_b
   column_b = jnp.minimum(state.num_generated_b, r - 1)
   out_tokens, out_logprobs = _write_rows(

@@ -1,16 +1,16 @@
-"""The paged engine's compiled programs and the host calls that drive them.
+"""The rollout engine's compiled programs over the KV pages and the host calls that drive them.
 
-`rlhfjax.rollout.engine.Engine` holds one of these when `EngineConfig.paged` is on; the maths is
+`rlhfjax.rollout.engine.Engine` holds one of these (`Engine.paged`); the maths is
 `rlhfjax.rollout.paged_decode`'s, the scheduling `rlhfjax.rollout.paging`'s.
 
-Compiled programs, each jitted once with explicit shardings (the same names as the dense
-engine's): `prefill` and `insert` per (prefill batch size, bucket), one `init_decode_state`
-and one `generate_steps` per (live-batch size, page-table width): a decode call runs only the
-slots the host names (its live rows and room for its queue; `paging.live_batch_sizes`) with
-page tables as wide as their pages (`paging.table_widths`), so a step costs the live rows and
-their lengths, not the engine's slots and capacity. Page tables, queues and limits are data.
-A preempted request that has generated tokens re-prefills prompt + tokens: in its prompt bucket
-when they fit, else in one bucket of `cache_length` tokens, compiled on first use.
+Compiled programs, each jitted once with explicit shardings: `prefill` and `insert` per
+(prefill batch size, bucket), one `init_decode_state` and one `generate_steps` per (live-batch
+size, page-table width): a decode call runs only the slots the host names (its live rows and
+room for its queue; `paging.live_batch_sizes`) with page tables as wide as their pages
+(`paging.table_widths`), so a step costs the live rows and their lengths, not the engine's
+slots and capacity. Page tables, queues and limits are data. A preempted request that has
+generated tokens re-prefills prompt + tokens: in its prompt bucket when they fit, else in one
+bucket of `cache_length` tokens, compiled on first use.
 
 Every host transfer (an upload with `jax.device_put`, a read with `to_host`) is counted on the
 engine (`Engine.host_transfers`), one per call.
@@ -405,6 +405,11 @@ class PagedPrograms:
     plan, slots = self._put((host, round_.slots_s), (self.plan_shardings, self._slots_sharding))
     return self._generate_steps[len(round_.slots_s), round_.width](params, state, plan, slots)
 
+  def drop(self, state: PagedState) -> None:
+    """Frees a decode state's device memory now (its pages above all)."""
+    for leaf in jax.tree.leaves(state):
+      leaf.delete()
+
   def read_round(self, state: PagedState, steps: jax.Array) -> dict[str, np.ndarray]:
     """What the scheduler needs of a decode call's results, and its step count (one read)."""
     names = (
@@ -420,13 +425,15 @@ class PagedPrograms:
     )
     return self._read({name: getattr(state, name) for name in names} | {"steps": steps})
 
-  def warmup(self, params: Any) -> None:
+  def warmup(self, params: Any, extra_bucket: bool = False) -> None:
     """Compiles every prefill and insert (writing only the reserved pages) and every decode
-    program (zero steps)."""
+    program (zero steps); with `extra_bucket`, also the prefills of the bucket beyond the
+    prompt buckets (`bucket`: prompt + response tokens of preempted or moved requests)."""
     cfg = self._engine.config
     state = self.init_state()
+    buckets = cfg.prompt_buckets + ((cfg.cache_length,) if extra_bucket else ())
     for rows in cfg.prefill_batch_sizes:
-      for bucket in cfg.prompt_buckets:
+      for bucket in buckets:
         item = paging.PrefillItem(tokens=np.zeros(bucket, np.int32), pages=[], replica=0)
         state = self.prefill_pages(params, state, [item] * rows)
     for size, width in self._generate_steps:

@@ -80,8 +80,7 @@ class PagePool:
 
 def live_batch_sizes(num_slots: int, replicas: int) -> tuple[int, ...]:
   """Live-batch sizes a decode call may run, largest first: `num_slots`, then halves while
-  each replica keeps a whole number of rows (`rlhfjax.rollout.compaction.allowed_sizes`, kept
-  to multiples of the 'data' axis)."""
+  each replica keeps a whole number of rows (multiples of the 'data' axis)."""
   sizes, m = [num_slots], num_slots
   while m % 2 == 0 and (m // 2) % replicas == 0:
     m //= 2
@@ -218,6 +217,7 @@ class Scheduler:
     chunked: bool = False,
     batch_sizes: Sequence[int] | None = None,
     widths: Sequence[int] | None = None,
+    tail_rows: int = 0,
   ):
     """Args:
     prompts: Token ids of each request.
@@ -233,6 +233,8 @@ class Scheduler:
       caller may swap weights between calls).
     batch_sizes: Live-batch sizes over all replicas (`live_batch_sizes`); None: all slots.
     widths: Page-table widths (`table_widths`); None: `width` only.
+    tail_rows: Once nothing waits, a call returns when at most this many requests run (the
+      stream then moves them to a tail engine, `rlhfjax.rollout.compaction`); 0: never.
     """
     self._settings = settings
     self._seed = seed
@@ -245,6 +247,7 @@ class Scheduler:
     self._min_yield = min_yield
     self._sizes = sorted(batch_sizes or [replicas * slots])
     self._widths = sorted(widths or [width])
+    self._tail_rows = tail_rows
     self.requests = [
       Request(index=i, prompt=np.asarray(p, np.int32), max_new=int(settings["max_new_b"][i]))
       for i, p in enumerate(prompts)
@@ -258,6 +261,17 @@ class Scheduler:
     self._evict: list[int] = []
     self._admissions = 0
     self.counters = Counters()
+
+  def take_over(self, moving: Sequence[Request], requests: list[Request]) -> None:
+    """Continues another scheduler's running requests `moving` (of its `requests`, which
+    become this one's): each waits here to be prefilled again with its prompt and the tokens
+    it has, as a preempted request does, and resumes at its next token."""
+    self.requests = requests
+    for r in moving:
+      r.status, r.replica, r.row, r.slot, r.key = "pending", -1, -1, -1, None
+      r.own, r.shared, r.copy = [], [], (0, 0)
+      self.counters.recomputed_tokens += len(r.tokens)
+    self.pending = collections.deque(sorted(moving, key=lambda r: r.admitted))
 
   # -------------------------------------------------------------------------------------------
   # Pages.
@@ -470,6 +484,10 @@ class Scheduler:
       max(0, sum(r is None for r in self.slot_of[d]) - len(self.queued[d])) for d in range(d_all)
     )
     pending = bool(self.pending)
+    until_free = min(idle + 1, b) if pending else b
+    admitted = sum(len(self._admitted(d)) for d in range(d_all))
+    if not pending and 0 < self._tail_rows < admitted:
+      until_free = b - self._tail_rows  # at most `tail_rows` run: they move
     slots_s, width = self._live_batch()
     return Round(
       prefills=prefills,
@@ -478,7 +496,7 @@ class Scheduler:
       count_d=count,
       queue=queue,
       max_steps=horizon,
-      until_free=min(idle + 1, b) if pending else b,
+      until_free=until_free,
       until_finished=_NEVER if pending else self._min_yield,
       shrink_after=self._chunk if not pending and len(slots_s) > self._sizes[0] else _NEVER,
       slots_s=slots_s,

@@ -1,31 +1,25 @@
 """Streaming rollout: finished samples leave the continuous-batching loop as they finish.
 
-The host loop over the engine's slot API:
-  1. take pending prompts for the free slots; prefill them in batches of the engine's prefill
-     sizes (short prompts together, so few are padded to a long bucket) and insert them;
-  2. run the compiled decode loop on device until some slot finishes (or, once the queue is
-     empty, until `min_yield` more do);
-  3. copy the finished rows out, hand them to the consumer, mark their slots free; repeat.
-The slots still running keep decoding in the next device call while the consumer works on
-what came out (a scorer dispatching to its own mesh returns at once: JAX runs it alongside).
+The loop is `rlhfjax.rollout.paging.Scheduler`'s: before each decode call it reserves pages for
+the running requests (preempting the youngest when the pool runs short), admits waiting prompts
+while pages and queue room allow (identical prompts prefilled once, sharing their pages) and
+hands the decode call a queue of prefilled requests, which take slots on device as others
+finish; after the call the finished requests come out, go to the consumer, and their pages go
+back to the pool. The requests still running keep decoding in the next device call while the
+consumer works on what came out (a scorer dispatching to its own mesh returns at once: JAX runs
+it alongside).
 
-Once the queue is empty and at most `tail_threshold` of the slots still run, the running rows
-are compacted into a smaller decode batch on fewer replicas (`rlhfjax.rollout.compaction`), and
-again each time they fit the next smaller size.
+Each call decodes only a live batch, the smallest allowed size holding the running and queued
+requests, with page tables as wide as their pages; once nothing waits, a call returns when its
+live rows fit half its batch, so the long tail of a length mix decodes ever smaller batches.
+With `tail_threshold`, once nothing waits and at most that fraction of the slots run, the
+running requests move onto a tail engine on fewer 'data' replicas
+(`rlhfjax.rollout.compaction`) and finish there.
 
-Each request's PRNG key is `fold_in(key(seed), index in the input)`, so a prompt's response
+Each request's PRNG key is `fold_in(key(seed), index in the input)`, and each of its tokens is
+drawn with that key folded with the token's position in the response, so a prompt's response
 depends on the seed and its own index only: not on the slot count, on the other prompts, on
-when it is handed out or on compaction.
-
-With the paged engine (`EngineConfig.paged`) the loop is `rlhfjax.rollout.paging.Scheduler`'s:
-before each decode call it reserves pages for the running requests (preempting the youngest
-when the pool runs short), admits waiting prompts while pages and queue room allow (identical
-prompts prefilled once, sharing their pages) and hands the decode call a queue of prefilled
-requests, which take slots on device as others finish; after the call the finished requests
-come out and their pages go back to the pool. Each call decodes only a live batch, the
-smallest allowed size holding the running and queued requests, with page tables as wide as
-their pages; once nothing waits, a call returns when its live rows fit half its batch, so the
-tail decodes ever smaller batches (the paged counterpart of tail compaction).
+when it is handed out, on preemption or on the tail's move.
 
 Each generated token records the version of the weights that sampled it
 (`Engine.params_version` at the decode call, or the prefill, that produced it): weights
@@ -74,7 +68,7 @@ class StreamStats:
 
   inserts: np.ndarray
   """[prompts] int32: how many times each prompt was put into a slot (1, plus one per
-  preemption)."""
+  preemption and one for the move to the tail engine)."""
   prefill_calls: int = 0
   prefill_rows: int = 0
   """Sequences prefilled: with shared prefixes, one per distinct prompt (and replica)."""
@@ -87,14 +81,16 @@ class StreamStats:
   max_live: int = 0
   """Most requests decoding at once."""
   max_pages_in_use: int = 0
-  """Most KV pages held at once (the dense engine: its whole cache, in pages)."""
+  """Most KV pages held at once (by the engine, then by the tail engine)."""
   preemptions: int = 0
   """Requests evicted for lack of pages (recomputed later)."""
+  recomputed_tokens: int = 0
+  """Generated tokens prefilled again: of preempted requests, and of those moved to the tail
+  engine."""
   decode_steps_by_batch: dict[int, int] = dataclasses.field(default_factory=dict)
-  """Decode steps run at each decode batch size (the full batch, then compacted sizes; the
-  paged engine: its live-batch sizes)."""
+  """Decode steps run at each live-batch size (the tail engine's included)."""
   compactions: list[int] = dataclasses.field(default_factory=list)
-  """The sizes the decode batch shrank to, in order."""
+  """Slots of the tail engine the running requests moved to (at most one move)."""
 
 
 def as_prompt_list(
@@ -171,14 +167,15 @@ class RolloutStream:
       min_yield: Once no prompt is queued, a decode call returns when this many more requests
         finished (or all did); 1 hands each out as early as possible, `num_slots` makes as few
         host round trips as possible.
-      tail_threshold: Fraction of the slots below which the tail is compacted; None: the
-        engine's `EngineConfig.tail_threshold`; 0: never.
+      tail_threshold: Fraction of the slots at or below which the running requests move to a
+        tail engine on fewer replicas (`rlhfjax.rollout.compaction`); None: the engine's
+        `EngineConfig.tail_threshold`; 0: never.
       on_decode_call: Called (on the iterating thread) before each device decode call (and
-        the paged engine's prefills for it): the point where new weights may be swapped in
+        the prefills for it): the point where new weights may be swapped in
         (`Engine.update_params`) while rows are mid-answer; they keep their KV cache, and each
-        token's `Finished.versions` entry says which weights produced it. With it, the paged
-        engine's calls stay `EngineConfig.decode_chunk` steps long to the end, so a swap never
-        waits for more than one chunk.
+        token's `Finished.versions` entry says which weights produced it. With it, decode calls
+        stay `EngineConfig.decode_chunk` steps long to the end, so a swap never waits for more
+        than one chunk.
     """
     cfg = engine.config
     self._prompts = as_prompt_list(prompts, lengths, padding_side)
@@ -206,8 +203,6 @@ class RolloutStream:
     threshold = cfg.tail_threshold if tail_threshold is None else float(tail_threshold)
     if not 0.0 <= threshold < 1.0:
       raise ValueError(f"tail_threshold must be in [0, 1), got {threshold}")
-    if cfg.paged and threshold > 0:
-      raise ValueError("tail_threshold > 0 needs the dense engine (EngineConfig.paged=False)")
     self._engine = engine
     self._settings = settings
     self._seed = seed
@@ -220,13 +215,14 @@ class RolloutStream:
     """Columns of every `Finished.tokens`: the largest `max_new_tokens` asked for."""
     self.stats = StreamStats(inserts=np.zeros(num, np.int32))
     self.scheduler: paging.Scheduler | None = None
-    """The paged engine's scheduler (its pages and requests), once iteration started."""
+    """The scheduler (its pages and requests) of the engine decoding, once iteration started:
+    the tail engine's after the move."""
 
   def __iter__(self) -> Iterator[Finished]:
     if self._started:
       raise RuntimeError("a RolloutStream is iterated once")
     self._started = True
-    return self._run_paged() if self._engine.paged is not None else self._run()
+    return self._run()
 
   def _finished(self, rows: list[tuple[int, list, list, list, bool]]) -> Finished:
     """`Finished` of `(index, tokens, logprobs, versions, stopped)` rows."""
@@ -248,11 +244,9 @@ class RolloutStream:
       versions=versions,
     )
 
-  def _run_paged(self) -> Iterator[Finished]:
-    engine, cfg, stats = self._engine, self._engine.config, self.stats
-    paged = engine.paged
-    transfers = engine.host_transfers
-    sched = self.scheduler = paging.Scheduler(
+  def _scheduler(self, engine: Engine, tail_rows: int | None = None) -> paging.Scheduler:
+    cfg, paged = engine.config, engine.paged
+    return paging.Scheduler(
       self._prompts,
       engine.settings_arrays(self._settings),
       seed=self._seed,
@@ -267,7 +261,28 @@ class RolloutStream:
       chunked=self._on_decode_call is not None,
       batch_sizes=paged.batch_sizes,
       widths=paged.widths,
+      tail_rows=tail_rows or 0,
     )
+
+  def _run(self) -> Iterator[Finished]:
+    engine = self._engine
+    tail_rows = engine.compactor.rows(self._threshold)
+    self.scheduler = self._scheduler(engine, tail_rows)
+    moving = yield from self._drive(engine, tail_rows, StreamStats(inserts=self.stats.inserts))
+    if moving:
+      tail = engine.compactor.engine(tail_rows)
+      main = self.scheduler
+      self.scheduler = self._scheduler(tail)
+      self.scheduler.take_over(moving, main.requests)
+      self.stats.compactions.append(tail_rows)
+      yield from self._drive(tail, None, dataclasses.replace(self.stats))
+
+  def _drive(self, engine: Engine, tail_rows: int | None, base: StreamStats) -> Iterator[Finished]:
+    """Runs `self.scheduler` on `engine` until every request is done, adding its counts to
+    those of `base`; returns None, or the running requests once they fit `tail_rows` with
+    nothing waiting (and drops the engine's decode state)."""
+    cfg, stats, sched, paged = engine.config, self.stats, self.scheduler, engine.paged
+    transfers = engine.host_transfers
     state = engine.init_decode_state()
     while (round_ := sched.plan()) is not None:
       if self._on_decode_call is not None:
@@ -280,7 +295,7 @@ class RolloutStream:
         for chunk in _chunks(items, cfg.prefill_batch_sizes):
           state = paged.prefill_pages(params, state, chunk)
           stats.prefill_calls += 1
-      version = engine.params_version
+      version = self._engine.params_version
       state, steps = paged.decode(params, state, round_)
       got = paged.read_round(state, steps)
       stats.decode_calls += 1
@@ -291,101 +306,17 @@ class RolloutStream:
       stats.max_live = max(stats.max_live, int(got.pop("live_max")))
       done = sched.finish(**got, version=version)
       counters = sched.counters
-      stats.prefill_rows, stats.preemptions = counters.prefill_rows, counters.preemptions
-      stats.max_pages_in_use = counters.max_pages_in_use
+      stats.prefill_rows = base.prefill_rows + counters.prefill_rows
+      stats.preemptions = base.preemptions + counters.preemptions
+      stats.recomputed_tokens = base.recomputed_tokens + counters.recomputed_tokens
+      stats.max_pages_in_use = max(base.max_pages_in_use, counters.max_pages_in_use)
       stats.inserts[:] = [r.admissions for r in sched.requests]
-      stats.host_transfers = engine.host_transfers - transfers
+      stats.host_transfers = base.host_transfers + engine.host_transfers - transfers
       if done:
         yield self._finished([(r.index, r.tokens, r.logprobs, r.versions, r.stopped) for r in done])
-
-  def _stop_at(self, size: int, active: int, queued: bool, compacted: bool) -> int:
-    """Free slots at which the next decode call returns."""
-    free = size - active
-    want = free + (1 if queued else self._min_yield)
-    full = self._engine.config.num_slots
-    if not queued and self._threshold > 0 and size // 2 in self._engine.compactor.sizes:
-      trigger = size // 2 if compacted else min(int(self._threshold * full), size // 2)
-      if trigger >= 1:
-        want = min(want, size - trigger)  # return when the tail fits the next size
-    return min(max(want, free + 1), size)
-
-  def _run(self) -> Iterator[Finished]:
-    engine, cfg, stats = self._engine, self._engine.config, self.stats
-    compactor = engine.compactor
-    transfers = engine.host_transfers
-    pending = collections.deque(range(self.num_prompts))
-    size = cfg.num_slots
-    slot_request = [-1] * size
-    versions = np.full((self.num_prompts, self.width), -1, np.int32)
-    reported = np.zeros(self.num_prompts, np.int32)  # tokens whose version is recorded
-    compacted = False
-    stats.max_pages_in_use = cfg.num_slots * cfg.pages_per_sequence  # the whole dense cache
-    state = engine.init_decode_state()
-    while True:
-      free = [s for s, r in enumerate(slot_request) if r < 0]
-      if pending and free:
-        taken = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-        taken.sort(key=lambda i: len(self._prompts[i]))
-        for chunk in _chunks(taken, cfg.prefill_batch_sizes):
-          slots, free = free[: len(chunk)], free[len(chunk) :]
-          prefix = engine.prefill(
-            [self._prompts[i] for i in chunk],
-            [self._settings[i] for i in chunk],
-            seed=self._seed,
-            request_ids=chunk,
-          )
-          state = engine.insert(prefix, state, slots)
-          stats.prefill_calls += 1
-          stats.prefill_rows += len(chunk)
-          for s, i in zip(slots, chunk, strict=True):
-            slot_request[s] = i
-            stats.inserts[i] += 1
-            versions[i, 0], reported[i] = engine.params_version, 1  # the prefill's token
-      active = [s for s, r in enumerate(slot_request) if r >= 0]
-      if not active:
-        return
-      stats.max_live = max(stats.max_live, len(active))
-      in_tail = compacted or len(active) <= self._threshold * cfg.num_slots
-      if not pending and self._threshold > 0 and in_tail:
-        while size // 2 in compactor.sizes and len(active) <= size // 2:
-          size //= 2
-          state = compactor.shrink(state, size, active)
-          slot_request = [slot_request[s] for s in active] + [-1] * (size - len(active))
-          active = list(range(len(active)))
-          compacted = True
-          stats.compactions.append(size)
-      until_free = self._stop_at(size, len(active), bool(pending), compacted)
-      if self._on_decode_call is not None:
-        self._on_decode_call()
-      version = engine.params_version
-      if size == cfg.num_slots:
-        state, steps = engine.generate_steps(state, until_free=until_free)
-      else:
-        state, steps = compactor.generate_steps(size, state, cfg.max_new_tokens, until_free)
-      stats.decode_calls += 1
-      view = engine.read(state)
-      engine.host_transfers += 1  # the step count, read below
-      stats.decode_steps_by_batch[size] = stats.decode_steps_by_batch.get(size, 0) + int(steps)
-      for s in active:
-        i, n = slot_request[s], int(view.num_generated[s])
-        versions[i, reported[i] : n] = version
-        reported[i] = n
-      stats.host_transfers = engine.host_transfers - transfers
-      done = [s for s in active if view.done[s]]
-      if not done:
-        continue
-      rows = []
-      for s in done:
-        i, n = slot_request[s], int(view.num_generated[s])
-        width = min(n, self.width)
-        rows.append(
-          (
-            i,
-            view.tokens[s, :width].tolist(),
-            view.logprobs[s, :width].tolist(),
-            versions[i, :width].tolist(),
-            bool(view.stopped[s]),
-          )
-        )
-        slot_request[s] = -1
-      yield self._finished(rows)
+      running = sched.running()
+      waiting = sched.pending or any(sched.queued)
+      if tail_rows and not waiting and 0 < len(running) <= tail_rows < size:
+        paged.drop(state)
+        return running
+    return None
