@@ -300,6 +300,12 @@ def test_field_paths_are_the_schemas_fields():
       "--config.ppo.rollout.attention (<role>: actor, critic, reference, reward, rollout)?",
     ),
     ("zzz", "no such field"),
+    (
+      "sft.rollout.paged",
+      "the field was removed: the rollout engine always keeps its KV cache "
+      "in pages (a pool of 'rollout.kv_cache_tokens' or 'rollout.kv_memory_fraction'; 0 for "
+      "both: every slot at full length, a dense cache's memory); drop the flag",
+    ),
   ],
 )
 def test_an_override_of_no_field_names_what_it_may_have_meant(path, said):

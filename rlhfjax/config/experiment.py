@@ -1419,6 +1419,8 @@ def unknown_override(path: str) -> str | None:
   sections = {p.rsplit(".", 1)[0] for p in paths if "." in p}
   start = next((i for i in range(len(parts) - 1) if ".".join(parts[i:-1]) in sections), 0)
   kept, inner, name = ".".join(parts[:start]), ".".join(parts[start:]), parts[-1]
+  if inner in _REMOVED:
+    return f"the field was removed: {_REMOVED[inner]}; drop the flag"
   same_name = sorted({_any_role(p) for p in paths if p.rsplit(".", 1)[-1] == name})
   guesses = same_name or difflib.get_close_matches(inner, paths, n=1)
   message = "no such field"
