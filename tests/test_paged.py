@@ -425,7 +425,8 @@ def test_pallas_kernels_in_interpret_mode_equal_the_gather_path(kernel, width):
   index = jnp.asarray([0, 5, 11, width * e - 1])
   q = jnp.asarray(rng.normal(size=(4, 1, h, n)), jnp.float32)
   cfg = CONFIG.replace(attention="xla")
-  mask = jnp.arange(width * e)[None, None, :] <= index[:, None, None]
+  slots = jnp.broadcast_to(jnp.arange(width * e), (4, width * e))
+  mask = models.Mask.over_keys(jnp.ones((4, 1)), index[:, None], slots <= index[:, None], slots)
   k_pool, v_pool = pool(), pool()
   outs = {}
   for name in ("gather", kernel):

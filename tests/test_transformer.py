@@ -43,16 +43,17 @@ def test_prefill_then_decode_with_cache_equals_full_forward(params):
   key_valid = np.zeros((b, cache_len), bool)
   key_valid[:, :prompt_len] = mask[:, :prompt_len]
   positions = np.asarray(models.positions_from_mask(jnp.asarray(mask)))
-  slots = np.arange(cache_len)
-  prefill_mask = (slots[None, None, :] <= np.arange(prompt_len)[None, :, None]) & key_valid[
-    :, None, :
-  ]
+  slots = np.broadcast_to(np.arange(cache_len), (b, cache_len))
+  # Queries and keys ordered by their slots; the keys' own padding is segment 0.
+  prefill_mask = models.Mask.over_keys(
+    np.ones((b, prompt_len)), slots[:, :prompt_len], key_valid, slots
+  )
   logits, cache = transformer.apply(
     CONFIG,
     params,
     jnp.asarray(tokens[:, :prompt_len]),
     jnp.asarray(positions[:, :prompt_len]),
-    jnp.asarray(prefill_mask),
+    prefill_mask,
     cache=cache,
     cache_index_b=jnp.zeros(b, jnp.int32),
   )
@@ -68,7 +69,7 @@ def test_prefill_then_decode_with_cache_equals_full_forward(params):
       params,
       jnp.asarray(tokens[:, i : i + 1]),
       jnp.asarray(positions[:, i : i + 1]),
-      jnp.asarray(key_valid[:, None, :]),
+      models.Mask.over_keys(np.ones((b, 1)), np.full((b, 1), i), key_valid, slots),
       cache=cache,
       cache_index_b=jnp.full(b, i, jnp.int32),
     )

@@ -31,6 +31,7 @@ from rlhfjax.config.model import (
   kv_cache_bytes_per_token,
   param_count,
 )
+from rlhfjax.models import attention
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
 from rlhfjax.training import steps
@@ -133,8 +134,10 @@ def train_step(
   flops = train_flops(config, batch, seq_len)
   return {
     "bench": "train_step",
-    "attention": models.transformer.attention_implementation(
-      config, jnp.zeros((1, seq_len, config.num_heads, config.head_dim), jnp.dtype(config.dtype))
+    "attention": attention.implementation(
+      config,
+      jnp.zeros((1, seq_len, config.num_heads, config.head_dim), jnp.dtype(config.dtype)),
+      models.Mask.packed(jnp.ones((1, seq_len)), jnp.arange(seq_len)[None], config.sliding_window),
     ),
     "remat": config.remat,
     "logprob_chunk_size": config.logprob_chunk_size,
@@ -231,12 +234,12 @@ def attention_check(dtype: str = "bfloat16") -> list[dict[str, Any]]:
     ref_cfg = base.replace(sliding_window=window)
     ref = np.asarray(models.forward_logits(ref_cfg, params, tokens, mask))
     ref_grad = jax.grad(loss, argnums=1)(ref_cfg, params)
-    for impl in ("xla", "cudnn"):
+    for impl in ("xla", "blockwise", "pallas_gpu"):
       cfg = ref_cfg.replace(attention=impl)
       try:
         out = np.asarray(models.forward_logits(cfg, params, tokens, mask))
         grad = jax.grad(loss, argnums=1)(cfg, params)
-      except Exception as e:  # noqa: BLE001 - reported, e.g. cuDNN missing on this backend
+      except Exception as e:  # noqa: BLE001 - reported, e.g. a kernel without a sliding window
         rows.append({"bench": "attention_check", "impl": impl, "error": str(e)[:200]})
         continue
       g_err = max(

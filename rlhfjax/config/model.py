@@ -31,11 +31,13 @@ REMAT_POLICIES = (
 (the weight matmuls, not attention's: 'dots_with_no_batch_dims_saveable'), or keep each layer's
 attention output ('save_attention_out')."""
 
-ATTENTION_IMPLS = ("auto", "xla", "xla_chunked", "cudnn", "einsum")
-"""Names of `ModelConfig.attention`: `jax.nn.dot_product_attention` with XLA's or cuDNN's
-(flash) kernel, XLA's in rematerialised query blocks ('xla_chunked': memory linear in the
-sequence), 'auto' (cuDNN on a GPU when the shapes and dtype allow; XLA elsewhere, chunked for
-long sequences), or the plain einsum-softmax-einsum path."""
+ATTENTION_IMPLS = ("auto", "blockwise", "pallas_gpu", "splash", "xla", "einsum")
+"""Names of `ModelConfig.attention` (`rlhfjax.models.attention`): flash attention in XLA on any
+backend ('blockwise': memory linear in the sequence), JAX's Pallas flash kernels with segment
+ids ('pallas_gpu': Triton, no sliding window; 'splash': TPU), `jax.nn.dot_product_attention`
+over a mask built from the ids ('xla') or the plain einsum-softmax-einsum path ('einsum'), both
+quadratic in memory; 'auto' (a Pallas kernel where it applies, 'xla' for decode steps,
+'blockwise' elsewhere)."""
 
 ROPE_TYPES = ("llama3", "linear", "dynamic")
 

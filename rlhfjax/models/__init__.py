@@ -2,6 +2,7 @@
 
 Their hyper-parameters and named sizes are `rlhfjax.config.model`'s."""
 
+from rlhfjax.models.attention import Mask
 from rlhfjax.models.hf import (
   head_kind,
   load_hf_checkpoint,
@@ -12,7 +13,6 @@ from rlhfjax.models.transformer import (
   Transformer,
   abstract_params,
   apply,
-  causal_mask,
   forward_hidden,
   forward_logits,
   forward_packed,
@@ -21,11 +21,11 @@ from rlhfjax.models.transformer import (
   init_params,
   logical_axes,
   positions_from_mask,
-  segment_mask,
   sequence_reward,
 )
 
 __all__ = [
+  "Mask",
   "TokenStats",
   "chunked_stats",
   "forward_hidden",
@@ -34,7 +34,6 @@ __all__ = [
   "Transformer",
   "abstract_params",
   "apply",
-  "causal_mask",
   "forward_logits",
   "forward_packed",
   "forward_values",
@@ -45,6 +44,5 @@ __all__ = [
   "logical_axes",
   "positions_from_mask",
   "save_hf_checkpoint",
-  "segment_mask",
   "sequence_reward",
 ]

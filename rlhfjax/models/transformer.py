@@ -13,8 +13,9 @@ One call signature serves every use:
   * paged decode (rollout): `cache` is a `PagedKV`, pools of fixed-size pages and a page table
     per row; the new keys/values are written at logical index `cache_index_b` of each row, in the
     page its table names, and attention runs over the row's pages (`paged_attend`).
-The caller supplies positions and a boolean mask `[b, t, s]`, so left padding, continuous
-batching slots and sliding windows are all just masks.
+The caller supplies positions and an `attention.Mask` (segment ids and positions of the queries
+and the keys, never a `[t, s]` array), so left padding, packed rows, continuous batching slots
+and sliding windows are all just ids.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from rlhfjax import programs
 from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
+from rlhfjax.models.attention import MASKED, Mask, attend
 
 Params = Any
 Cache = dict[str, jax.Array]  # {'k': [l, b, s, k, n], 'v': [l, b, s, k, n]}
 
 _INIT_STD = 0.02
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
 
 
 def _param(module: nn.Module, name: str, shape, axes, init, dtype):
@@ -154,87 +155,6 @@ def _write_cache(
   )
 
 
-def einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype) -> jax.Array:
-  """Softmax attention as two einsums over an fp32 `[b, k, g, t, s]` score tensor."""
-  b, t, h, n = q_bthn.shape
-  k = keys_bskn.shape[2]
-  q_btkgn = q_bthn.reshape(b, t, k, h // k, n)  # query head j uses kv head j // g
-  scores_bkgts = jnp.einsum("btkgn,bskn->bkgts", q_btkgn, keys_bskn.astype(q_btkgn.dtype))
-  scores_bkgts = scores_bkgts.astype(jnp.float32) * (n**-0.5)
-  scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASKED)
-  probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
-  out_btkgn = jnp.einsum("bkgts,bskn->btkgn", probs_bkgts, values_bskn.astype(dtype))
-  return out_btkgn.reshape(b, t, h, n)
-
-
-QUERY_CHUNK = 1024
-"""Queries per block of the 'xla_chunked' kernel."""
-
-
-def query_chunked_attention(q_bthn, keys_bskn, values_bskn, mask_bts) -> jax.Array:
-  """XLA's attention `QUERY_CHUNK` queries at a time, each block rematerialised.
-
-  Memory-efficient attention (Rabe & Staats): every block's softmax runs over all keys, so the
-  result is XLA's exactly, but only `[b, h, c, s]` scores are live at once, forward and
-  backward, instead of `[b, h, t, s]`: linear in the sequence length instead of quadratic.
-  """
-  b, t, h, n = q_bthn.shape
-  c = QUERY_CHUNK
-  m = -(-t // c)
-  pad = m * c - t
-  q_mbchn = jnp.pad(q_bthn, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, m, c, h, n)
-  mask_mbcs = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0))).reshape(b, m, c, -1)
-
-  @jax.checkpoint
-  def block(q_bchn, mask_bcs):
-    return jax.nn.dot_product_attention(
-      q_bchn, keys_bskn, values_bskn, mask=mask_bcs[:, None], implementation="xla"
-    )
-
-  out_mbchn = jax.lax.map(lambda x: block(*x), (q_mbchn.swapaxes(0, 1), mask_mbcs.swapaxes(0, 1)))
-  return out_mbchn.swapaxes(0, 1).reshape(b, m * c, h, n)[:, :t]
-
-
-def attention_implementation(config: ModelConfig, q_bthn: jax.Array) -> str:
-  """The kernel `config.attention` resolves to for these queries on the default backend.
-
-  'auto' takes cuDNN's flash attention on a GPU for half-precision prefill / training shapes
-  (head dim a multiple of 8 up to 128, more than one query); elsewhere XLA's, in query blocks
-  ('xla_chunked') once there are more than `QUERY_CHUNK` queries.
-  """
-  if config.attention != "auto":
-    return config.attention
-  t, n = q_bthn.shape[1], q_bthn.shape[-1]
-  cudnn_ok = (
-    jax.default_backend() == "gpu"
-    and q_bthn.dtype in (jnp.bfloat16, jnp.float16)
-    and n % 8 == 0
-    and n <= 128
-    and t > 1
-  )
-  if cudnn_ok:
-    return "cudnn"
-  return "xla_chunked" if t > QUERY_CHUNK else "xla"
-
-
-def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask_bts) -> jax.Array:
-  """Grouped-query attention of `q` over keys/values under boolean `mask_bts`, `[b, t, h, n]`.
-
-  A query row whose mask is all False attends uniformly (finite large negative scores in every
-  implementation), so left-padding rows stay finite.
-  """
-  impl = attention_implementation(config, q_bthn)
-  dtype = jnp.dtype(config.dtype)
-  if impl == "einsum":
-    return einsum_attention(q_bthn, keys_bskn, values_bskn, mask_bts, dtype)
-  q_bthn, keys_bskn, values_bskn = (x.astype(dtype) for x in (q_bthn, keys_bskn, values_bskn))
-  if impl == "xla_chunked":
-    return query_chunked_attention(q_bthn, keys_bskn, values_bskn, mask_bts)
-  return jax.nn.dot_product_attention(
-    q_bthn, keys_bskn, values_bskn, mask=mask_bts[:, None], implementation=impl
-  )
-
-
 # ---------------------------------------------------------------------------------------------
 # Paged KV cache. Letters: D data replicas (each owns its own pages: page ids are local to a
 # replica), c rows per replica, P pages per replica, e entries per page (the page size), w pages
@@ -326,7 +246,7 @@ def gather_pages(pool_DlkPen: jax.Array, layer: jax.Array, table_bw: jax.Array) 
 
 
 def decode_attention_over_pages(
-  config: ModelConfig, q_b1hn, cache: PagedKV, layer, mask_b1s
+  config: ModelConfig, q_b1hn, cache: PagedKV, layer, mask: Mask
 ) -> jax.Array:
   """One query per row over its pages of layer `layer`, `[b, 1, h, n]`, as products and sums in
   the gathered pages' own layout `[b, w, k, e, n]` (CPU decode, `paged_attend`).
@@ -334,7 +254,7 @@ def decode_attention_over_pages(
   XLA's attention transposes the gathered keys and values into its `[b, k, n, s]` layout and
   runs `b * k` matmuls of `h / k` query rows, which on a CPU took 40% of a 16M-parameter
   model's decode step at batch 64; here XLA fuses each gather into the product and the sum
-  that reads it. The same fp32 softmax as `einsum_attention`."""
+  that reads it. The same fp32 softmax as `attention.einsum_attention`."""
   _, _, k, _, e, n = cache.k.shape
   b, w = cache.table_bw.shape
   g = q_b1hn.shape[2] // k
@@ -346,8 +266,8 @@ def decode_attention_over_pages(
   scores_bwkge = jnp.sum(
     q_bkgn[:, None, :, :, None, :] * keys_bwken[:, :, :, None, :, :], axis=-1, dtype=jnp.float32
   ) * (n**-0.5)
-  mask_bwe = mask_b1s.reshape(b, w, e)
-  scores_bwkge = jnp.where(mask_bwe[:, :, None, None, :], scores_bwkge, _MASKED)
+  mask_bwe = mask.allowed().reshape(b, w, e)
+  scores_bwkge = jnp.where(mask_bwe[:, :, None, None, :], scores_bwkge, MASKED)
   probs_bwkge = jax.nn.softmax(scores_bwkge, axis=(1, 4)).astype(dtype)
   out_bkgn = jnp.sum(
     probs_bwkge[..., None] * values_bwken[:, :, :, None, :, :], axis=(1, 4), dtype=jnp.float32
@@ -445,18 +365,18 @@ def pallas_paged_attention(kernel: str, q_bthn, k_DkPen, v_DkPen, table_bw, leng
 
 
 def paged_attend(
-  config: ModelConfig, q_bthn, cache: PagedKV, layer, mask_bts, index_b
+  config: ModelConfig, q_bthn, cache: PagedKV, layer, mask: Mask, index_b
 ) -> jax.Array:
   """Attention of the new queries over each row's pages of layer `layer`, `[b, t, h, n]`.
 
-  'gather' honours `mask_bts` (`[b, t, w*e]` over logical indices); the kernels see the keys
+  'gather' honours `mask` (keys are the `w*e` logical indices of each row); the kernels see the keys
   `[0, index_b + t)` of each row, the mask of a decode step without a sliding window."""
   if cache.kernel == "gather":
     if q_bthn.shape[1] == 1 and config.attention == "auto" and jax.default_backend() == "cpu":
-      return decode_attention_over_pages(config, q_bthn, cache, layer, mask_bts)
+      return decode_attention_over_pages(config, q_bthn, cache, layer, mask)
     keys_bskn = gather_pages(cache.k, layer, cache.table_bw)
     values_bskn = gather_pages(cache.v, layer, cache.table_bw)
-    return attend(config, q_bthn, keys_bskn, values_bskn, mask_bts)
+    return attend(config, q_bthn, keys_bskn, values_bskn, mask)
   if config.sliding_window is not None:
     raise ValueError("the Pallas paged kernels have no sliding window: use 'gather'")
   k_DkPen, v_DkPen = (
@@ -470,7 +390,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_bts, cache, layer, cache_index_b):
+  def __call__(self, x_btd, positions_bt, mask: Mask, cache, layer, cache_index_b):
     cfg = self.config
     d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
@@ -521,7 +441,7 @@ class Attention(nn.Module):
         k=write_pages(cache.k, layer, k_btkn, cache.table_bw, cache_index_b),
         v=write_pages(cache.v, layer, v_btkn, cache.table_bw, cache_index_b),
       )
-      out_bthn = paged_attend(cfg, q_bthn, new_cache, layer, mask_bts, cache_index_b)
+      out_bthn = paged_attend(cfg, q_bthn, new_cache, layer, mask, cache_index_b)
     else:
       if cache is None:
         keys_bskn, values_bskn, new_cache = k_btkn, v_btkn, None
@@ -533,7 +453,7 @@ class Attention(nn.Module):
         keys_bskn, values_bskn = (
           jax.lax.dynamic_index_in_dim(new_cache[name], layer, keepdims=False) for name in "kv"
         )
-      out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask_bts)
+      out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask)
 
     out_bthn = checkpoint_name(out_bthn, "attention_out")
     out_btd = Linear(
@@ -562,8 +482,8 @@ class MLP(nn.Module):
     )
 
 
-LayersFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-"""`(x_btd, positions_bt, mask_bts) -> x_btd`: what runs in place of the layer stack."""
+LayersFn = Callable[[jax.Array, jax.Array, Mask], jax.Array]
+"""`(x_btd, positions_bt, mask) -> x_btd`: what runs in place of the layer stack."""
 
 _LAYERS_REPLACED: contextvars.ContextVar[LayersFn | None] = contextvars.ContextVar(
   "layers_replaced", default=None
@@ -594,7 +514,7 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_bt, mask_bts, layer, cache_index_b):
+  def __call__(self, carry, positions_bt, mask: Mask, layer, cache_index_b):
     """`carry`: the residual stream and the whole KV cache `[l, ...]` (or None), which layer
     `layer` updates in place."""
     x_btd, cache = carry
@@ -603,7 +523,7 @@ class Block(nn.Module):
       RMSNorm, cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     )
     attn_btd, new_cache = Attention(cfg, name="attn")(
-      norm(name="attn_norm")(x_btd), positions_bt, mask_bts, cache, layer, cache_index_b
+      norm(name="attn_norm")(x_btd), positions_bt, mask, cache, layer, cache_index_b
     )
     x_btd = x_btd + attn_btd
     x_btd = x_btd + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x_btd))
@@ -630,7 +550,7 @@ def remat_block(name: str):
 
 def scanned_blocks(config: ModelConfig, num_layers: int) -> type[nn.Module]:
   """`num_layers` blocks as one scanned module: parameters stacked `[num_layers, ...]` under the
-  logical axis 'layers'. Called with `((x_btd, cache), positions_bt, mask_bts, layers_l,
+  logical axis 'layers'. Called with `((x_btd, cache), positions_bt, mask, layers_l,
   cache_index_b)`."""
   return nn.scan(
     remat_block(config.remat),
@@ -643,13 +563,13 @@ def scanned_blocks(config: ModelConfig, num_layers: int) -> type[nn.Module]:
 
 
 def apply_layers(
-  config: ModelConfig, layer_params: Params, x_btd, positions_bt, mask_bts
+  config: ModelConfig, layer_params: Params, x_btd, positions_bt, mask: Mask
 ) -> jax.Array:
   """The residual stream after the consecutive layers whose stacked parameters are
   `layer_params` (`params['layers']`, or a pipeline stage's block of it), without a cache."""
   num_layers = jax.tree.leaves(layer_params)[0].shape[0]
   (x_btd, _), _ = scanned_blocks(config, num_layers)(config).apply(
-    {"params": layer_params}, (x_btd, None), positions_bt, mask_bts, jnp.arange(num_layers), None
+    {"params": layer_params}, (x_btd, None), positions_bt, mask, jnp.arange(num_layers), None
   )
   return x_btd
 
@@ -683,7 +603,7 @@ class Transformer(nn.Module):
   output; the head's parameters are then not touched (see `forward_hidden`)."""
 
   @nn.compact
-  def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, cache_index_b=None):
+  def __call__(self, tokens_bt, positions_bt, mask: Mask, cache=None, cache_index_b=None):
     cfg = self.config
     embedding_vd = _param(
       self,
@@ -701,11 +621,11 @@ class Transformer(nn.Module):
     if replaced is not None:
       if cache is not None:
         raise ValueError("a replaced layer stack runs full forwards only, without a cache")
-      x_btd, new_cache = replaced(x_btd, positions_bt, mask_bts), None
+      x_btd, new_cache = replaced(x_btd, positions_bt, mask), None
     else:
       stack = scanned_blocks(cfg, cfg.num_layers)(cfg, name="layers")
       (x_btd, new_cache), _ = stack(
-        (x_btd, cache), positions_bt, mask_bts, jnp.arange(cfg.num_layers), cache_index_b
+        (x_btd, cache), positions_bt, mask, jnp.arange(cfg.num_layers), cache_index_b
       )
     x_btd = RMSNorm(
       cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype), name="final_norm"
@@ -747,29 +667,6 @@ def positions_from_mask(attention_mask_bt: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
-def causal_mask(attention_mask_bt: jax.Array, sliding_window: int | None = None) -> jax.Array:
-  """`[b, t, t]` boolean: query i sees real keys j <= i (and i - j < window, if set)."""
-  t = attention_mask_bt.shape[-1]
-  q_t1, k_1s = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-  allowed_ts = k_1s <= q_t1
-  if sliding_window is not None:
-    allowed_ts &= q_t1 - k_1s < sliding_window
-  return allowed_ts[None] & attention_mask_bt.astype(bool)[:, None, :]
-
-
-def segment_mask(
-  segments_bt: jax.Array, positions_bt: jax.Array, sliding_window: int | None = None
-) -> jax.Array:
-  """`[b, t, t]` boolean of packed rows (`rlhfjax.data.packing`): query i sees key j of the
-  same segment (id > 0) at a position <= its own (and within the window, if set)."""
-  seg_q, seg_k = segments_bt[:, :, None], segments_bt[:, None, :]
-  pos_q, pos_k = positions_bt[:, :, None], positions_bt[:, None, :]
-  allowed = (seg_q == seg_k) & (seg_k > 0) & (pos_k <= pos_q)
-  if sliding_window is not None:
-    allowed &= pos_q - pos_k < sliding_window
-  return allowed
-
-
 def last_token_index(attention_mask_bt: jax.Array) -> jax.Array:
   """Index of each row's last real token (works for left and right padding)."""
   t = attention_mask_bt.shape[-1]
@@ -782,7 +679,7 @@ def last_token_index(attention_mask_bt: jax.Array) -> jax.Array:
 
 def _dummy_inputs():
   tokens = jnp.zeros((1, 1), jnp.int32)
-  return tokens, tokens, jnp.ones((1, 1, 1), bool)
+  return tokens, tokens, Mask.packed(jnp.ones((1, 1), jnp.int32), tokens)
 
 
 def init_params(
@@ -846,7 +743,7 @@ def apply(
   params: Params,
   tokens_bt,
   positions_bt,
-  mask_bts,
+  mask: Mask,
   *,
   head: HeadKind = "lm",
   cache: Cache | None = None,
@@ -854,7 +751,7 @@ def apply(
 ):
   """`Transformer.apply` with explicit positions, mask and optional KV cache."""
   return Transformer(config, head).apply(
-    {"params": params}, tokens_bt, positions_bt, mask_bts, cache, cache_index_b
+    {"params": params}, tokens_bt, positions_bt, mask, cache, cache_index_b
   )
 
 
@@ -865,9 +762,9 @@ def forward_hidden(
   if attention_mask_bt is None:
     attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
   positions_bt = positions_from_mask(attention_mask_bt)
-  mask_bts = causal_mask(attention_mask_bt, config.sliding_window)
+  mask = Mask.packed(attention_mask_bt, positions_bt, config.sliding_window)
   x_btd, _ = Transformer(config, head, hidden_only=True).apply(
-    {"params": params}, tokens_bt, positions_bt, mask_bts
+    {"params": params}, tokens_bt, positions_bt, mask
   )
   return x_btd
 
@@ -883,10 +780,10 @@ def forward_packed(
   hidden_only: bool = False,
 ) -> jax.Array:
   """The head's output (or the final hidden states) of packed rows: segments attend only
-  within themselves, positions restart at each segment's start (`segment_mask`)."""
-  mask_bts = segment_mask(segments_bt, positions_bt, config.sliding_window)
+  within themselves, positions restart at each segment's start (`attention.Mask`)."""
+  mask = Mask.packed(segments_bt, positions_bt, config.sliding_window)
   out, _ = Transformer(config, head, hidden_only=hidden_only).apply(
-    {"params": params}, tokens_bt, positions_bt, mask_bts
+    {"params": params}, tokens_bt, positions_bt, mask
   )
   return out
 
@@ -911,8 +808,8 @@ def _full_forward(config, params, tokens_bt, attention_mask_bt, head):
   if attention_mask_bt is None:
     attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
   positions_bt = positions_from_mask(attention_mask_bt)
-  mask_bts = causal_mask(attention_mask_bt, config.sliding_window)
-  out, _ = apply(config, params, tokens_bt, positions_bt, mask_bts, head=head)
+  mask = Mask.packed(attention_mask_bt, positions_bt, config.sliding_window)
+  out, _ = apply(config, params, tokens_bt, positions_bt, mask, head=head)
   return out
 
 

@@ -154,7 +154,7 @@ def model_options(model: ModelConfig, options: Options | None = None) -> Options
     options or Options(),
     remat=model.remat,
     logits_chunk=model.logprob_chunk_size or 0,
-    fused_attention=model.attention == "cudnn",
+    fused_attention=model.attention not in ("xla", "einsum"),
   )
 
 

@@ -320,17 +320,17 @@ def _request_keys(seed_b: jax.Array, request_id_b: jax.Array) -> jax.Array:
 def prefill(config: ModelConfig, params, requests: Requests) -> Prefix:
   """The KV of each prompt's first `L - 1` tokens (right padded, causal); samples nothing."""
   b, p = requests.tokens_bp.shape
-  slot_p = jnp.arange(p)
-  sees_pp = slot_p[None, :] <= slot_p[:, None]
-  if config.sliding_window is not None:
-    sees_pp &= slot_p[:, None] - slot_p[None, :] < config.sliding_window
-  mask_bpp = sees_pp[None] & (slot_p[None, :] < requests.lengths_b[:, None])[:, None, :]
+  slot_bp = jnp.broadcast_to(jnp.arange(p), (b, p))
+  written_bp = slot_bp < requests.lengths_b[:, None]
+  mask = models.Mask.over_keys(
+    jnp.ones((b, p)), slot_bp, written_bp, slot_bp, config.sliding_window
+  )
   _, cache = models.apply(
     config,
     params,
     requests.tokens_bp,
-    jnp.broadcast_to(slot_p, (b, p)),
-    mask_bpp,
+    slot_bp,
+    mask,
     cache=models.init_cache(config, b, p),
     cache_index_b=jnp.zeros((b,), jnp.int32),
   )
@@ -535,10 +535,11 @@ def decode_step(
   w, e = state.table_bw.shape[1], state.cache["k"].shape[4]
   r = state.out_tokens_or.shape[1]
   active_b = ~state.done_b
-  slot_s = jnp.arange(w * e)
-  sees_bs = slot_s[None, :] <= state.index_b[:, None]
-  if config.sliding_window is not None:
-    sees_bs &= state.index_b[:, None] - slot_s[None, :] < config.sliding_window
+  slot_bs = jnp.broadcast_to(jnp.arange(w * e), (state.index_b.shape[0], w * e))
+  index_b1 = state.index_b[:, None]
+  mask = models.Mask.over_keys(
+    jnp.ones_like(index_b1), index_b1, slot_bs <= index_b1, slot_bs, config.sliding_window
+  )
   paged = PagedKV(
     k=state.cache["k"],
     v=state.cache["v"],
@@ -549,8 +550,8 @@ def decode_step(
     config,
     params,
     state.tokens_b[:, None],
-    state.index_b[:, None],
-    sees_bs[:, None, :],
+    index_b1,
+    mask,
     cache=paged,
     cache_index_b=state.index_b,
   )

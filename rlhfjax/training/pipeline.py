@@ -138,9 +138,9 @@ def _stage_forward(model: Model, place: str, rest, block, x_in, micro):
   function run with its layer stack replaced by the block (see the module docstring)."""
   out = {}
 
-  def layers(x_btd, positions_bt, mask_bts):
+  def layers(x_btd, positions_bt, mask):
     x_btd = x_btd if place == "first" else x_in.astype(x_btd.dtype)
-    out["x"] = transformer.apply_layers(model.config, block, x_btd, positions_bt, mask_bts)
+    out["x"] = transformer.apply_layers(model.config, block, x_btd, positions_bt, mask)
     return out["x"]
 
   with transformer.layers_replaced(layers):
