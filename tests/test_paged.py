@@ -14,6 +14,8 @@ import rollout_reference
 from jax.experimental.pallas import tpu as pltpu
 
 from rlhfjax import models, rollout
+from rlhfjax.cluster import cluster
+from rlhfjax.config import RolloutSection
 from rlhfjax.config.model import get_model_config
 from rlhfjax.models import transformer
 from rlhfjax.placement.spec import RoleSpec
@@ -194,6 +196,27 @@ def test_pool_is_split_over_data_and_tensor_and_decode_gathers_no_pages(paged_2x
     sizes = [int(np.prod([int(x) for x in shape.split(",") if x])) for shape in gathers]
     # Only small gathers (the sampler's argmax over vocab shards), nothing of a pool's size.
     assert all(size < per_device for size in sizes), sizes
+
+
+def test_short_prompts_prefill_in_the_smallest_bucket(params, paged):
+  """Prompts of at most 8 tokens prefill in the 8-token bucket: the same answers as an engine
+  whose one bucket is 16, over half the prefill tokens; the config's buckets reach the engine."""
+  prompts = _prompts(7, lengths=(2, 5, 8, 3, 7, 6))
+  settings = _settings(params, prompts)
+  one_bucket = rollout.Engine.for_role(
+    CONFIG, dataclasses.replace(PAGED, prompt_buckets=(16,)), _role([2]), params
+  )
+  want = one_bucket.generate(prompts, sampling=settings)
+  got = paged.generate(prompts, sampling=settings)
+  _assert_same(got, want)
+  assert got.prefill_calls == want.prefill_calls
+  assert want.prefill_tokens % 16 == 0 and got.prefill_tokens * 2 == want.prefill_tokens
+
+  section = RolloutSection(max_prompt_len=100, max_new_tokens=8, min_prompt_bucket=16)
+  assert section.prompt_buckets == (16, 32, 64, 100)
+  assert cluster.engine_config(section, 0, 1).prompt_buckets == (16, 32, 64, 100)
+  assert RolloutSection(max_prompt_len=64).prompt_buckets == (64,)  # the default starts at 128
+  assert RolloutSection(max_prompt_len=256, min_prompt_bucket=0).prompt_buckets == (256,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def engine_config(rollout: RolloutSection, pad_id: int, replicas: int) -> Engine
   `replicas` 'data' replicas (the page pool is `rollout.kv_pages(replicas)` pages)."""
   return EngineConfig(
     num_slots=rollout.num_slots,
-    prompt_buckets=(rollout.max_prompt_len,),
+    prompt_buckets=rollout.prompt_buckets,
     max_new_tokens=rollout.max_new_tokens,
     pad_token_id=pad_id,
     tail_threshold=rollout.tail_threshold,

@@ -360,6 +360,11 @@ class RolloutSection:
   """Prompts per rollout batch (over all rollout devices)."""
   max_prompt_len: int = 64
   max_new_tokens: int = 64
+  min_prompt_bucket: int = 128
+  """Prefill pads each prompt to the smallest of the prompt buckets that holds it: the powers
+  of two from this one up to below `max_prompt_len`, then `max_prompt_len` (`prompt_buckets`),
+  each compiled once, so a batch of short prompts does not pay for the longest. 0, or at
+  least `max_prompt_len`: one bucket, `max_prompt_len`."""
   temperature: float = 1.0
   """Sampling temperature; 0 means greedy."""
   top_k: int = 0
@@ -429,6 +434,7 @@ class RolloutSection:
       batch_size=ranges.COUNT,
       max_prompt_len=ranges.COUNT,
       max_new_tokens=ranges.COUNT,
+      min_prompt_bucket=ranges.NON_NEGATIVE,
       temperature=ranges.NON_NEGATIVE,
       top_k=ranges.NON_NEGATIVE,
       top_p=ranges.between(0, 1, low_open=True),
@@ -462,6 +468,15 @@ class RolloutSection:
   def max_seq_len(self) -> int:
     """Tokens per sequence the KV cache holds: prompt plus response."""
     return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def prompt_buckets(self) -> tuple[int, ...]:
+    """The prefill's prompt lengths (see `min_prompt_bucket`), increasing."""
+    buckets, size = [], self.min_prompt_bucket
+    while 0 < size < self.max_prompt_len:
+      buckets.append(size)
+      size *= 2
+    return (*buckets, self.max_prompt_len)
 
   @property
   def num_slots(self) -> int:

@@ -50,6 +50,8 @@ class GenerateOutput:
   prefill_calls: int
   prefill_rows: int
   """Sequences prefilled (with shared prefixes, one per distinct prompt and replica)."""
+  prefill_tokens: int
+  """Tokens the prefill calls ran over (compiled rows times prompt bucket, padding included)."""
   decode_calls: int
   """`generate_steps` calls: the host round trips between refills."""
   host_transfers: int
@@ -118,6 +120,7 @@ def generate(
     inserts=stats.inserts,
     prefill_calls=stats.prefill_calls,
     prefill_rows=stats.prefill_rows,
+    prefill_tokens=stats.prefill_tokens,
     decode_calls=stats.decode_calls,
     host_transfers=stats.host_transfers,
     generated_tokens=stats.generated_tokens,

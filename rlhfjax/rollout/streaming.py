@@ -72,6 +72,9 @@ class StreamStats:
   prefill_calls: int = 0
   prefill_rows: int = 0
   """Sequences prefilled: with shared prefixes, one per distinct prompt (and replica)."""
+  prefill_tokens: int = 0
+  """Tokens the prefill calls ran over: each call's compiled rows times its prompt bucket
+  (padding included)."""
   decode_calls: int = 0
   """Device decode calls: the host round trips."""
   host_transfers: int = 0
@@ -291,10 +294,13 @@ class RolloutStream:
       by_bucket = collections.defaultdict(list)
       for item in sorted(round_.prefills, key=lambda it: len(it.tokens)):
         by_bucket[paged.bucket(len(item.tokens))].append(item)
-      for items in by_bucket.values():
+      for bucket, items in by_bucket.items():
         for chunk in _chunks(items, cfg.prefill_batch_sizes):
           state = paged.prefill_pages(params, state, chunk)
           stats.prefill_calls += 1
+          stats.prefill_tokens += bucket * next(
+            m for m in cfg.prefill_batch_sizes if m >= len(chunk)
+          )
       version = self._engine.params_version
       state, steps = paged.decode(params, state, round_)
       got = paged.read_round(state, steps)
