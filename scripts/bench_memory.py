@@ -2,6 +2,8 @@ r"""Peak memory per device of the PPO actor train step, from XLA's analysis: one
 
   python scripts/bench_memory.py
   python scripts/bench_memory.py --sizes=7b --seq_lens=4096 --remats=full --chunked=true
+  python scripts/bench_memory.py --sizes=path/to/Llama-3.1-8B/config.json --seq_lens=32768 \
+    --remats=full --chunked=true
 
 For each size x sequence length x remat policy x chunked/whole log-probs the step is compiled
 ahead of time on abstract inputs for 8 (virtual) devices, nothing allocated; each compile gives
@@ -21,7 +23,12 @@ from absl import app, flags  # noqa: E402
 
 from rlhfjax.bench import memory_bench  # noqa: E402
 
-_SIZES = flags.DEFINE_list("sizes", ["1b", "7b"], "Model sizes.")
+_SIZES = flags.DEFINE_list(
+  "sizes",
+  ["1b", "7b"],
+  "Model sizes, or Hugging Face config.json paths (or their checkpoint directories): fp32 "
+  "master weights and bf16 compute, as the named sizes.",
+)
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096", "8192"], "Tokens per sequence.")
 _REMATS = flags.DEFINE_list(
   "remats", ["none", "full", "dots_with_no_batch_dims_saveable"], "Remat policies."

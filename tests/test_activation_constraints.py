@@ -1,6 +1,7 @@
 """The trainer's compiled programs apply the model's activation sharding constraints."""
 
 import functools
+import json
 import pathlib
 import runpy
 
@@ -91,3 +92,29 @@ def test_the_real_train_step_splits_activations_over_the_batch():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
   assert float(metrics_a["loss/policy"]) == pytest.approx(float(metrics_b["loss/policy"]), rel=1e-6)
   assert cluster.traces.counts == {"actor_step": 1}
+
+
+def test_bench_memory_takes_a_config_json(tmp_path):
+  """`--sizes` takes a Hugging Face config.json (or its directory): its shape, with the named
+  sizes' fp32 masters and bf16 compute."""
+  hf = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "vocab_size": 1000,
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+  }
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  for where in (tmp_path, tmp_path / "config.json"):
+    model = memory_bench.bench_model(str(where))
+    assert (model.hidden_size, model.num_kv_heads, model.num_layers) == (256, 2, 3)
+    assert (model.param_dtype, model.dtype) == ("float32", "bfloat16")
+  assert memory_bench.bench_model("7b").hidden_size == 4096
+  with pytest.raises(ValueError, match="not found"):
+    memory_bench.bench_model(str(tmp_path / "nope" / "config.json"))

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import OptimizerConfig
-from rlhfjax.config.model import ModelConfig, get_model_config
+from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
+from rlhfjax.costmodel import workload
 from rlhfjax.mesh import rules
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
@@ -144,6 +145,14 @@ def colocated_resident_bytes(model: ModelConfig, num_devices: int, offload: bool
   return critic_params + critic_opt + frozen
 
 
+def bench_model(size: str) -> ModelConfig:
+  """A registered size, or the model of a Hugging Face config.json (its path, or its
+  checkpoint's directory) with fp32 master weights and bf16 compute, as the named real sizes."""
+  if size in model_sizes():
+    return get_model_config(size)
+  return workload.resolve_model(size).replace(param_dtype="float32", dtype="bfloat16")
+
+
 def measure(
   size: str,
   seq_len: int,
@@ -156,7 +165,7 @@ def measure(
 ) -> list[MemoryPoint]:
   """The actor step of `size` at `seq_len` tokens (a quarter of them prompt), one sequence
   per device, with and without offload of the co-located roles."""
-  model = get_model_config(size, remat=remat, logprob_chunk_size=chunk_size if chunked else None)
+  model = bench_model(size).replace(remat=remat, logprob_chunk_size=chunk_size if chunked else None)
   stats, compile_s = actor_step_memory(
     model,
     num_devices,
