@@ -15,7 +15,9 @@ Kernels (`ModelConfig.attention`), equal within float tolerance (tests/test_atte
 
 * 'blockwise': flash attention in XLA, any backend: an online softmax over key blocks per
   query block, a custom gradient that recomputes each block's scores from the saved log-sum-exp
-  (memory O(t x block), not O(t x s)), and blocks a causal row cannot see skipped. What 'auto'
+  (memory O(t x block), not O(t x s)), skipping there the blocks a causal row cannot see. The
+  forward computes every block: a `lax.cond` there, differentiated inside the layer scan, has
+  JAX keep every block's scores for the backward (measured: `[t, t]` of memory). What 'auto'
   runs on the CPU, and wherever the kernels below do not apply.
 * 'pallas_gpu': JAX's Pallas (Triton) flash attention with segment ids
   (`jax.experimental.pallas.ops.gpu.attention.mha`), forward and backward, per shard.
@@ -139,8 +141,9 @@ def _unblocks(x, axis: int):
 
 
 def _live(mask: Mask, qi, kj, block_q: int, block_k: int):
-  """Whether block (qi, kj) may hold a visible key: always, unless the mask is causal by index
-  (then not for a key block after the query block, nor one wholly before a window)."""
+  """Whether block (qi, kj) may hold a visible key (in the backward): always, unless the mask is
+  causal by index (then not for a key block after the query block, nor one wholly before a
+  window)."""
   if not mask.self_attention:
     return True
   live = kj * block_k <= qi * block_q + block_q - 1
@@ -167,8 +170,12 @@ def _prepare(q_bthn, k_bskn, v_bskn, mask: Mask, block_q: int, block_k: int):
   q = _pad_to(q_bthn, 1, tp).reshape(b, tp, k, h // k, n).transpose(0, 2, 3, 1, 4)
   q_blocks = _blocks(q, 3, block_q)
   k_blocks, v_blocks = (_blocks(_pad_to(x, 1, sp), 1, block_k) for x in (k_bskn, v_bskn))
-  q_ids = (mask.q_segments_bt, mask.q_positions_bt)
-  k_ids = (mask.k_segments_bs, mask.k_positions_bs)
+  # The ids plus a zero computed from the queries: differentiated in a scan over layers, JAX
+  # hoists what depends on loop-invariant values alone (every block's mask from the ids) out
+  # of the scan and keeps all of it, `[t, s]`; made per-layer values, it stays in the loop.
+  zero = jnp.where(jnp.isnan(q_bthn[0, 0, 0, 0]), 0, 0)
+  q_ids = (mask.q_segments_bt + zero, mask.q_positions_bt + zero)
+  k_ids = (mask.k_segments_bs + zero, mask.k_positions_bs + zero)
   q_ids = tuple(_blocks(_pad_to(x, 1, tp), 1, block_q) for x in q_ids)
   k_ids = tuple(_blocks(_pad_to(x, 1, sp), 1, block_k) for x in k_ids)
   return q_blocks, k_blocks, v_blocks, q_ids, k_ids
@@ -184,10 +191,10 @@ def _flash_forward(q_bthn, k_bskn, v_bskn, mask: Mask, block_q: int, block_k: in
   )
 
   def query_block(args):
-    qi, q_bkgqn, q_seg, q_pos = args
+    q_bkgqn, q_seg, q_pos = args
 
     def key_block(carry, x):
-      kj, k_bckn, v_bckn, k_seg, k_pos = x
+      k_bckn, v_bckn, k_seg, k_pos = x
 
       def update(carry):
         m_bkgq, l_bkgq, acc_bkgqn = carry
@@ -201,10 +208,7 @@ def _flash_forward(q_bthn, k_bskn, v_bskn, mask: Mask, block_q: int, block_k: in
         )
         return m_new, l_new, acc_bkgqn * correction[..., None] + pv
 
-      live = _live(mask, qi, kj, block_q, block_k)
-      if live is True:
-        return update(carry), None
-      return jax.lax.cond(live, update, lambda c: c, carry), None
+      return update(carry), None
 
     shape = q_bkgqn.shape[:-1]
     init = (
@@ -212,14 +216,10 @@ def _flash_forward(q_bthn, k_bskn, v_bskn, mask: Mask, block_q: int, block_k: in
       jnp.zeros(shape, jnp.float32),
       jnp.zeros(q_bkgqn.shape, jnp.float32),
     )
-    (m, total, acc), _ = jax.lax.scan(
-      key_block, init, (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, *k_ids)
-    )
+    (m, total, acc), _ = jax.lax.scan(key_block, init, (k_blocks, v_blocks, *k_ids))
     return acc / total[..., None], m + jnp.log(total)
 
-  out_mbkgqn, lse_mbkgq = jax.lax.map(
-    query_block, (jnp.arange(q_blocks.shape[0]), q_blocks, *q_ids)
-  )
+  out_mbkgqn, lse_mbkgq = jax.lax.map(query_block, (q_blocks, *q_ids))
   out = _unblocks(out_mbkgqn, 3).transpose(0, 3, 1, 2, 4).reshape(b, -1, h, n)[:, :t]
   return out.astype(q_bthn.dtype), lse_mbkgq
 
