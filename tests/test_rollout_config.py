@@ -29,6 +29,11 @@ def _config(**rollout):
     ({"kv_cache_tokens": 100, "max_prompt_len": 64, "max_new_tokens": 64}, "kv_cache_tokens"),
     ({"page_size": 0}, "rollout.page_size"),
     ({"decode_chunk": 0}, "rollout.decode_chunk"),
+    ({"min_prompt_bucket": -1}, "rollout.min_prompt_bucket"),
+    (
+      {"max_prompt_len": 400, "max_new_tokens": 200},
+      r"max_new_tokens' = 600 exceeds the actor's max_position_embeddings \(512, tiny\)",
+    ),
   ],
 )
 def test_bad_paging_fields_fail_in_one_line(fields, named):

@@ -1163,6 +1163,7 @@ class ExperimentConfig:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _check_pure_bf16(self)
     _checkpoint_tokenizer(self)
+    _check_positions(self)
     width, lengths = self.rollout.max_seq_len, "rollout.max_prompt_len + rollout.max_new_tokens"
     self.ppo.check_budget("ppo", width, f"one sequence's capacity, {lengths}")
     _check_fusable(self.ppo, self.placement)
@@ -1197,6 +1198,19 @@ def _check_pure_bf16(cfg: ExperimentConfig) -> None:
         f"in pure bf16, where an update below {_BF16_HALF_SPACING:.2g} leaves a weight of 0.02 "
         "unchanged, so most updates would round away; keep fp32 masters (the default)"
       )
+
+
+def _check_positions(cfg: ExperimentConfig) -> None:
+  """A sequence of `rollout.max_seq_len` tokens must have positions the policy knows (with
+  'dynamic' rotary scaling the base grows past them: that is its point)."""
+  model = cfg.model.for_role("actor")
+  dynamic = model.rope_scaling is not None and model.rope_scaling.type == "dynamic"
+  if cfg.rollout.max_seq_len > model.max_position_embeddings and not dynamic:
+    raise ConfigError(
+      f"'rollout.max_prompt_len' + 'rollout.max_new_tokens' = {cfg.rollout.max_seq_len} "
+      f"exceeds the actor's max_position_embeddings ({model.max_position_embeddings}, "
+      f"{cfg.model.model_name('actor')}): lower them or run a model with longer positions"
+    )
 
 
 def _check_fusable(ppo: PPOSection, placement: PlacementSection) -> None:
