@@ -298,9 +298,7 @@ class RolloutStream:
         for chunk in _chunks(items, cfg.prefill_batch_sizes):
           state = paged.prefill_pages(params, state, chunk)
           stats.prefill_calls += 1
-          stats.prefill_tokens += bucket * next(
-            m for m in cfg.prefill_batch_sizes if m >= len(chunk)
-          )
+          stats.prefill_tokens += bucket * len(chunk)  # a chunk is a compiled batch size
       version = self._engine.params_version
       state, steps = paged.decode(params, state, round_)
       got = paged.read_round(state, steps)
