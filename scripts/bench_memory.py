@@ -4,9 +4,13 @@ r"""Peak memory per device of the PPO actor train step, from XLA's analysis: one
   python scripts/bench_memory.py --sizes=7b --seq_lens=4096 --remats=full --chunked=true
   python scripts/bench_memory.py --sizes=path/to/Llama-3.1-8B/config.json --seq_lens=32768 \
     --remats=full --chunked=true
+  python scripts/bench_memory.py --sizes=path/to/Llama-3.1-8B/config.json --seq_lens=65536 \
+    --remats=full --chunked=true --context=8
 
 For each size x sequence length x remat policy x chunked/whole log-probs the step is compiled
-ahead of time on abstract inputs for 8 (virtual) devices, nothing allocated; each compile gives
+ahead of time on abstract inputs for 8 (virtual) devices, nothing allocated, one sequence per
+device (with `--context` c > 1, one per c devices, each holding 1/c of its tokens: context
+parallelism); each compile gives
 two lines, without and with offload of the co-located roles (`rlhfjax.bench.memory_bench`).
 A final line per size checks the targets: 4k tokens fit `--budget_gb` with remat, and the
 8k peak is at most twice the 4k peak.
@@ -35,6 +39,9 @@ _REMATS = flags.DEFINE_list(
 )
 _CHUNKED = flags.DEFINE_list("chunked", ["false", "true"], "Chunked log-probs (true/false).")
 _CHUNK_SIZE = flags.DEFINE_integer("chunk_size", 1024, "Tokens per log-prob chunk.")
+_CONTEXT = flags.DEFINE_integer(
+  "context", 1, "Devices each sequence's tokens are split over (placement.context)."
+)
 _BUDGET_GB = flags.DEFINE_float("budget_gb", 80.0, "Device memory the targets check against.")
 
 
@@ -46,7 +53,7 @@ def main(argv):
       for remat in _REMATS.value:
         for chunked in (c.lower() == "true" for c in _CHUNKED.value):
           for point in memory_bench.measure(
-            size, seq_len, remat, chunked, chunk_size=_CHUNK_SIZE.value
+            size, seq_len, remat, chunked, chunk_size=_CHUNK_SIZE.value, context=_CONTEXT.value
           ):
             points.append(point)
             print(json.dumps(point.as_row()), flush=True)

@@ -118,3 +118,13 @@ def test_bench_memory_takes_a_config_json(tmp_path):
   assert memory_bench.bench_model("7b").hidden_size == 4096
   with pytest.raises(ValueError, match="not found"):
     memory_bench.bench_model(str(tmp_path / "nope" / "config.json"))
+  # `--context`: one sequence of 4096 tokens over the 8 devices peaks far below one such
+  # sequence per device (XLA's analysis of the compiled step).
+  measure = lambda seq, context: memory_bench.measure(
+    str(tmp_path), seq, "full", True, chunk_size=128, context=context
+  )[0]
+  split, whole = measure(4096, 8), measure(4096, 1)
+  assert (split.context, split.as_row()["context"], whole.context) == (8, 8, 1)
+  assert split.step_peak_gb < 0.5 * whole.step_peak_gb, (split, whole)
+  with pytest.raises(ValueError, match="--context=3 must divide the 8 devices"):
+    measure(4096, 3)

@@ -31,6 +31,12 @@ _RELEASED = "interleaved_split"
 rollout (tensor 2 over all 8 devices) copies the actor's weights (fsdp over 4)."""
 
 
+_CONTEXT = "disaggregated"
+"""The variant whose training roles split each row's tokens over 2 devices
+(`placement.context`=2: fsdp 2 x context 2 on each role's 4 devices), so its numbers are those
+of context parallelism against the co-located run's."""
+
+
 def _config(variant: str, **changes):
   cd = runpy.run_path(str(_CONFIGS / "ppo_tiny.py"))["get_config"](variant)
   cd.total_steps = 2
@@ -50,6 +56,8 @@ def runs(tmp_path_factory):
   out = {}
   for variant in _VARIANTS:
     changes = {"rollout__release": True} if variant == _RELEASED else {}
+    if variant == _CONTEXT:
+      changes["placement__context"] = 2
     cfg = _config(variant, **changes)
     trainer = Runner(cfg, str(tmp_path_factory.mktemp(variant)), show_progress=False)
     out[variant] = (trainer, trainer.run())
@@ -137,6 +145,17 @@ def test_release_refuses_a_rollout_that_generates_ahead(tmp_path):
 
 def _devices_of(tree):
   return {shard.device.id for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards}
+
+
+def test_context_parallel_roles_split_their_weights_and_rows_over_context(runs):
+  trainer, _ = runs[_CONTEXT]
+  for role in (Role.ACTOR, Role.CRITIC, Role.REFERENCE, Role.REWARD):
+    spec = trainer.placement[role]
+    assert spec.axes == (("data", 1), ("fsdp", 2), ("context", 2), ("tensor", 1)), role
+  width = trainer.cfg.model.for_role("actor").hidden_size
+  embedding = trainer.cluster.states[Role.ACTOR].params["embedding"]
+  # The width over fsdp x context: each of the 4 devices a quarter.
+  assert {s.data.shape[1] for s in embedding.addressable_shards} == {width // 4}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)

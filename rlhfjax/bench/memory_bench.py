@@ -49,6 +49,8 @@ class MemoryPoint:
   chunked_logprobs: bool
   offload: bool
   num_devices: int
+  context: int
+  """Devices each sequence's tokens are split over (`placement.context`; 1: none)."""
   step_peak_gb: float
   """The actor step's own peak per device: arguments + outputs - aliased + temporaries."""
   colocated_resident_gb: float
@@ -104,10 +106,16 @@ def actor_batch(actor: RoleRuntime, rows: int, seq_len: int, prompt_len: int) ->
 
 
 def actor_step_memory(
-  model: ModelConfig, num_devices: int, seq_len: int, *, prompt_len: int, micro_batch: int
+  model: ModelConfig,
+  num_devices: int,
+  seq_len: int,
+  *,
+  prompt_len: int,
+  micro_batch: int,
+  context: int = 1,
 ) -> tuple[Any, float]:
   """`memory_analysis()` of the compiled actor step and the seconds its compile took."""
-  spec = strategies.colocated(num_devices)
+  spec = _placement(num_devices, context)
   actor = RoleRuntime.create(Role.ACTOR, spec[Role.ACTOR], model, "lm")
   tx = make_optimizer(OptimizerConfig(), 1000)
   state = actor.abstract_train_state(tx)
@@ -129,10 +137,18 @@ def actor_step_memory(
   return compiled.memory_analysis(), time.perf_counter() - start
 
 
-def colocated_resident_bytes(model: ModelConfig, num_devices: int, offload: bool) -> int:
+def _placement(num_devices: int, context: int):
+  """The co-located placement, each row over `context` of the fsdp devices."""
+  spec = strategies.colocated(num_devices)
+  return strategies.with_context(spec, context) if context > 1 else spec
+
+
+def colocated_resident_bytes(
+  model: ModelConfig, num_devices: int, offload: bool, context: int = 1
+) -> int:
   """Per-device bytes of the critic, reference and reward (same size as the actor) that stay
   on the actor's devices during its update; with `offload`, what the trainer parks is out."""
-  spec = strategies.colocated(num_devices)
+  spec = _placement(num_devices, context)
   tx = make_optimizer(OptimizerConfig(), 1000)
   critic = RoleRuntime.create(Role.CRITIC, spec[Role.CRITIC], model, "value")
   critic_params, critic_opt = _train_state_parts(critic, tx)
@@ -162,16 +178,23 @@ def measure(
   num_devices: int = 8,
   chunk_size: int = 1024,
   micro_batch: int | None = None,
+  context: int = 1,
 ) -> list[MemoryPoint]:
   """The actor step of `size` at `seq_len` tokens (a quarter of them prompt), one sequence
-  per device, with and without offload of the co-located roles."""
+  per device (per `context` devices with context parallelism: each holds `seq_len / context`
+  of its tokens), with and without offload of the co-located roles."""
   model = bench_model(size).replace(remat=remat, logprob_chunk_size=chunk_size if chunked else None)
+  if num_devices % context or seq_len % context:
+    raise ValueError(
+      f"--context={context} must divide the {num_devices} devices and the {seq_len} tokens"
+    )
   stats, compile_s = actor_step_memory(
     model,
     num_devices,
     seq_len,
     prompt_len=seq_len // 4,
-    micro_batch=micro_batch or num_devices,
+    micro_batch=micro_batch or num_devices // context,
+    context=context,
   )
   step_peak = (
     stats.argument_size_in_bytes
@@ -187,8 +210,11 @@ def measure(
       chunked_logprobs=chunked,
       offload=offload,
       num_devices=num_devices,
+      context=context,
       step_peak_gb=round(step_peak / GB, 3),
-      colocated_resident_gb=round(colocated_resident_bytes(model, num_devices, offload) / GB, 3),
+      colocated_resident_gb=round(
+        colocated_resident_bytes(model, num_devices, offload, context) / GB, 3
+      ),
       compile_s=round(compile_s, 1),
     )
     for offload in (False, True)

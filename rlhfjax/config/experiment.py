@@ -322,6 +322,14 @@ class PlacementSection:
   trained model of SFT and the reward model): each role's devices are split stage x fsdp x
   tensor and its scanned layers into this many contiguous blocks, one per stage. 1: no
   pipeline. 'explicit' names a `stage` axis per role instead; 'auto' plans without stages."""
+  context: int = 1
+  """Context-parallel size of the training-layout roles (actor, critic, reference, reward; the
+  one trained model of SFT and the reward model): each row's tokens split over this many of
+  its fsdp devices, which gather the keys and values of the whole row in attention
+  (`rlhfjax.models.attention.context_attention`). For sequences whose activations do not fit
+  one device's share. 1: none. Must divide the rows' length ('rollout.max_prompt_len' +
+  'rollout.max_new_tokens', or 'supervised.max_len'); not with pipeline stages. 'explicit'
+  names a 'context' axis per role instead."""
   pipeline_schedule: str = "1f1b"
   """How a pipelined role runs its micro-batches: 'gpipe' (all forwards, then all backwards) or
   '1f1b' (one forward, one backward in the steady state; fewer activations in flight). See
@@ -338,7 +346,23 @@ class PlacementSection:
       data=ranges.COUNT,
       rollout_tensor=ranges.COUNT,
       pipeline_stages=ranges.COUNT,
+      context=ranges.COUNT,
     )
+    if self.context > 1 and self.pipeline_stages > 1:
+      raise ConfigError(
+        f"'placement.context'={self.context} with 'placement.pipeline_stages'="
+        f"{self.pipeline_stages}: context parallelism does not run inside pipeline stages; "
+        "set one of them to 1"
+      )
+    if self.context > 1 and self.strategy in ("auto", "explicit"):
+      instead = {
+        "auto": "the planner splits rows over devices itself where a sequence does not fit",
+        "explicit": "give each training role a 'context' axis in placement.explicit.<role>.axes",
+      }[self.strategy]
+      raise ConfigError(
+        f"'placement.context'={self.context} does not apply to placement.strategy="
+        f"{self.strategy}: {instead}"
+      )
     _check_choice("placement.pipeline_schedule", self.pipeline_schedule, choices.PIPELINE_SCHEDULES)
     if self.pipeline_stages > 1 and self.strategy in ("auto", "explicit"):
       instead = {

@@ -54,6 +54,8 @@ class Group:
   inside one node keeps them on the node's links."""
   data: int = 1
   """Data-parallel replicas of a training layout (whole copies of the fsdp x tensor shards)."""
+  context: int = 1
+  """Devices each row's tokens are split over (context parallelism, within the fsdp devices)."""
 
   @property
   def replicas(self) -> int:
@@ -117,6 +119,20 @@ def _tensor_allreduce(hw, eff, config, group, tokens_per_replica, passes) -> flo
   return passes * 2 * config.num_layers * _ring(bytes_, group.tensor, bw)
 
 
+def _context_gather(hw, eff, config, group, tokens, passes) -> float:
+  """Context-parallel attention's all-gather of every layer's keys and values over the
+  `context` devices (ring), once per pass (the backward's is a reduce-scatter of their
+  gradients, the same bytes): a device receives its rows' keys and values, `2 k n` values per
+  token over `tensor`."""
+  if group.context <= 1:
+    return 0.0
+  rows_tokens = tokens / (group.devices / group.tensor / group.context)
+  kv_tensor = group.tensor if config.num_kv_heads % group.tensor == 0 else 1
+  bytes_ = rows_tokens * 2 * config.num_kv_heads * config.head_dim * _BYTES[config.dtype]
+  bw = _link(hw, group) * eff.collective_bw
+  return passes * config.num_layers * _ring(bytes_ / kv_tensor, group.context, bw)
+
+
 def forward_time(
   hw: Hardware,
   eff: Efficiency,
@@ -139,6 +155,7 @@ def forward_time(
   if offload.params and fsdp > 1:  # each gather first copies the device's shard from the host
     gather += micro_steps * param_bytes / fsdp / (hw.host_bw * eff.host_bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, 1)
+  tp += _context_gather(hw, eff, config, group, tokens, 1)
   overhead = eff.stage_s + micro_steps * config.num_layers * eff.layer_s
   return compute + gather + tp + overhead * hw.per_device(group.devices)
 
@@ -176,6 +193,7 @@ def train_time(
   shard_bytes = param_bytes / fsdp
   collectives += epochs * optimizer_steps * 2 * _ring(shard_bytes, group.data, bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
+  tp += _context_gather(hw, eff, config, group, tokens, passes)
   if offload.optimizer:
     steps = epochs * optimizer_steps
     updates = _host_update(

@@ -22,6 +22,10 @@ Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens eac
   two), or `logits_chunk` tokens at a time; the vocabulary is split over `tensor`.
 - Rollout: parameters in the generation layout and the KV cache of its slots
   (`2 L k n` values per token in the compute dtype) at full length, plus decode logits.
+- Context parallelism (`Sharding.context` = c): each device holds 1/c of its rows' tokens, so
+  activations and logits divide by c; attention gathers the keys and values of the whole rows
+  (`2 k n` values per token, over `tensor` where it divides the KV heads), once for the layer
+  in use and, in a backward, once more for their gradient.
 - Weight sync: the rollout receives the largest stacked parameter (an `[L, ...]` leaf) before
   it frees the old one, so one such leaf is the transfer's temporary.
 
@@ -100,6 +104,8 @@ class Sharding:
   batch_shards: int
   """Devices the batch is split over (data x fsdp, or data)."""
   tensor: int = 1
+  context: int = 1
+  """Devices each row's tokens are split over (context parallelism; in `param_shards` too)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,6 +168,7 @@ def train_memory(
   gathered = 2 * _ceil_div(layer_params(config) * c, sharding.tensor) if ps > 1 else 0
   global_tokens = micro_batch * sharding.batch_shards * seq_len
   acts = _saved_activations(config, global_tokens, seq_len, c, sharding, options)
+  acts += 2 * _gathered_keys(config, micro_batch * seq_len, c, sharding)
   logits = _logits(config, head, global_tokens, sharding, options, copies=3)
   return MemoryEstimate(
     params=params,
@@ -194,7 +201,8 @@ def forward_memory(
   return MemoryEstimate(
     params=params,
     gathered=gathered,
-    activations=int(global_tokens * per_token),
+    activations=int(global_tokens * per_token)
+    + _gathered_keys(config, micro_batch * seq_len, c, sharding),
     logits=_logits(config, head, global_tokens, sharding, options, copies=2),
     parked=_parked(params, 0, options),
   )
@@ -257,9 +265,18 @@ def _dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
   )
 
 
+def _gathered_keys(config, row_tokens, c, sharding) -> int:
+  """One layer's keys and values of whole rows (`row_tokens` tokens) that context-parallel
+  attention gathers; nothing without context parallelism."""
+  if sharding.context <= 1:
+    return 0
+  _, _, _, k, n = _dims(config)
+  return _ceil_div(row_tokens * 2 * k * n * c, sharding.tensor if k % sharding.tensor == 0 else 1)
+
+
 def _saved_activations(config, global_tokens, seq_len, c, sharding, options) -> int:
   d, f, h, k, n = _dims(config)
-  group = sharding.batch_shards * sharding.tensor
+  group = sharding.batch_shards * sharding.tensor * sharding.context
   mlp_shards = sharding.tensor if options.replicated_activations else group
   layers = config.num_layers
   if options.remat == "none":
@@ -281,7 +298,7 @@ def _saved_activations(config, global_tokens, seq_len, c, sharding, options) -> 
 def _layer_activation_bytes(config, seq_len, c, sharding, options) -> float:
   """Bytes per token of one layer's forward working set (nothing kept for a backward)."""
   d, f, h, k, n = _dims(config)
-  group = sharding.batch_shards * sharding.tensor
+  group = sharding.batch_shards * sharding.tensor * sharding.context
   mlp_shards = sharding.tensor if options.replicated_activations else group
   sharded = (3 * d + 2 * h * n + 2 * k * n) * c + _scores(h, seq_len, 4 + c, options)
   return sharded / group + 3 * f * c / mlp_shards
@@ -297,11 +314,12 @@ def _logits(config, head, global_tokens, sharding, options, *, copies) -> int:
     return 0
   tokens = global_tokens
   if options.logits_chunk:
-    tokens = min(tokens, options.logits_chunk * sharding.batch_shards)
+    # A chunk of each row piece at once (`models.logprobs.chunked_stats`).
+    tokens = min(tokens, options.logits_chunk * sharding.batch_shards * sharding.context)
   shards = (
     sharding.tensor
     if options.replicated_activations
-    else sharding.tensor * max(sharding.batch_shards, 1)
+    else sharding.tensor * max(sharding.batch_shards, 1) * sharding.context
   )
   return int(copies * tokens * config.vocab_size * 4 / shards)
 

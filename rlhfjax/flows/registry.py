@@ -163,6 +163,7 @@ def configure(config: Any) -> Any:
       "'rollout.fused_scoring' is for the flows that score samples while they generate "
       f"({', '.join(fused_scoring_flows())}); {spec.name} does not: set it to False"
     )
+  _check_context(config, spec)
   trained = tuple(role.value for role in spec.trains)
   parked = [name for name in config.offload.params if name in trained]
   if parked and spec.section != "ppo":
@@ -177,6 +178,21 @@ def configure(config: Any) -> Any:
     return config
   model = dataclasses.replace(config.model, trained_roles=trained)
   return dataclasses.replace(config, model=model)
+
+
+def _check_context(config: Any, spec: FlowSpec) -> None:
+  """`placement.context` splits every row of the flow's model into equal pieces."""
+  context = config.placement.context
+  if spec.section == "supervised":
+    width, field = config.supervised.max_len, "'supervised.max_len'"
+  else:
+    width = config.rollout.max_seq_len
+    field = "'rollout.max_prompt_len' + 'rollout.max_new_tokens'"
+  if width % context:
+    raise ConfigError(
+      f"'placement.context'={context} does not divide the rows' {width} tokens ({field}): "
+      f"make them a multiple of {context}"
+    )
 
 
 def roles_of(config: Any) -> tuple[Role, ...]:

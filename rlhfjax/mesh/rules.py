@@ -41,7 +41,8 @@ KV_CACHE_AXES: LogicalAxes = ("layers", "batch", "kv_length", "kv_heads", "head_
 TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
   {
     "vocab": ("tensor",),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "context"),
+    "embed_lookup": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
@@ -49,18 +50,29 @@ TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
     "layers": ("stage",),
     "norm": (),
     "batch": ("data", "fsdp", "stage"),
-    "length": (),
+    "length": ("context",),
     "kv_length": (),
   }
 )
 """FSDP over the model width, tensor parallel over vocab/heads/MLP, the scanned layer stack over
 the pipeline's `stage` axis (contiguous blocks of layers per stage), and the batch over data x
 fsdp x stage: a forward-only program (scoring) splits its rows over the stages too, while a
-pipelined step places its micro-batches itself. Without a `stage` axis (or with size 1) this is
-plain FSDP x tensor parallel."""
+pipelined step places its micro-batches itself. With a `context` axis each row's tokens split
+over it (context parallelism: `models.attention.context_attention` gathers the keys), and the
+weights shard over it as over `fsdp` (its devices hold the same rows, so they share the
+model's state as FSDP's do). Without `stage` and `context` axes (or with size 1) this is plain
+FSDP x tensor parallel. 'embed_lookup' is the width of the embedding lookup on its way to
+the residual stream's layout (`models.transformer.Transformer`)."""
 
 GENERATION_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
-  {**TRAINING_RULES, "embed": (), "layers": (), "batch": ("data",)}
+  {
+    **TRAINING_RULES,
+    "embed": (),
+    "embed_lookup": (),
+    "layers": (),
+    "batch": ("data",),
+    "length": (),
+  }
 )
 """The training table without FSDP or pipeline stages: tensor parallel only; weights are
 replicated across `data` groups (no gather per step)."""

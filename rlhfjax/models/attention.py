@@ -404,13 +404,8 @@ def pallas_attention(kernel: str, q_bthn, k_bskn, v_bskn, mask: Mask) -> jax.Arr
   sizes = {} if mesh.empty else {a: s for a, s in mesh.shape.items() if s > 1}
   if sizes:
     P = jax.sharding.PartitionSpec
-    rows, product = [], 1
-    for axis in ("data", "fsdp", "stage"):
-      if axis in sizes and b % (product * sizes[axis]) == 0:
-        rows.append(axis)
-        product *= sizes[axis]
     heads = "tensor" if h % sizes.get("tensor", 1) == 0 and "tensor" in sizes else None
-    rows_spec = tuple(rows) or None
+    rows_spec = _row_axes(mesh, b)
     fn = jax.shard_map(
       fn,
       mesh=mesh,
@@ -419,6 +414,80 @@ def pallas_attention(kernel: str, q_bthn, k_bskn, v_bskn, mask: Mask) -> jax.Arr
       check_vma=False,
     )
   return fn(q, keys, values, segments)[:, :t]
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: a row's tokens split over the mesh's 'context' axis.
+
+
+def context_shards(length: int) -> int:
+  """How many pieces the mesh in context splits a row of `length` tokens into: the size of its
+  'context' axis when that divides `length` (as `rlhfjax.mesh.rules` then shards the 'length'
+  logical axis over it), else 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  size = 1 if mesh.empty else dict(mesh.shape).get("context", 1)
+  return size if size > 1 and length % size == 0 else 1
+
+
+def _row_axes(mesh, rows: int) -> tuple[str, ...] | None:
+  """The batch's mesh axes (data, fsdp, stage, in that order) whose product divides `rows`."""
+  sizes = {a: s for a, s in mesh.shape.items() if s > 1}
+  axes, product = [], 1
+  for axis in ("data", "fsdp", "stage"):
+    if axis in sizes and rows % (product * sizes[axis]) == 0:
+      axes.append(axis)
+      product *= sizes[axis]
+  return tuple(axes) or None
+
+
+def context_attention(impl: str, q_bthn, k_bskn, v_bskn, mask: Mask) -> jax.Array:
+  """Self-attention of rows whose tokens are split over the mesh's 'context' axis (Llama 3's
+  context parallelism), `[b, t, h, n]`.
+
+  Per shard (`jax.shard_map`: rows over the batch's axes, tokens over 'context', heads over
+  'tensor' when it divides the KV heads), the keys and values of the whole row and their ids
+  are all-gathered over 'context' (their gradient is the matching reduce-scatter), and the
+  shard's queries attend to them under the ids' mask: 'blockwise' (the fused kernels take
+  whole rows only), or 'einsum' for the reference paths. Causality comes from the positions,
+  so any split of a row is exact; the forward computes every block, so the shards do equal
+  work whatever their place in the row. A sliding window works the same way (the gathered
+  keys hold every position)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  b, t, h, _ = q_bthn.shape
+  k = k_bskn.shape[2]
+  tensor = dict(mesh.shape).get("tensor", 1)
+  heads = "tensor" if tensor > 1 and k % tensor == 0 else None
+  rows = _row_axes(mesh, b)
+  P = jax.sharding.PartitionSpec
+  window = mask.window
+
+  def per_shard(q_bthn, k_bskn, v_bskn, q_seg, q_pos, k_seg, k_pos):
+    gather = functools.partial(jax.lax.all_gather, axis_name="context", axis=1, tiled=True)
+    keys, values, k_seg, k_pos = (gather(x) for x in (k_bskn, v_bskn, k_seg, k_pos))
+    local = Mask.over_keys(q_seg, q_pos, k_seg, k_pos, window)
+    if impl in ("einsum", "xla"):
+      return einsum_attention(q_bthn, keys, values, local, q_bthn.dtype)
+    tl, s = q_bthn.shape[1], keys.shape[1]
+    return blockwise_attention(q_bthn, keys, values, local, min(BLOCK, tl), min(BLOCK, s))
+
+  tokens = P(rows, "context", heads)
+  ids = P(rows, "context")
+  fn = jax.shard_map(
+    per_shard,
+    mesh=mesh,
+    in_specs=(tokens,) * 3 + (ids,) * 4,
+    out_specs=tokens,
+    check_vma=False,
+  )
+  return fn(
+    q_bthn,
+    k_bskn,
+    v_bskn,
+    mask.q_segments_bt,
+    mask.q_positions_bt,
+    mask.k_segments_bs,
+    mask.k_positions_bs,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +519,9 @@ def attend(config: ModelConfig, q_bthn, keys_bskn, values_bskn, mask: Mask) -> j
   """Grouped-query attention of `q` over keys/values under `mask`, `[b, t, h, n]`."""
   impl = implementation(config, q_bthn, mask)
   dtype = jnp.dtype(config.dtype)
+  if mask.self_attention and context_shards(q_bthn.shape[1]) > 1:
+    q_bthn, keys_bskn, values_bskn = (x.astype(dtype) for x in (q_bthn, keys_bskn, values_bskn))
+    return context_attention(impl, q_bthn, keys_bskn, values_bskn, mask)
   if impl == "einsum":
     return einsum_attention(q_bthn, keys_bskn, values_bskn, mask, dtype)
   q_bthn, keys_bskn, values_bskn = (x.astype(dtype) for x in (q_bthn, keys_bskn, values_bskn))

@@ -13,12 +13,13 @@ recomputes a chunk's logits instead of storing them. Only `[b, c, v]` logits are
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from rlhfjax.config.model import ModelConfig
-from rlhfjax.models import transformer
+from rlhfjax.models import attention, transformer
 
 
 @jax.tree_util.register_dataclass
@@ -59,25 +60,37 @@ def chunked_stats(
   The matmul runs in `dtype` with float32 accumulation, like the model's own head.
   """
   b, t, d = hidden_btd.shape
-  c = min(chunk_size, t)
-  m = -(-t // c)
-  pad = m * c - t
-  hidden_mbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, m, c, d)
-  hidden_mbcd = hidden_mbcd.swapaxes(0, 1)
-  targets_mbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, m, c).swapaxes(0, 1)
+  # Under context parallelism (`attention.context_shards`) each of the p pieces of a row is
+  # chunked on its own, the pieces side by side in every chunk: the scan then walks each
+  # device's own tokens instead of gathering the row.
+  p = attention.context_shards(t)
+  tl = t // p
+  c = min(chunk_size, tl)
+  m = -(-tl // c)
+
+  def chunks(x_bt, *rest):
+    x = jnp.pad(
+      x_bt.reshape(b, p, tl, *rest), ((0, 0), (0, 0), (0, m * c - tl)) + ((0, 0),) * len(rest)
+    )
+    return jnp.moveaxis(x.reshape(b, p, m, c, *rest), 2, 0)
+
+  hidden_mbpcd = chunks(hidden_btd, d)
+  targets_mbpc = chunks(targets_bt)
   head_vd = head_vd.astype(dtype)
 
   @jax.checkpoint
-  def one_chunk(hidden_bcd, targets_bc):
-    logits_bcv = jnp.einsum(
-      "bcd,vd->bcv", hidden_bcd.astype(dtype), head_vd, preferred_element_type=jnp.float32
+  def one_chunk(hidden_bpcd, targets_bpc):
+    logits_bpcv = jnp.einsum(
+      "bpcd,vd->bpcv", hidden_bpcd.astype(dtype), head_vd, preferred_element_type=jnp.float32
     )
     if temperature != 1.0:
-      logits_bcv = logits_bcv / temperature
-    return stats_from_logits(logits_bcv, targets_bc)
+      logits_bpcv = logits_bpcv / temperature
+    return stats_from_logits(logits_bpcv, targets_bpc)
 
-  _, stats_m = jax.lax.scan(lambda _, x: (None, one_chunk(*x)), None, (hidden_mbcd, targets_mbc))
-  return jax.tree.map(lambda x_mbc: x_mbc.swapaxes(0, 1).reshape(b, m * c)[:, :t], stats_m)
+  _, stats_m = jax.lax.scan(lambda _, x: (None, one_chunk(*x)), None, (hidden_mbpcd, targets_mbpc))
+  return jax.tree.map(
+    lambda x_mbpc: jnp.moveaxis(x_mbpc, 0, 2).reshape(b, p, m * c)[:, :, :tl].reshape(b, t), stats_m
+  )
 
 
 def token_stats(
@@ -102,14 +115,19 @@ def token_stats(
       logits_btv = logits_btv / temperature
     return stats_from_logits(logits_btv, targets_bt)
   hidden_bsd = transformer.forward_hidden(config, params, tokens_bs, attention_mask_bs)
-  return chunked_stats(
-    hidden_bsd[:, first - 1 : -1],
-    transformer.lm_head_vd(config, params),
-    targets_bt,
+  chunked = functools.partial(
+    chunked_stats,
+    head_vd=transformer.lm_head_vd(config, params),
     chunk_size=config.logprob_chunk_size,
     temperature=temperature,
     dtype=jnp.dtype(config.dtype),
   )
+  if attention.context_shards(tokens_bs.shape[1]) > 1:
+    # The rows' tokens are split over 'context': chunk every column where it lies (each
+    # device its own), then keep the predicted ones.
+    stats = chunked(hidden_bsd, targets_bt=jnp.pad(tokens_bs[:, 1:], ((0, 0), (0, 1))))
+    return jax.tree.map(lambda x_bs: x_bs[:, first - 1 : -1], stats)
+  return chunked(hidden_bsd[:, first - 1 : -1], targets_bt=targets_bt)
 
 
 def packed_token_stats(

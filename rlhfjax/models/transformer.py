@@ -613,9 +613,14 @@ class Transformer(nn.Module):
       nn.initializers.normal(_INIT_STD),
       jnp.dtype(cfg.param_dtype),
     )
-    x_btd = constrain_activations(
-      jnp.take(embedding_vd, tokens_bt, axis=0).astype(jnp.dtype(cfg.dtype))
-    )
+    x_btd = jnp.take(embedding_vd, tokens_bt, axis=0).astype(jnp.dtype(cfg.dtype))
+    if _LAYERS_REPLACED.get() is None:
+      # The lookup comes out split like the table's width (fsdp x context). XLA moves one
+      # mesh axis from a dimension to another as an all-to-all, but two at once it does by
+      # gathering the whole lookup (its "involuntary full rematerialization", under context
+      # parallelism): so first 'context' from the width to the tokens, then 'fsdp' to the rows.
+      x_btd = nn.with_logical_constraint(x_btd, (None, "length", "embed_lookup"))
+    x_btd = constrain_activations(x_btd)
 
     replaced = _LAYERS_REPLACED.get()
     if replaced is not None:

@@ -56,7 +56,7 @@ HEADS: Mapping[Role, str] = {
 """Output head of each role's model: policies predict tokens, critics and rewards a scalar."""
 
 PARAM_SHARDING_AXES: Mapping[Layout, tuple[str, ...]] = {
-  Layout.TRAINING: ("stage", "fsdp", "tensor"),
+  Layout.TRAINING: ("stage", "fsdp", "context", "tensor"),
   Layout.GENERATION: ("tensor",),
 }
 """Mesh axes each layout shards parameters (and optimizer state, gradients) over."""
@@ -87,6 +87,7 @@ def sharding_of(spec: RoleSpec) -> Sharding:
     param_shards=math.prod(spec.axis_size(a) for a in PARAM_SHARDING_AXES[spec.layout]),
     batch_shards=math.prod(spec.axis_size(a) for a in BATCH_AXES[spec.layout]),
     tensor=spec.axis_size("tensor"),
+    context=spec.context,
   )
 
 

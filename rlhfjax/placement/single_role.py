@@ -23,8 +23,8 @@ or the planner's split."""
 def manual_spec(
   placement: PlacementSection, model: ModelConfig, num_devices: int, rows: int
 ) -> RoleSpec:
-  """`placement.pipeline_stages` x `placement.data` x fsdp x `placement.tensor` over
-  `num_devices` devices.
+  """`placement.pipeline_stages` x `placement.data` x fsdp x `placement.context` x
+  `placement.tensor` over `num_devices` devices.
 
   Raises:
     PlacementError: stages x `data` x `tensor` does not divide the devices, `tensor` does not
@@ -52,6 +52,14 @@ def manual_spec(
       )
   check_layers(model, stages)
   fsdp = num_devices // tensor // data // stages
+  context = placement.context
+  if fsdp % context:
+    raise PlacementError(
+      f"placement.context={context} does not divide the {fsdp} fsdp devices "
+      f"(placement.num_devices={num_devices} over data x tensor x stages); set it to one of "
+      f"{', '.join(str(c) for c in range(1, fsdp + 1) if fsdp % c == 0)}"
+    )
+  fsdp //= context
   shards = data * fsdp
   if rows % shards:
     raise PlacementError(
@@ -59,7 +67,9 @@ def manual_spec(
       f"{'data x fsdp' if data > 1 else 'fsdp'}={shards} batch shards; make it a multiple of "
       f"{shards}"
     )
-  return RoleSpec.training(range(num_devices), stage=stages, data=data, fsdp=fsdp, tensor=tensor)
+  return RoleSpec.training(
+    range(num_devices), stage=stages, data=data, fsdp=fsdp, context=context, tensor=tensor
+  )
 
 
 def placed(

@@ -23,21 +23,21 @@ class Role(enum.StrEnum):
 
 class Layout(enum.StrEnum):
   TRAINING = "training"
-  """Pipeline stages over `stage`, FSDP over `fsdp` (and `data`), tensor parallel over
-  `tensor`."""
+  """Pipeline stages over `stage`, FSDP over `fsdp` (and `data`), each row's tokens over
+  `context`, tensor parallel over `tensor`."""
   GENERATION = "generation"
   """Tensor parallel over heads and MLP, replicated across `data` groups."""
 
 
 LAYOUT_AXES: Mapping[Layout, tuple[str, ...]] = {
-  Layout.TRAINING: ("stage", "data", "fsdp", "tensor"),
+  Layout.TRAINING: ("stage", "data", "fsdp", "context", "tensor"),
   Layout.GENERATION: ("data", "tensor"),
 }
 """The mesh axes of each layout, in mesh order (devices are listed row-major over them)."""
-OPTIONAL_AXES = frozenset({"stage"})
-"""Axes a spec lists only when it uses them (size > 1): a training spec without a pipeline
-keeps its three axes ('data', 'fsdp', 'tensor'), so specs and meshes from before pipelines
-are unchanged."""
+OPTIONAL_AXES = frozenset({"stage", "context"})
+"""Axes a spec lists only when it uses them (size > 1): a training spec without a pipeline or
+context parallelism keeps its three axes ('data', 'fsdp', 'tensor'), so specs and meshes from
+before them are unchanged."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,12 +52,22 @@ class RoleSpec:
 
   @classmethod
   def training(
-    cls, devices, *, stage: int = 1, data: int = 1, fsdp: int = 1, tensor: int = 1
+    cls,
+    devices,
+    *,
+    stage: int = 1,
+    data: int = 1,
+    fsdp: int = 1,
+    context: int = 1,
+    tensor: int = 1,
   ) -> RoleSpec:
-    """A training-layout spec: axes ('stage', 'data', 'fsdp', 'tensor') over `devices`, the
-    pipeline's 'stage' outermost and only when `stage` > 1."""
+    """A training-layout spec: axes ('stage', 'data', 'fsdp', 'context', 'tensor') over
+    `devices`, the pipeline's 'stage' outermost and only when `stage` > 1, 'context' only when
+    `context` > 1."""
     axes = (("stage", stage),) if stage > 1 else ()
-    axes += (("data", data), ("fsdp", fsdp), ("tensor", tensor))
+    axes += (("data", data), ("fsdp", fsdp))
+    axes += (("context", context),) if context > 1 else ()
+    axes += (("tensor", tensor),)
     return cls(devices=tuple(devices), axes=axes, layout=Layout.TRAINING)
 
   @classmethod
@@ -80,6 +90,11 @@ class RoleSpec:
 
   def axis_size(self, name: str) -> int:
     return dict(self.axes).get(name, 1)
+
+  @property
+  def context(self) -> int:
+    """Context-parallel size: the size of the 'context' axis (1 without one)."""
+    return self.axis_size("context")
 
   @property
   def stages(self) -> int:

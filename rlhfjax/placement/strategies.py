@@ -379,8 +379,41 @@ def build_placement(placement_cfg: PlacementSection, available_devices: int) -> 
     )
   num_devices = resolve_num_devices(placement_cfg.num_devices, available_devices)
   spec = _STRATEGIES[name].build(placement_cfg, num_devices)
+  if placement_cfg.context > 1:
+    spec = with_context(spec, placement_cfg.context)
   check_spec(spec, num_devices)
   return spec
+
+
+def with_context(spec: PlacementSpec, context: int) -> PlacementSpec:
+  """`spec` with every training-layout role's fsdp axis split into fsdp x context (the same
+  devices in the same order: 'context' follows 'fsdp' in the layout's axes).
+
+  Raises:
+    PlacementError: `context` does not divide a role's fsdp size."""
+  roles = {}
+  for role, role_spec in spec.roles.items():
+    if role_spec.layout != Layout.TRAINING:
+      roles[role] = role_spec
+      continue
+    fsdp = role_spec.axis_size("fsdp")
+    if fsdp % context:
+      tensor = role_spec.axis_size("tensor")
+      groups = f" ({fsdp} fsdp groups of placement.tensor={tensor})" if tensor > 1 else ""
+      raise PlacementError(
+        f"{role}: placement.context={context} does not divide its {len(role_spec.devices)} "
+        f"devices{groups}; set placement.context to one of {_divisors(fsdp)}"
+      )
+    sizes = dict(role_spec.axes)
+    roles[role] = RoleSpec.training(
+      role_spec.devices,
+      stage=sizes.get("stage", 1),
+      data=sizes.get("data", 1),
+      fsdp=fsdp // context,
+      context=context,
+      tensor=sizes.get("tensor", 1),
+    )
+  return dataclasses.replace(spec, roles=roles)
 
 
 def _device_range(start: int, stop: int) -> tuple[int, ...]:

@@ -196,6 +196,11 @@ def _check_axes(role: Role, spec: RoleSpec) -> None:
       f"{role}: the {spec.layout} layout needs mesh axes ({', '.join(expected)}) in this "
       f"order, got ({', '.join(spec.axis_names)})"
     )
+  if spec.stages > 1 and spec.context > 1:
+    raise PlacementError(
+      f"{role}: a 'stage' and a 'context' axis together: context parallelism does not run "
+      "inside pipeline stages"
+    )
   if spec.mesh_size != len(spec.devices):
     sizes = " x ".join(f"{name}={size}" for name, size in spec.axes)
     raise PlacementError(

@@ -312,6 +312,7 @@ def _group(rs: RoleSpec, per_node: int) -> costs.Group:
     spans_nodes=spans,
     tensor_spans_nodes=bool(tensor_spans_hosts(rs, nodes)),
     data=data,
+    context=rs.context,
   )
 
 

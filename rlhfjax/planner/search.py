@@ -4,8 +4,10 @@ Candidates: the variants of every registered strategy (`rlhfjax.placement.strate
 co-located; interleaved with and without actor and critic split; disaggregated over a range of
 rollout device counts, with and without the training roles split; and any strategy added with
 `register_strategy`), each with the tensor sizes that divide every model's heads (within a
-node), and each with the micro-batch sizes of `MICRO_BATCHES`. Plans that do not fit memory stay
-in the result, last, with the reason.
+node), and each with the micro-batch sizes of `MICRO_BATCHES`; a candidate that fits with none
+of them is tried with each row split over 2, 4, ... of its fsdp devices (context parallelism,
+`CONTEXT_SIZES`), the smallest split that fits kept. Plans that do not fit memory stay in the
+result, last, with the reason.
 
 Only the roles the workload has are placed (`present_roles`: no critic for critic-free
 algorithms, no reward model for a rule reward, no rollout for DPO); a candidate that then
@@ -20,7 +22,7 @@ from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import Hardware
 from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement import strategies
-from rlhfjax.placement.spec import PlacementSpec
+from rlhfjax.placement.spec import Layout, PlacementSpec
 from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -69,6 +71,23 @@ def candidates(
           yield label, spec
 
 
+CONTEXT_SIZES = (2, 4, 8, 16)
+"""Context-parallel sizes the search tries on a placement that does not fit without."""
+
+
+def context_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
+  """The `CONTEXT_SIZES` that split every training-layout role's fsdp devices and its rows'
+  tokens (`workload.seq_len`), for a placement without pipeline stages."""
+  trained = [s for s in spec.roles.values() if s.layout == Layout.TRAINING]
+  if not trained or any(s.stages > 1 for s in trained):
+    return ()
+  return tuple(
+    size
+    for size in CONTEXT_SIZES
+    if workload.seq_len % size == 0 and all(s.axis_size("fsdp") % size == 0 for s in trained)
+  )
+
+
 def search(
   workload: Workload,
   hw: Hardware,
@@ -87,13 +106,8 @@ def search(
     raise ValueError(f"devices must be >= 1, got {num_devices}")
   per_node = devices_per_node or hw.devices_per_node
   plans = []
-  for label, spec in candidates(
-    num_devices,
-    workload,
-    strategy=strategy,
-    rollout_devices=rollout_devices,
-    max_tensor=min(8, per_node),
-  ):
+
+  def best_of(label: str, spec: PlacementSpec) -> Plan:
     best = None
     mbs = (workload.micro_batch,) if workload.micro_batch else micro_batches
     if workload.train_rows:
@@ -113,6 +127,23 @@ def search(
         best = plan
       if plan.fits:
         break  # smaller micro-batches only add collectives and overhead
+    return best
+
+  for label, spec in candidates(
+    num_devices,
+    workload,
+    strategy=strategy,
+    rollout_devices=rollout_devices,
+    max_tensor=min(8, per_node),
+  ):
+    best = best_of(label, spec)
+    # Sequences too long for one device's share of the rows: split each row over the fewest
+    # devices (context parallelism) that makes it fit.
+    for size in context_sizes(spec, workload) if not best.fits else ():
+      plan = best_of(f"{label} cp={size}", strategies.with_context(spec, size))
+      if plan.fits:
+        best = plan
+        break
     plans.append(best)
   plans.sort(key=_key)
   return plans
