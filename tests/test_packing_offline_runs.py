@@ -1,5 +1,6 @@
 """Packing in DPO, online DPO, SFT and reward-model training (issue 24), each flow's run: packed
-against padded (fp32, 2 steps), and the token budgets checked. (The packed losses and gradients
+against padded (fp32, 2 steps; the packed DPO, SFT and reward-model runs with each row over 2
+devices, `placement.context=2`), and the token budgets checked. (The packed losses and gradients
 against the padded ones: test_packing_offline.py.)"""
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def _assert_runs_close(padded, packed_rows, keys):
 
 
 def _run(cfg, tmp_path, name):
-  return Runner(cfg, str(tmp_path / name), show_progress=False).run()
+  runner = Runner(cfg, str(tmp_path / name), show_progress=False)
+  for spec in runner.placement.roles.values():  # as configured, each trained role's rows split
+    assert spec.context == cfg.placement.context, spec
+  return runner.run()
 
 
 def _supervised(path, tmp_path, **fields):
@@ -61,7 +65,10 @@ def _supervised(path, tmp_path, **fields):
 def test_supervised_runs_packed_equal_padded(tmp_path, path, keys):
   padded = _run(_supervised(path, tmp_path), tmp_path, "padded")
   packing = {"packing": True, "max_tokens_per_micro_batch": 4 * 48}
-  result = _run(_supervised(path, tmp_path, supervised=packing), tmp_path, "packed")
+  # The packed run also splits each row over 2 devices (context parallelism: fsdp 1 x
+  # context 2 x tensor 2): its numbers are the padded, unsplit run's all the same.
+  packed = _supervised(path, tmp_path, supervised=packing, placement={"context": 2})
+  result = _run(packed, tmp_path, "packed")
   rows = lambda r: [row for row in r.metrics if "train/loss" in row]
   _assert_runs_close(rows(padded), rows(result), [k for k in keys if k.startswith("train/")])
   evals = lambda r: [row for row in r.metrics if "eval/loss" in row or "eval/accuracy" in row]
@@ -84,7 +91,9 @@ def _dpo_config(**dpo):
 
 def test_dpo_run_packed_equals_padded(tmp_path):
   padded = _run(_dpo_config(), tmp_path, "padded").metrics
-  result = _run(_dpo_config(packing=True, max_tokens_per_micro_batch=4 * 48), tmp_path, "packed")
+  packed = _dpo_config(packing=True, max_tokens_per_micro_batch=4 * 48)
+  packed = dataclasses.replace(packed, placement=dataclasses.replace(packed.placement, context=2))
+  result = _run(packed, tmp_path, "packed")  # each row over 2 devices too, as SFT's above
   keys = ("loss/dpo", "dpo/margin", "dpo/accuracy", "actor/grad_norm", "eval/margin")
   _assert_runs_close(padded, result.metrics, keys)
   assert result.metrics[0]["loss/dpo"] == pytest.approx(np.log(2), abs=1e-6)
