@@ -34,10 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import distributed
 from rlhfjax.config.hf import config_to_hf
-from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
+from rlhfjax.config.model import HeadKind, LoraConfig, ModelConfig, RopeScaling
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
-from rlhfjax.models import hf
+from rlhfjax.models import hf, lora
 
 STAGES = ("ppo", "rm", "sft")
 """A pipeline workdir's stage directories, in the order `--stage` defaults through them."""
@@ -78,6 +78,8 @@ def _model_from_json(fields: Mapping[str, Any]) -> ModelConfig:
   fields = {k: v for k, v in fields.items() if k in known}
   if fields.get("rope_scaling") is not None:
     fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+  if fields.get("lora") is not None:
+    fields["lora"] = LoraConfig(**{**fields["lora"], "targets": tuple(fields["lora"]["targets"])})
   fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
   return ModelConfig(**fields)
 
@@ -372,7 +374,8 @@ def export(
   saved = _model_from_json(policy["model"])
   dtype = dtype or saved.param_dtype
   tokenizer = tokenizer_lib.load_tokenizer(policy["tokenizer"])
-  model = _with_token_ids(dataclasses.replace(saved, param_dtype=dtype, dtype=dtype), tokenizer)
+  model = dataclasses.replace(saved, param_dtype=dtype, dtype=dtype, lora=None)
+  model = _with_token_ids(model, tokenizer)
   hf_config = config_to_hf(model, head)  # fails here, before any file, if it cannot
 
   itemsize = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
@@ -381,6 +384,8 @@ def export(
   item_dir = ckpt.item_directory(step_dir, policy["item"])
   abstract = _abstract_params(item_dir, assignment.layers_by_process)
   params = ckpt.restore_params(step_dir, abstract, policy["item"])
+  if saved.lora is not None:  # the adapted model: adapters merged into the weights
+    params = lora.merged(params, saved.lora)
 
   me = jax.process_index()
   first = me * (model.num_layers // jax.process_count()) if assignment.layers_by_process else 0

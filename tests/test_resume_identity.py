@@ -54,6 +54,11 @@ def grpo_workdir(tmp_path_factory):
       {"model__param_dtype": "bfloat16"},
       r"model.actor.param_dtype: the checkpoint has 'float32', this run 'bfloat16'",
     ),
+    (
+      "grpo",
+      {"model__lora__rank": 4},
+      r"model.actor.lora: the checkpoint has None, this run \{'rank': 4, 'alpha': 16.0",
+    ),
   ],
   ids=[
     "rloo",
@@ -63,6 +68,7 @@ def grpo_workdir(tmp_path_factory):
     "architecture",
     "chat_template",
     "precision",
+    "lora",
   ],
 )
 def test_resume_refuses_a_checkpoint_of_another_kind_of_run(

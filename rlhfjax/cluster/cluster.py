@@ -33,6 +33,7 @@ from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, ExperimentConfig, RolloutSection
 from rlhfjax.mesh import offload, rules, sharing, transfer
+from rlhfjax.models import lora
 from rlhfjax.observe.timeline import Timeline
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import reverse_stages
@@ -499,18 +500,28 @@ class Cluster:
 
   def _rollout_cast(self) -> Callable | None:
     """The compiled cast of the source role's weights to the rollout's dtypes on the source's
-    mesh (`rlhfjax.mesh.transfer.cast`), or None when their dtypes already match."""
+    mesh (`rlhfjax.mesh.transfer.cast`), its adapters first merged into the base weights
+    (`models.lora.merged`) when it has them, or None when nothing changes."""
     src, dst = self.roles[self._rollout_from], self.roles[Role.ROLLOUT]
     wanted = models.abstract_params(dst.model, dst.head)
     have = models.abstract_params(src.model, src.head)
+    adapted = src.model.lora is not None
+    if adapted:
+      have = lora.base(have)
     pairs = zip(jax.tree.leaves(have), jax.tree.leaves(wanted), strict=True)
-    if all(a.dtype == b.dtype for a, b in pairs):
+    if not adapted and all(a.dtype == b.dtype for a, b in pairs):
       return None
+
+    def prepare(params):
+      if adapted:
+        params = lora.merged(params, src.model.lora)
+      return transfer.cast(params, dtypes=wanted)
+
     return self.compile(
       "rollout_cast",
-      functools.partial(transfer.cast, dtypes=wanted),
+      prepare,
       in_shardings=(src.param_shardings,),
-      out_shardings=src.param_shardings,
+      out_shardings=lora.base(src.param_shardings),
       role=self._rollout_from,
     )
 

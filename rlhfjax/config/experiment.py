@@ -82,6 +82,41 @@ _ROLES = ("actor", "critic", "reference", "reward", "rollout")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+  """Low-rank adapters on every trained role (`model_config.LoraConfig`, `rlhfjax.models.lora`):
+  the base weights frozen, with no optimizer state; only the adapters (and a critic's or reward
+  model's value head) train, in float32. The rollout runs the adapted weights merged."""
+
+  rank: int = 0
+  """Rank of each adapter; 0: no adapters (every weight trains)."""
+  alpha: float = 16.0
+  """The adapters' output is scaled by alpha / rank."""
+  targets: tuple[str, ...] = model_config.LORA_TARGETS
+  """Adapted projections: some of q, k, v, o (attention), gate, up, down (MLP), and lm_head
+  (an untied LM head; not by default)."""
+
+  def __post_init__(self):
+    if isinstance(self.targets, str):
+      object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t))
+    if self.rank < 0:
+      raise ConfigError(f"'model.lora.rank' must be >= 0 (0: no adapters), got {self.rank}")
+    if not self.alpha > 0:
+      raise ConfigError(f"'model.lora.alpha' must be > 0, got {self.alpha}")
+    known = model_config.LORA_TARGETS + model_config.LORA_EXTRA_TARGETS
+    unknown = [t for t in self.targets if t not in known]
+    if unknown or not self.targets:
+      raise ConfigError(
+        f"'model.lora.targets': unknown projection(s) {', '.join(unknown) or '(none given)'}; "
+        f"choose from {', '.join(known)}"
+      )
+
+  def for_model(self) -> model_config.LoraConfig | None:
+    if self.rank == 0:
+      return None
+    return model_config.LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
   """Which model each role runs: a registered size or a Hugging Face checkpoint's config.json."""
 
@@ -119,6 +154,8 @@ class ModelSection:
   trained_roles: tuple[str, ...] = ("actor", "critic")
   """The roles the flow trains (the reward model in its own flow): set from the flow's
   declaration (`rlhfjax.flows.registry.configure`), not by hand."""
+  lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+  """Low-rank adapters on the trained roles (`trained_roles`) over their frozen weights."""
 
   def __post_init__(self):
     # A role's section with nothing set is the same as none (`complete` writes one per role).
@@ -196,6 +233,8 @@ class ModelSection:
     }
     role_section = self.roles.get(role, RoleModelSection())
     changes = {**overrides, **self.overrides, **role_section.overrides()}
+    if role in self.trained_roles and self.lora.rank:
+      changes["lora"] = self.lora.for_model()
     try:
       if self.hf_for(role):
         return self._from_hf(role, changes)
@@ -213,7 +252,8 @@ class ModelSection:
     directory = self.hf_for(role)
     found, _ = hf.read_hf_config(directory)
     found = found.replace(**self._checkpoint_numerics(role, found))
-    numerics = {k: v for k, v in changes.items() if k in model_config.NUMERICS_FIELDS}
+    kept = (*model_config.NUMERICS_FIELDS, *model_config.ADAPTER_FIELDS)
+    numerics = {k: v for k, v in changes.items() if k in kept}
     size = self.size_for(role)
     given = model_config.get_model_config(size, **changes) if size else found.replace(**changes)
     what = f"model.roles.{role}.hf" if self.roles.get(role, RoleModelSection()).hf else "model.hf"
@@ -230,7 +270,10 @@ class ModelSection:
     """The numerics a checkpoint's role runs with before the config's own (`_from_hf`)."""
     out: dict[str, Any] = {}
     trained = role in self.trained_roles
-    if trained and self.fp32_masters and found.param_dtype != "float32":
+    # With adapters the base is frozen: it keeps the checkpoint's dtype (the adapters are
+    # float32 whatever it is).
+    adapted = trained and self.lora.rank > 0
+    if trained and self.fp32_masters and found.param_dtype != "float32" and not adapted:
       out["param_dtype"] = "float32"  # the compute dtype stays the checkpoint's
     if model_config.param_count(found) >= _LARGE_PARAMS:
       out["logprob_chunk_size"] = _LARGE_CHUNK
@@ -1186,6 +1229,12 @@ class ExperimentConfig:
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _check_pure_bf16(self)
+    if self.model.lora.rank and self.placement.pipeline_stages > 1:
+      raise ConfigError(
+        f"'model.lora.rank'={self.model.lora.rank} with 'placement.pipeline_stages'="
+        f"{self.placement.pipeline_stages}: adapters do not train in pipeline stages yet; set "
+        "one of them to its default"
+      )
     _checkpoint_tokenizer(self)
     _check_positions(self)
     width, lengths = self.rollout.max_seq_len, "rollout.max_prompt_len + rollout.max_new_tokens"
@@ -1209,7 +1258,7 @@ update smaller than this leaves such a weight unchanged."""
 def _check_pure_bf16(cfg: ExperimentConfig) -> None:
   """`model.fp32_masters=False` with a trained role in bf16 and a learning rate whose Adam
   steps (about the learning rate) bf16 cannot add to a weight of 0.02."""
-  if cfg.model.fp32_masters:
+  if cfg.model.fp32_masters or cfg.model.lora.rank:  # adapters are float32 whatever the base
     return
   optimizers = {"actor": "actor_optimizer", "reward": "reward_optimizer"}
   for role, section in optimizers.items():

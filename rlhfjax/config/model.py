@@ -80,6 +80,40 @@ def _hf(key: str, *, missing: Callable[[Mapping[str, Any]], Any] | None = None, 
   return dataclasses.field(metadata={"hf": key, "missing": missing}, **field)
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections LoRA adapts by default: attention's q/k/v/o and the MLP's gate/up/down."""
+LORA_EXTRA_TARGETS = ("lm_head",)
+"""Adaptable on request: the LM head (an untied one), PEFT's `lm_head` target."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+  """Low-rank adapters on the projections: `W x + (alpha / rank) B (A x)`, A `[in, rank]`
+  random and B `[rank, out]` zero at the start (the model starts as its base), both float32;
+  the base weights stay frozen (`rlhfjax.models.lora`)."""
+
+  rank: int
+  alpha: float = 16.0
+  targets: tuple[str, ...] = LORA_TARGETS
+  """Which projections carry adapters (`LORA_TARGETS`)."""
+
+  def __post_init__(self):
+    if self.rank < 1:
+      raise ValueError(f"LoraConfig.rank must be >= 1, got {self.rank}")
+    if not self.alpha > 0:
+      raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha}")
+    known = LORA_TARGETS + LORA_EXTRA_TARGETS
+    unknown = [t for t in self.targets if t not in known]
+    if unknown or not self.targets:
+      raise ValueError(
+        f"LoraConfig.targets must name some of {', '.join(known)}, got {self.targets}"
+      )
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Shape and numerics of one decoder-only transformer."""
@@ -128,6 +162,8 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   """Stop tokens the checkpoint declares (HF `eos_token_id`, one or several)."""
   pad_token_id: int | None = _hf("pad_token_id", default=None)
+  lora: LoraConfig | None = None
+  """Low-rank adapters over frozen base weights (`LoraConfig`); None: every weight trains."""
 
   def __post_init__(self):
     for name in SHAPE_FIELDS:
@@ -159,6 +195,17 @@ class ModelConfig:
       raise ValueError(
         f"ModelConfig.logprob_chunk_size must be >= 1 or None, got {self.logprob_chunk_size}"
       )
+    if self.lora is not None:
+      if not isinstance(self.lora, LoraConfig):
+        raise ValueError(f"ModelConfig.lora must be a LoraConfig or None, got {self.lora!r}")
+      if "lm_head" in self.lora.targets and self.tie_embeddings:
+        raise ValueError("LoRA target 'lm_head': this model's head is its tied embedding")
+      smallest = min(self.hidden_size, self.num_kv_heads * self.head_dim)
+      if self.lora.rank > smallest:
+        raise ValueError(
+          f"LoRA rank {self.lora.rank} exceeds the smallest adapted projection's dimension "
+          f"({smallest})"
+        )
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(
         f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
@@ -189,10 +236,12 @@ TOKEN_FIELDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
 """The special token ids a checkpoint declares: the tokenizer's, not the network's."""
 # The family name only picks the export format: with the fields above excepted, what is left
 # is what the network computes from given weights.
+ADAPTER_FIELDS = ("lora",)
+"""What a run trains on top of the weights (not the weights' architecture)."""
 ARCHITECTURE_FIELDS = tuple(
   f.name
   for f in dataclasses.fields(ModelConfig)
-  if f.name not in (*NUMERICS_FIELDS, *TOKEN_FIELDS, "architecture")
+  if f.name not in (*NUMERICS_FIELDS, *TOKEN_FIELDS, *ADAPTER_FIELDS, "architecture")
 )
 """The fields a checkpoint's weights are trained for: two models run the same weights the same
 way only when these agree (`check_same_architecture`)."""
@@ -226,15 +275,20 @@ def check_same_architecture(found: ModelConfig, expected: ModelConfig, where: st
     raise ArchitectureMismatch(f"{where} has {parts}")
 
 
-def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
-  """Number of parameters of the model with the given head."""
-  d, f, h, kv, hd = (
+def _dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
+  """Width, MLP width, query heads, KV heads and head dim."""
+  return (
     config.hidden_size,
     config.intermediate_size,
     config.num_heads,
     config.num_kv_heads,
     config.head_dim,
   )
+
+
+def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
+  """Number of parameters of the model with the given head."""
+  d, f, h, kv, hd = _dims(config)
   attn = d * h * hd + 2 * d * kv * hd + h * hd * d
   if config.qkv_bias:
     attn += h * hd + 2 * kv * hd
@@ -249,6 +303,36 @@ def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
   else:
     out = d  # scalar value head, no bias (as HF's *ForSequenceClassification `score`)
   return embed + config.num_layers * per_layer + d + out
+
+
+def adapter_count(config: ModelConfig, head: HeadKind = "lm") -> int:
+  """Number of LoRA adapter parameters (`config.lora`; 0 without), `rank x (in + out)` per
+  adapted projection and layer."""
+  if config.lora is None:
+    return 0
+  d, f, h, kv, hd = _dims(config)
+  sides = {
+    "q": d + h * hd,
+    "k": d + kv * hd,
+    "v": d + kv * hd,
+    "o": h * hd + d,
+    "gate": d + f,
+    "up": d + f,
+    "down": f + d,
+  }
+  per_layer = sum(sides[t] for t in config.lora.targets if t in sides)
+  total = config.num_layers * per_layer
+  if "lm_head" in config.lora.targets and head == "lm":
+    total += d + config.vocab_size
+  return config.lora.rank * total
+
+
+def trained_count(config: ModelConfig, head: HeadKind = "lm") -> int:
+  """Parameters a trained role updates: all of them, or with LoRA the adapters (and a value
+  head, which no base holds)."""
+  if config.lora is None:
+    return param_count(config, head)
+  return adapter_count(config, head) + (config.hidden_size if head == "value" else 0)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig) -> int:

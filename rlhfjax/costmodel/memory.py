@@ -3,6 +3,8 @@
 Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens each, model width
 `d`, MLP width `f`, `h` query heads and `k` KV heads of size `n`, `L` layers, vocab `v`.
 
+- LoRA (`ModelConfig.lora`): the frozen base in `param_dtype` plus float32 adapters; moments
+  and gradients of the adapters only (and of a value head).
 - Persistent (lives between stages): parameters in `param_dtype`, and for trained roles the two
   Adam moments (optax keeps them in the parameters' dtype unless told otherwise), sharded over
   the layout's parameter axes. A part this role offloads (`Options.offload_params`,
@@ -161,6 +163,15 @@ def train_memory(
   params = _ceil_div(p * pb, ps)
   optimizer = 0 if options.optimizer_on_host else _ceil_div(2 * p * ob, ps)
   grads = _ceil_div(p * (4 + pb), ps)
+  if config.lora is not None:
+    # LoRA: the frozen base has no moments or gradients; the float32 adapters (and a value
+    # head) have them, each adapter split as its kernel's side it shares (`_adapter_elements`).
+    trained = _adapter_elements(config, head, sharding)
+    if head == "value":
+      trained += _ceil_div(config.hidden_size, ps)
+    params += 4 * (trained - (_ceil_div(config.hidden_size, ps) if head == "value" else 0))
+    optimizer = 0 if options.optimizer_on_host else 2 * trained * 4
+    grads = trained * (4 + 4)
   if options.optimizer_on_host:
     # ZeRO-Offload (DeepSpeed ZeRO-2/3) accumulates the float32 gradients on the host and
     # partitions the 16-bit ones over every data-parallel device: each keeps its share only.
@@ -179,6 +190,24 @@ def train_memory(
     logits=logits,
     parked=_parked(params, optimizer, options),
   )
+
+
+def _adapter_elements(config: ModelConfig, head: str, sharding: Sharding) -> int:
+  """Adapter values one device holds: of each adapted projection, the factor on the model
+  width (`embed`: A of q/k/v/gate/up, B of o/down) split over all the parameter axes, the
+  other over `tensor` only (heads and MLP width; the rank is replicated)."""
+  d, f, h, k, n = _dims(config)
+  r, t = config.lora.rank, sharding.tensor
+  other = {"q": h * n, "k": k * n, "v": k * n, "o": h * n, "gate": f, "up": f, "down": f}
+  total = 0
+  for target in config.lora.targets:
+    if target == "lm_head":
+      if head == "lm":  # A [d, r] over fsdp, B [r, vocab] over tensor
+        total += _ceil_div(r * d, sharding.param_shards // t) + _ceil_div(r * config.vocab_size, t)
+      continue
+    per_layer = _ceil_div(r * d, sharding.param_shards // t) + _ceil_div(r * other[target], t)
+    total += config.num_layers * per_layer
+  return total
 
 
 def forward_memory(

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from rlhfjax import programs
-from rlhfjax.config.model import HeadKind, ModelConfig, RopeScaling
+from rlhfjax.config.model import HeadKind, LoraConfig, ModelConfig, RopeScaling
+from rlhfjax.models import lora
 from rlhfjax.models.attention import MASKED, Mask, attend
 
 Params = Any
@@ -47,8 +48,14 @@ def _param(module: nn.Module, name: str, shape, axes, init, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+def _adapted(config: ModelConfig, target: str) -> LoraConfig | None:
+  """The model's LoRA config where it adapts projection `target`, else None."""
+  return config.lora if config.lora is not None and target in config.lora.targets else None
+
+
 class Linear(nn.Module):
-  """`y = einsum(eqn, x, kernel) (+ bias)` with logically named kernel axes."""
+  """`y = einsum(eqn, x, kernel) (+ bias)` with logically named kernel axes; with `lora`, plus
+  `scale * B (A x)` (`lora.adapter_delta`)."""
 
   eqn: str
   kernel_shape: tuple[int, ...]
@@ -56,6 +63,8 @@ class Linear(nn.Module):
   bias_axes: tuple[str, ...] | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  lora: LoraConfig | None = None
+  """Adapters on this projection (None: none)."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -68,6 +77,8 @@ class Linear(nn.Module):
       self.param_dtype,
     )
     y = jnp.einsum(self.eqn, x.astype(self.dtype), kernel.astype(self.dtype))
+    if self.lora is not None:
+      y = y + lora.adapter_delta(self, self.lora, self.eqn, x, self.kernel_shape, self.kernel_axes)
     if self.bias_axes is not None:
       bias_shape = self.kernel_shape[-len(self.bias_axes) :]
       bias = _param(
@@ -401,6 +412,7 @@ class Attention(nn.Module):
       ("embed", "heads", "head_dim"),
       bias(("heads", "head_dim")),
       name="q_proj",
+      lora=_adapted(cfg, "q"),
       **kw,
     )(x_btd)
     k_btkn = Linear(
@@ -409,6 +421,7 @@ class Attention(nn.Module):
       ("embed", "kv_heads", "head_dim"),
       bias(("kv_heads", "head_dim")),
       name="k_proj",
+      lora=_adapted(cfg, "k"),
       **kw,
     )(x_btd)
     v_btkn = Linear(
@@ -417,6 +430,7 @@ class Attention(nn.Module):
       ("embed", "kv_heads", "head_dim"),
       bias(("kv_heads", "head_dim")),
       name="v_proj",
+      lora=_adapted(cfg, "v"),
       **kw,
     )(x_btd)
     if cfg.qk_norm:
@@ -462,6 +476,7 @@ class Attention(nn.Module):
       ("heads", "head_dim", "embed"),
       ("embed",) if cfg.o_bias else None,
       name="o_proj",
+      lora=_adapted(cfg, "o"),
       **kw,
     )(out_bthn)
     return out_btd, new_cache
@@ -475,11 +490,15 @@ class MLP(nn.Module):
     cfg = self.config
     d, f = cfg.hidden_size, cfg.intermediate_size
     kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
-    gate_btf = Linear("btd,df->btf", (d, f), ("embed", "mlp"), name="gate_proj", **kw)(x_btd)
-    up_btf = Linear("btd,df->btf", (d, f), ("embed", "mlp"), name="up_proj", **kw)(x_btd)
-    return Linear("btf,fd->btd", (f, d), ("mlp", "embed"), name="down_proj", **kw)(
-      jax.nn.silu(gate_btf) * up_btf
-    )
+    gate_btf = Linear(
+      "btd,df->btf", (d, f), ("embed", "mlp"), name="gate_proj", lora=_adapted(cfg, "gate"), **kw
+    )(x_btd)
+    up_btf = Linear(
+      "btd,df->btf", (d, f), ("embed", "mlp"), name="up_proj", lora=_adapted(cfg, "up"), **kw
+    )(x_btd)
+    return Linear(
+      "btf,fd->btd", (f, d), ("mlp", "embed"), name="down_proj", lora=_adapted(cfg, "down"), **kw
+    )(jax.nn.silu(gate_btf) * up_btf)
 
 
 LayersFn = Callable[[jax.Array, jax.Array, Mask], jax.Array]
@@ -657,6 +676,7 @@ class Transformer(nn.Module):
         ("embed", "vocab"),
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.param_dtype),
+        lora=_adapted(cfg, "lm_head") if self.head == "lm" else None,
         name="lm_head",
       )(x_btd)
     return out.astype(jnp.float32), new_cache
@@ -708,6 +728,18 @@ def init_params(
   return programs.jit(init, "init_params", out_shardings=shardings, compiler_options=options)(rng)
 
 
+def init_adapters(config: ModelConfig, head: HeadKind, rng: jax.Array, *, shardings: Any) -> dict:
+  """The random adapters of `config`'s model alone (`lora.adapters` of `init_params`), in their
+  shards of `shardings` (the whole model's): the program computes nothing else."""
+  options = _COMPILED_FOR_COMPILE_TIME if jax.default_backend() == "cpu" else None
+  return programs.jit(
+    functools.partial(_init_adapters, config, head),
+    "init_adapters",
+    out_shardings=lora.adapters(shardings),
+    compiler_options=options,
+  )(rng)
+
+
 _COMPILED_FOR_COMPILE_TIME = {
   "xla_backend_optimization_level": 0,
   "xla_cpu_use_fusion_emitters": False,
@@ -724,7 +756,18 @@ def _boxed(config: ModelConfig, head: HeadKind, rng: jax.Array):
 
 
 def _init(config: ModelConfig, head: HeadKind, rng: jax.Array):
-  return nn.unbox(_boxed(config, head, rng))
+  if config.lora is None:
+    return nn.unbox(_boxed(config, head, rng))
+  # The base weights of a seed are the model's without adapters (flax draws a module's
+  # parameters in turn, so adapters beside a kernel would change it), the adapters another
+  # draw: an adapted model and its base start from the same weights.
+  base = nn.unbox(_boxed(config.replace(lora=None), head, rng))
+  adapted = nn.unbox(_boxed(config, head, jax.random.fold_in(rng, 1)))
+  return lora.attach(base, lora.adapters(adapted))
+
+
+def _init_adapters(config: ModelConfig, head: HeadKind, rng: jax.Array):
+  return lora.adapters(_init(config, head, rng))
 
 
 @functools.cache
@@ -797,7 +840,10 @@ def lm_head_vd(config: ModelConfig, params: Params) -> jax.Array:
   """The LM head as a `[v, d]` matrix (the embedding itself when tied)."""
   if config.tie_embeddings:
     return params["embedding"]
-  return params["lm_head"]["kernel"].T
+  head = params["lm_head"]
+  if "lora_a" in head:  # an adapted head, merged: `W + scale A B`
+    return lora.merged({"lm_head": head}, config.lora)["lm_head"]["kernel"].T
+  return head["kernel"].T
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:

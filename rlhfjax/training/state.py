@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from rlhfjax import programs
+from rlhfjax.models import lora
 
 
 @flax.struct.dataclass
@@ -20,7 +21,10 @@ class TrainState:
 
 
 def init_train_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  """A fresh state; the optimizer keeps moments for the trained leaves only (with adapters,
+  `models.lora.split`, not for the frozen base)."""
+  opt_state = tx.init(lora.split(params)[0])
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
 def train_state_shardings(
@@ -31,12 +35,12 @@ def train_state_shardings(
 ) -> TrainState:
   """Shardings for a `TrainState`: optimizer moments follow their parameter's sharding and
   everything else in the optimizer state (step counts) is replicated."""
-  abstract_opt_state = programs.eval_shape(tx.init, abstract_params)
+  abstract_opt_state = programs.eval_shape(tx.init, lora.split(abstract_params)[0])
   opt_shardings = optax.tree_map_params(
     tx,
     lambda _, sharding: sharding,
     abstract_opt_state,
-    params_shardings,
+    lora.split(params_shardings)[0],
     transform_non_params=lambda _: replicated,
   )
   return TrainState(step=replicated, params=params_shardings, opt_state=opt_shardings)

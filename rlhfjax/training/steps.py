@@ -21,6 +21,7 @@ import optax
 from rlhfjax import algorithms as alg
 from rlhfjax import models
 from rlhfjax.config.model import ModelConfig
+from rlhfjax.models import lora
 from rlhfjax.training.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -238,10 +239,11 @@ def accumulate_and_apply(
   `batch` leaves have a leading micro-batch axis `[m, ...]`; gradients are averaged over the
   `m` micro-batches by a `lax.scan`, so only one micro-batch of activations is live at a time.
   """
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  trained, frozen = lora.split(state.params)
+  grad_fn = jax.value_and_grad(lambda t, b: loss_fn(lora.join(t, frozen), b), has_aux=True)
 
   def micro_step(grads_acc, micro_batch):
-    (loss, metrics), grads = grad_fn(state.params, micro_batch)
+    (loss, metrics), grads = grad_fn(trained, micro_batch)
     # A non-finite loss poisons the gradients, so the optimizer's finite check (see
     # `make_optimizer`) skips the update even when the gradients happen to be finite.
     poison = jnp.where(jnp.isfinite(loss), 0.0, jnp.nan)
@@ -255,8 +257,9 @@ def accumulate_and_apply(
 
 
 def zero_gradients(params: Any) -> Any:
-  """The float32 gradient accumulator of `params`, zeroed."""
-  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  """The float32 gradient accumulator of `params`' trained leaves (`models.lora.split`: all of
+  them without adapters), zeroed; None for frozen ones."""
+  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), lora.split(params)[0])
 
 
 def add_gradients(
@@ -267,7 +270,10 @@ def add_gradients(
   For losses that are a micro-batch's share of the mini-batch's (the packed ones): summed, not
   averaged. A non-finite loss poisons the sum, as in `accumulate_and_apply`."""
   grads_acc, metrics_acc = acc
-  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch)
+  trained, frozen = lora.split(params)
+  (loss, metrics), grads = jax.value_and_grad(
+    lambda t: loss_fn(lora.join(t, frozen), micro_batch), has_aux=True
+  )(trained)
   poison = jnp.where(jnp.isfinite(loss), 0.0, jnp.nan)
   grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype) + poison, grads_acc, grads)
   if metrics_acc:
@@ -280,9 +286,10 @@ def apply_gradients(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update from float32 gradients; an update whose gradients are not finite is
   skipped by the optimizer (see `make_optimizer`) and reported as `skipped` = 1."""
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  trained, frozen = lora.split(state.params)  # only the trained leaves have moments
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+  updates, opt_state = tx.update(grads, state.opt_state, trained)
+  params = lora.join(optax.apply_updates(trained, updates), frozen)
   metrics = dict(metrics)
   metrics["grad_norm"] = optax.tree.norm(grads)
   finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))

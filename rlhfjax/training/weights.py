@@ -26,6 +26,7 @@ from rlhfjax.config import model as model_config
 from rlhfjax.config.hf import read_hf_config
 from rlhfjax.config.model import HeadKind, ModelConfig
 from rlhfjax.mesh import rules
+from rlhfjax.models import lora
 
 # Which head a saved item carries, by the item names the trainers use.
 ITEM_HEADS: dict[str, HeadKind] = {
@@ -82,6 +83,20 @@ def load_params(
   """
   if not source:
     return models.init_params(model, head, rng, shardings=shardings)
+  if model.lora is not None:
+    # The source holds a base model: its weights, then fresh adapters over them.
+    base = load_params(
+      source,
+      model=model.replace(lora=None),
+      head=head,
+      mesh=mesh,
+      layout=layout,
+      shardings=lora.base(shardings),
+      rng=rng,
+      items=items,
+      what=what,
+    )
+    return lora.attach(base, models.init_adapters(model, head, rng, shardings=shardings))
   if is_hf_checkpoint(source):
     return _from_hf(source, model, head, mesh, layout, shardings, what)
   return _from_checkpoint(source, model, head, mesh, layout, shardings, items, what)

@@ -1,0 +1,185 @@
+"""Low-rank adapters (LoRA) on the model's projections, and the parameter trees they make.
+
+A projection `y = einsum(eqn, x, W)` with adapters computes `y + (alpha / r) B (A x)`: A holds
+the kernel's contracted (input) dimensions and the rank, B the rank and the kernel's output
+dimensions, so A and B shard like the kernel's own input and output axes and the rank is
+replicated. A starts uniform in +-1/sqrt(fan_in) (PEFT's Kaiming-uniform), B at zero: the
+adapted model starts as its base. Both are float32 whatever the base's dtype.
+
+Why by hand and not `qwix` (Google's JAX quantization and LoRA library, which Tunix uses): qwix
+finds a projection's weight by the identity of the einsum operand, which the model's mixed
+precision breaks (the kernel is cast to the compute dtype first), and gives adapters the base
+weight's dtype (bf16 adapters over a bf16 checkpoint, where they must be float32). The adapter
+is two einsums in the one `Linear` every projection goes through.
+
+A parameter tree with adapters has `lora_a` / `lora_b` leaves beside the adapted kernels;
+`trainable` says which leaves train (the adapters, and a value head, which no base has), `base`
+drops the adapters and `merged` folds them into the kernels (the weights a rollout or an export
+without adapters runs).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rlhfjax.config.model import LoraConfig
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+"""The names of the adapter parameters inside an adapted projection."""
+ALWAYS_TRAINED = ("value_head",)
+"""Parameters that train with the adapters: a value head is new, no base holds it."""
+
+
+def _einsum_parts(eqn: str) -> tuple[str, str, str]:
+  lhs, rest = eqn.split(",")
+  rhs, out = rest.split("->")
+  return lhs, rhs, out
+
+
+def adapter_delta(
+  module: nn.Module,
+  lora: LoraConfig,
+  eqn: str,
+  x: jax.Array,
+  kernel_shape: tuple[int, ...],
+  kernel_axes: tuple[str, ...],
+) -> jax.Array:
+  """`(alpha / r) B (A x)` of the projection `einsum(eqn, x, kernel)`, in `module`'s compute
+  dtype, creating `lora_a` and `lora_b` (float32) in `module`."""
+  lhs, rhs, out = _einsum_parts(eqn)
+  rank = "r" if "r" not in eqn else sorted(set(string.ascii_letters) - set(eqn))[0]
+  contracted = [i for i, c in enumerate(rhs) if c in lhs]
+  produced = [i for i, c in enumerate(rhs) if c not in lhs]
+  a_shape = tuple(kernel_shape[i] for i in contracted) + (lora.rank,)
+  b_shape = (lora.rank,) + tuple(kernel_shape[i] for i in produced)
+  a_axes = tuple(kernel_axes[i] for i in contracted) + (None,)
+  b_axes = (None,) + tuple(kernel_axes[i] for i in produced)
+  fan_in = tuple(range(len(a_shape) - 1))
+  # Kaiming-uniform with a = sqrt(5) (PEFT's and torch.nn.Linear's): bound 1 / sqrt(fan_in).
+  a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in)
+  lora_a = module.param(
+    "lora_a", nn.with_logical_partitioning(a_init, a_axes), a_shape, jnp.float32
+  )
+  lora_b = module.param(
+    "lora_b", nn.with_logical_partitioning(nn.initializers.zeros, b_axes), b_shape, jnp.float32
+  )
+  dtype = module.dtype
+  kept = "".join(c for c in lhs if c not in rhs or c in out)
+  a_str = "".join(rhs[i] for i in contracted) + rank
+  b_str = rank + "".join(rhs[i] for i in produced)
+  z = jnp.einsum(f"{lhs},{a_str}->{kept}{rank}", x.astype(dtype), lora_a.astype(dtype))
+  delta = jnp.einsum(f"{kept}{rank},{b_str}->{out}", z, lora_b.astype(dtype))
+  return delta * jnp.asarray(lora.scale, dtype)
+
+
+def _names(path) -> tuple[str, ...]:
+  return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+
+
+def has_adapters(params: Any) -> bool:
+  """Whether the tree holds adapter leaves."""
+  return any(
+    set(_names(path)) & set(ADAPTER_LEAVES)
+    for path, _ in jax.tree_util.tree_leaves_with_path(params)
+  )
+
+
+def trainable(params: Any) -> Any:
+  """A tree of bools like `params`: every leaf without adapters; with them, the adapters and the
+  `ALWAYS_TRAINED` leaves only (the base frozen)."""
+  if not has_adapters(params):
+    return jax.tree.map(lambda _: True, params)
+  keep = set(ADAPTER_LEAVES) | set(ALWAYS_TRAINED)
+  return jax.tree_util.tree_map_with_path(lambda path, _: bool(set(_names(path)) & keep), params)
+
+
+def split(params: Any) -> tuple[Any, Any]:
+  """`(trained, frozen)`: `params` with the other kind's leaves as None (`join` undoes it)."""
+  mask = trainable(params)
+  trained = jax.tree.map(lambda x, m: x if m else None, params, mask)
+  frozen = jax.tree.map(lambda x, m: None if m else x, params, mask)
+  return trained, frozen
+
+
+def join(trained: Any, frozen: Any) -> Any:
+  """The whole tree from the two halves of `split`."""
+  return jax.tree.map(
+    lambda a, b: b if a is None else a, trained, frozen, is_leaf=lambda x: x is None
+  )
+
+
+def base(params: Any) -> Any:
+  """`params` without the adapters: the base model's tree."""
+  return _map_projections(params, lambda proj: _without(proj))
+
+
+def merged(params: Any, lora: LoraConfig) -> Any:
+  """`params` with each adapter folded into its kernel, `W + (alpha / r) A B` computed in
+  float32 and stored in the kernel's dtype, and no adapter leaves: the adapted model's weights
+  for a model without adapters (the rollout's, an export's)."""
+
+  def fold(proj: dict) -> dict:
+    if "lora_a" not in proj:
+      return proj
+    kernel, a, b = proj["kernel"], proj["lora_a"], proj["lora_b"]
+    lead = a.ndim + b.ndim - 2 - kernel.ndim  # stacked layers in front of every one of them
+    n_in = a.ndim - 1 - lead
+    letters = iter(string.ascii_lowercase)
+    lead_s = "".join(next(letters) for _ in range(lead))
+    in_s = "".join(next(letters) for _ in range(n_in))
+    out_s = "".join(next(letters) for _ in range(b.ndim - 1 - lead))
+    delta = jnp.einsum(
+      f"{lead_s}{in_s}r,{lead_s}r{out_s}->{lead_s}{in_s}{out_s}",
+      a.astype(jnp.float32),
+      b.astype(jnp.float32),
+    )
+    folded = (kernel.astype(jnp.float32) + lora.scale * delta).astype(kernel.dtype)
+    return {**_without(proj), "kernel": folded}
+
+  return _map_projections(params, fold)
+
+
+def adapters(params: Any) -> dict:
+  """Only the adapter leaves of `params`, in their nesting (the tree `attach` takes)."""
+
+  def walk(tree: Any) -> dict | None:
+    if not isinstance(tree, dict):
+      return None
+    if "lora_a" in tree:
+      return {k: tree[k] for k in ADAPTER_LEAVES}
+    kept = {k: sub for k, v in tree.items() if (sub := walk(v)) is not None}
+    return kept or None
+
+  return walk(params) or {}
+
+
+def attach(base_params: Any, adapter_tree: dict) -> Any:
+  """`base_params` (a tree without adapters) with the adapters of `adapter_tree` (`adapters`
+  of a tree of the same model with them): fresh adapters over loaded weights."""
+
+  def walk(tree: Any, found: dict | None) -> Any:
+    if found is None:
+      return tree
+    if "lora_a" in found:
+      return {**tree, **found}
+    return {k: walk(v, found.get(k)) for k, v in tree.items()}
+
+  return walk(base_params, adapter_tree)
+
+
+def _without(proj: dict) -> dict:
+  return {k: v for k, v in proj.items() if k not in ADAPTER_LEAVES}
+
+
+def _map_projections(tree: Any, fn) -> Any:
+  """`tree` (nested dicts) with `fn` applied to every dict that holds a 'kernel'."""
+  if not isinstance(tree, dict):
+    return tree
+  if "kernel" in tree:
+    return fn(tree)
+  return {k: _map_projections(v, fn) for k, v in tree.items()}

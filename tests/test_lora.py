@@ -1,0 +1,216 @@
+"""LoRA (`model.lora`, `rlhfjax.models.lora`): adapters over a frozen base. Step 0 is the base
+model; an adapted projection and its gradients against NumPy's `W + (alpha / r) A B`; only the
+adapters train and only they have optimizer moments; the merged weights run the adapted model;
+adapters shard like their kernel's axes with the rank replicated; GRPO with adapters learns and
+its rollout runs the merged weights; bad settings are one line."""
+
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from runs_testing import LEARNING_RUN, shipped_config
+
+from rlhfjax import export, models
+from rlhfjax.config import ConfigError
+from rlhfjax.config.model import LoraConfig, get_model_config
+from rlhfjax.costmodel import memory
+from rlhfjax.mesh import meshes, rules
+from rlhfjax.models import logprobs, lora, transformer
+from rlhfjax.placement.spec import Role, RoleSpec
+from rlhfjax.runner import Runner
+from rlhfjax.training import steps
+from rlhfjax.training.state import init_train_state
+
+pytestmark = pytest.mark.integration  # one learning run; the rest are unit-sized
+
+_CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
+ADAPTED = get_model_config("tiny", lora=LoraConfig(rank=4, alpha=8.0))
+
+
+def _tokens(seed=0, shape=(2, 24)):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 300, shape), jnp.int32)
+
+
+def _with_random_b(params, scale=0.05):
+  """`params` with every `lora_b` drawn at random (at the start they are zero)."""
+  key = iter(jax.random.split(jax.random.key(7), 64))
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: (
+      jax.random.normal(next(key), x.shape) * scale if "lora_b" in jax.tree_util.keystr(path) else x
+    ),
+    params,
+  )
+
+
+def test_step_zero_is_the_base_model_and_merging_runs_the_adapted_one():
+  base_config = ADAPTED.replace(lora=None)
+  params = models.init_params(ADAPTED, "lm", jax.random.key(0))
+  base = models.init_params(base_config, "lm", jax.random.key(0))
+  # The same seed gives the same base weights with adapters or without.
+  for a, b in zip(jax.tree.leaves(lora.base(params)), jax.tree.leaves(base), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = _tokens()
+  np.testing.assert_array_equal(
+    np.asarray(transformer.forward_logits(ADAPTED, params, tokens)),
+    np.asarray(transformer.forward_logits(base_config, base, tokens)),
+  )
+  moved = _with_random_b(params)
+  adapted = transformer.forward_logits(ADAPTED, moved, tokens)
+  merged = transformer.forward_logits(base_config, lora.merged(moved, ADAPTED.lora), tokens)
+  base_logits = transformer.forward_logits(base_config, base, tokens)
+  scale = float(jnp.max(jnp.abs(adapted)))
+  assert float(jnp.max(jnp.abs(adapted - base_logits))) > 0.05 * scale  # the adapters act
+  np.testing.assert_allclose(adapted, merged, atol=1e-5 * scale, rtol=0)
+
+
+class _Projection(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    lora_config = LoraConfig(rank=3, alpha=6.0)
+    return transformer.Linear(
+      "btd,dhn->bthn", (5, 2, 4), ("embed", "heads", "head_dim"), lora=lora_config, name="q"
+    )(x)
+
+
+def test_an_adapted_projection_and_its_gradients_equal_numpy():
+  """y = x W + (alpha / r) (x A) B for a kernel `[d, h, n]` (A `[d, r]`, B `[r, h, n]`); an SGD
+  step on A and B from the NumPy gradients of sum(y * g)."""
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(2, 3, 5)).astype(np.float32)
+  g = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
+  params = nn.unbox(_Projection().init(jax.random.key(0), x)["params"])
+  q = dict(params["q"], lora_b=jnp.asarray(rng.normal(size=(3, 2, 4)), jnp.float32))
+  w, a, b = (np.asarray(q[k], np.float64) for k in ("kernel", "lora_a", "lora_b"))
+  assert a.shape == (5, 3) and b.shape == (3, 2, 4)
+  assert np.abs(a).max() <= 1 / np.sqrt(5)  # Kaiming-uniform: bound 1/sqrt(fan_in)
+  s = 6.0 / 3
+  want = np.einsum("btd,dhn->bthn", x, w) + s * np.einsum("btr,rhn->bthn", x @ a, b)
+  apply = lambda p: _Projection().apply({"params": {"q": p}}, x)
+  got = apply(q)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  grads = jax.grad(lambda p: jnp.sum(apply(p) * g))(q)
+  g64 = g.astype(np.float64)
+  d_b = s * np.einsum("btr,bthn->rhn", x @ a, g64)
+  d_a = s * np.einsum("btd,bthn,rhn->dr", x, g64, b)
+  np.testing.assert_allclose(grads["lora_b"], d_b, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(grads["lora_a"], d_a, rtol=1e-4, atol=1e-5)
+  # The adapted weight as one matrix: W + s A B.
+  merged = lora.merged({"q": q}, LoraConfig(rank=3, alpha=6.0))["q"]
+  assert set(merged) == {"kernel"}
+  np.testing.assert_allclose(merged["kernel"], w + s * np.einsum("dr,rhn->dhn", a, b), atol=1e-6)
+
+
+def test_only_the_adapters_train_and_only_they_have_moments():
+  params = models.init_params(ADAPTED, "lm", jax.random.key(0))
+  tx = optax.adam(1e-2)
+  state = init_train_state(params, tx)
+  adapters = [x for x in jax.tree.leaves(lora.adapters(params))]
+  moments = jax.tree.leaves(state.opt_state)
+  # Adam's mu and nu per adapter, and its step count: nothing for the base.
+  assert sum(m.size for m in moments) == 2 * sum(a.size for a in adapters) + 1
+  tokens = _tokens(shape=(1, 2, 24))
+
+  def loss_fn(p, batch):
+    stats = logprobs.token_stats(ADAPTED, p, batch, jnp.ones_like(batch), 1)
+    return -jnp.mean(stats.logp_bt), {}
+
+  new, metrics = jax.jit(lambda s, b: steps.accumulate_and_apply(loss_fn, tx, s, b))(state, tokens)
+  assert float(metrics["grad_norm"]) > 0
+  trained = lora.trainable(params)
+  for (path, old), now, is_trained in zip(
+    jax.tree_util.tree_leaves_with_path(params),
+    jax.tree.leaves(new.params),
+    jax.tree.leaves(trained),
+    strict=True,
+  ):
+    name = jax.tree_util.keystr(path)
+    if is_trained and "lora_b" in name:  # A's gradient is 0 while B is: B moves first
+      assert np.any(np.asarray(now) != np.asarray(old)), name
+    elif not is_trained:
+      np.testing.assert_array_equal(np.asarray(now), np.asarray(old), err_msg=name)
+  # A value head (no base holds one) trains with the adapters.
+  critic = lora.trainable(models.abstract_params(ADAPTED, "value"))
+  assert critic["value_head"] and not critic["layers"]["attn"]["q_proj"]["kernel"]
+
+
+def test_adapters_shard_like_their_kernels_axes_with_the_rank_replicated():
+  spec = RoleSpec.training(range(8), fsdp=4, tensor=2)
+  mesh = meshes.make_mesh(spec)
+  axes = models.logical_axes(ADAPTED, "lm")
+  shardings = rules.named_shardings(axes, models.abstract_params(ADAPTED, "lm"), mesh, spec.layout)
+  q = shardings["layers"]["attn"]["q_proj"]
+  assert axes["layers"]["attn"]["q_proj"]["lora_a"] == ("layers", "embed", None)
+  assert q["lora_a"].spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+  assert q["lora_b"].spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
+
+
+def test_the_memory_model_keeps_moments_and_gradients_of_the_adapters_only():
+  config = get_model_config("7b", param_dtype="bfloat16")
+  adapted = config.replace(lora=LoraConfig(rank=16))
+  sharding = memory.Sharding(param_shards=8, batch_shards=8)
+  kw = dict(micro_batch=1, seq_len=4096, options=memory.Options(remat="full"))
+  full = memory.train_memory(config.replace(param_dtype="float32"), "lm", sharding, **kw)
+  lo = memory.train_memory(adapted, "lm", sharding, **kw)
+  # Rank 16: a few per cent of the weights, their factors off the model width unsplit by fsdp.
+  assert lo.optimizer < full.optimizer / 25 and lo.grads < full.grads / 25
+  assert lo.params < full.params  # a bf16 base instead of fp32 masters, plus fp32 adapters
+  assert lo.activations == full.activations
+
+
+def _grpo_lora(**changes):
+  return shipped_config("grpo_lora_tiny", {k.replace("__", "."): v for k, v in changes.items()})
+
+
+def test_grpo_with_adapters_learns_and_the_rollout_runs_the_merged_weights(tmp_path):
+  """The learning run of every flow (`runs_testing.LEARNING_RUN`: 15 iterations on 2 devices)
+  with rank-8 adapters: the reward rises; the reference starts equal to the actor (KL 0 at the
+  first iteration); the rollout ends holding exactly the merged adapted weights."""
+  cfg = _grpo_lora(**{**LEARNING_RUN, "actor_optimizer__learning_rate": 2e-2})
+  runner = Runner(cfg, str(tmp_path), show_progress=False)
+  rows = runner.run().metrics
+  rewards = [r["reward/mean"] for r in rows]
+  first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+  assert last > first + 0.05 and last > 2 * first, rewards
+  assert rows[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)
+  actor = runner.cluster.states[Role.ACTOR].params
+  assert lora.has_adapters(actor) and not lora.has_adapters(runner.cluster.engine.params)
+  model = runner.cluster.roles[Role.ACTOR].model
+  merged = lora.merged(actor, model.lora)
+  engine = jax.tree.leaves(runner.cluster.engine.params)
+  for a, b in zip(jax.tree.leaves(merged), engine, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The export is the merged model: `transformers` runs it with the adapted model's logits
+  # (fp32; the bound of tests/test_export_e2e.py).
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  done = export.export(str(tmp_path), str(tmp_path / "hf"))
+  assert done.step == cfg.total_steps
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 12))
+  with torch.no_grad():
+    theirs = reloaded(input_ids=torch.tensor(tokens)).logits.float().numpy()
+  ours = np.asarray(transformer.forward_logits(model, actor, jnp.asarray(tokens, jnp.int32)))
+  assert np.max(np.abs(ours - theirs)) <= 1e-4 and np.ptp(ours) > 1.0
+
+
+@pytest.mark.parametrize(
+  "changes,message",
+  [
+    ({"model__lora__rank": -1}, r"'model.lora.rank' must be >= 0"),
+    ({"model__lora__targets": ("q", "qkv")}, r"'model.lora.targets': unknown projection\(s\) qkv"),
+    ({"model__lora__rank": 57}, r"LoRA rank 57 exceeds the smallest adapted projection"),
+    (
+      {"placement__pipeline_stages": 2, "model__overrides": {"num_layers": 4}},
+      r"adapters do not train in pipeline stages yet",
+    ),
+  ],
+)
+def test_bad_lora_settings_are_one_line(changes, message):
+  with pytest.raises(ConfigError, match=message):
+    cfg = _grpo_lora(**changes)
+    cfg.model.for_role("actor")
