@@ -6,6 +6,8 @@ r"""Peak memory per device of the PPO actor train step, from XLA's analysis: one
     --remats=full --chunked=true
   python scripts/bench_memory.py --sizes=path/to/Llama-3.1-8B/config.json --seq_lens=65536 \
     --remats=full --chunked=true --context=8
+  python scripts/bench_memory.py --sizes=path/to/Llama-3.1-8B/config.json --seq_lens=4096 \
+    --remats=full --chunked=true --lora_rank=16
 
 For each size x sequence length x remat policy x chunked/whole log-probs the step is compiled
 ahead of time on abstract inputs for 8 (virtual) devices, nothing allocated, one sequence per
@@ -42,6 +44,9 @@ _CHUNK_SIZE = flags.DEFINE_integer("chunk_size", 1024, "Tokens per log-prob chun
 _CONTEXT = flags.DEFINE_integer(
   "context", 1, "Devices each sequence's tokens are split over (placement.context)."
 )
+_LORA_RANK = flags.DEFINE_integer(
+  "lora_rank", 0, "LoRA adapters of this rank over a frozen bf16 base (model.lora); 0: none."
+)
 _BUDGET_GB = flags.DEFINE_float("budget_gb", 80.0, "Device memory the targets check against.")
 
 
@@ -53,7 +58,13 @@ def main(argv):
       for remat in _REMATS.value:
         for chunked in (c.lower() == "true" for c in _CHUNKED.value):
           for point in memory_bench.measure(
-            size, seq_len, remat, chunked, chunk_size=_CHUNK_SIZE.value, context=_CONTEXT.value
+            size,
+            seq_len,
+            remat,
+            chunked,
+            chunk_size=_CHUNK_SIZE.value,
+            context=_CONTEXT.value,
+            lora_rank=_LORA_RANK.value,
           ):
             points.append(point)
             print(json.dumps(point.as_row()), flush=True)

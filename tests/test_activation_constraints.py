@@ -126,5 +126,11 @@ def test_bench_memory_takes_a_config_json(tmp_path):
   split, whole = measure(4096, 8), measure(4096, 1)
   assert (split.context, split.as_row()["context"], whole.context) == (8, 8, 1)
   assert split.step_peak_gb < 0.5 * whole.step_peak_gb, (split, whole)
+  # `--lora_rank`: adapters over a frozen bf16 base; the co-located critic has them too, the
+  # frozen reference and reward none: less resident memory and a smaller step.
+  adapted = memory_bench.measure(str(tmp_path), 4096, "full", True, chunk_size=128, lora_rank=4)
+  assert adapted[0].as_row()["lora_rank"] == 4
+  assert adapted[0].colocated_resident_gb < whole.colocated_resident_gb
+  assert adapted[0].step_peak_gb < whole.step_peak_gb
   with pytest.raises(ValueError, match="--context=3 must divide the 8 devices"):
     measure(4096, 3)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import OptimizerConfig
-from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
+from rlhfjax.config.model import LoraConfig, ModelConfig, get_model_config, model_sizes
 from rlhfjax.costmodel import workload
 from rlhfjax.mesh import rules
 from rlhfjax.placement import strategies
@@ -51,6 +51,8 @@ class MemoryPoint:
   num_devices: int
   context: int
   """Devices each sequence's tokens are split over (`placement.context`; 1: none)."""
+  lora_rank: int
+  """Rank of LoRA adapters on every trained role over a frozen bf16 base (0: full weights)."""
   step_peak_gb: float
   """The actor step's own peak per device: arguments + outputs - aliased + temporaries."""
   colocated_resident_gb: float
@@ -153,9 +155,10 @@ def colocated_resident_bytes(
   critic = RoleRuntime.create(Role.CRITIC, spec[Role.CRITIC], model, "value")
   critic_params, critic_opt = _train_state_parts(critic, tx)
   frozen = 0
+  base = model.replace(lora=None)  # the frozen roles carry no adapters
   for role, head in ((Role.REFERENCE, "lm"), (Role.REWARD, "value")):
-    rt = RoleRuntime.create(role, spec[role], model, head)
-    frozen += _per_device_bytes(models.abstract_params(model, head), rt.param_shardings)
+    rt = RoleRuntime.create(role, spec[role], base, head)
+    frozen += _per_device_bytes(models.abstract_params(base, head), rt.param_shardings)
   if offload:
     return critic_params
   return critic_params + critic_opt + frozen
@@ -179,11 +182,15 @@ def measure(
   chunk_size: int = 1024,
   micro_batch: int | None = None,
   context: int = 1,
+  lora_rank: int = 0,
 ) -> list[MemoryPoint]:
   """The actor step of `size` at `seq_len` tokens (a quarter of them prompt), one sequence
   per device (per `context` devices with context parallelism: each holds `seq_len / context`
   of its tokens), with and without offload of the co-located roles."""
   model = bench_model(size).replace(remat=remat, logprob_chunk_size=chunk_size if chunked else None)
+  if lora_rank:
+    # LoRA over the checkpoint's bf16 weights (no fp32 masters), as `model.lora` trains it.
+    model = model.replace(param_dtype="bfloat16", lora=LoraConfig(rank=lora_rank))
   if num_devices % context or seq_len % context:
     raise ValueError(
       f"--context={context} must divide the {num_devices} devices and the {seq_len} tokens"
@@ -211,6 +218,7 @@ def measure(
       offload=offload,
       num_devices=num_devices,
       context=context,
+      lora_rank=lora_rank,
       step_peak_gb=round(step_peak / GB, 3),
       colocated_resident_gb=round(
         colocated_resident_bytes(model, num_devices, offload, context) / GB, 3
