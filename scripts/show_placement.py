@@ -52,6 +52,8 @@ def main(argv: list[str]) -> None:
   if pool is not None:
     print(pool.describe())
   print(placement.format_batches(config, train_rows, score_rows, packed=registry.packs(config)))
+  if adapters := placement.format_adapters(config, spec):
+    print(adapters)
   print()
   print(placement.option_report(config, spec, train_rows, score_rows))
   for line in place.tensor_warnings(config, spec):

@@ -214,3 +214,15 @@ def test_bad_lora_settings_are_one_line(changes, message):
   with pytest.raises(ConfigError, match=message):
     cfg = _grpo_lora(**changes)
     cfg.model.for_role("actor")
+
+
+def test_show_placement_names_the_adapted_roles():
+  from rlhfjax.flows import registry
+  from rlhfjax.placement import format_adapters, strategies
+
+  cfg = registry.configure(_grpo_lora())
+  spec = strategies.build_placement(cfg.placement, 8).only(registry.roles_of(cfg))
+  line = format_adapters(cfg, spec)
+  assert line.startswith("adapters: LoRA rank 8, alpha 16 on q, k, v, o, gate, up, down, lm_head")
+  assert " of actor: " in line  # GRPO trains the actor alone; the reference stays whole
+  assert format_adapters(registry.configure(_grpo_lora(model__lora__rank=0)), spec) is None

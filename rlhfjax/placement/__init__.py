@@ -1,7 +1,12 @@
 """Adaptive model placement: which devices and which mesh each RLHF role gets."""
 
 from rlhfjax.placement.memory import MemoryEstimate, estimate_memory, estimate_placement_memory
-from rlhfjax.placement.report import format_batches, format_placement_table, option_report
+from rlhfjax.placement.report import (
+  format_adapters,
+  format_batches,
+  format_placement_table,
+  option_report,
+)
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.placement.strategies import (
   build_placement,
@@ -28,6 +33,7 @@ __all__ = [
   "disaggregated",
   "estimate_memory",
   "estimate_placement_memory",
+  "format_adapters",
   "format_batches",
   "format_placement_table",
   "from_explicit",

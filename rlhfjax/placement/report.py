@@ -195,6 +195,22 @@ def format_batches(
   )
 
 
+def format_adapters(config: ExperimentConfig, spec: PlacementSpec) -> str | None:
+  """The LoRA line: which placed roles train adapters over frozen weights (`model.lora`), or
+  None without adapters."""
+  adapted = [
+    role.value for role in spec.roles if config.model.for_role(role.value).lora is not None
+  ]
+  if not adapted:
+    return None
+  lora = config.model.lora
+  return (
+    f"adapters: LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)} of "
+    f"{', '.join(adapted)}: their weights frozen (no gradients or optimizer moments), the "
+    "adapters float32; the rollout runs the adapted weights merged"
+  )
+
+
 def _align(rows: Sequence[Sequence[str]], numeric_from: int = _NUMERIC_FROM) -> list[str]:
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   lines = []
