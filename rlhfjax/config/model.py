@@ -275,20 +275,15 @@ def check_same_architecture(found: ModelConfig, expected: ModelConfig, where: st
     raise ArchitectureMismatch(f"{where} has {parts}")
 
 
-def _dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
-  """Width, MLP width, query heads, KV heads and head dim."""
-  return (
+def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
+  """Number of parameters of the model with the given head."""
+  d, f, h, kv, hd = (
     config.hidden_size,
     config.intermediate_size,
     config.num_heads,
     config.num_kv_heads,
     config.head_dim,
   )
-
-
-def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
-  """Number of parameters of the model with the given head."""
-  d, f, h, kv, hd = _dims(config)
   attn = d * h * hd + 2 * d * kv * hd + h * hd * d
   if config.qkv_bias:
     attn += h * hd + 2 * kv * hd
@@ -303,36 +298,6 @@ def param_count(config: ModelConfig, head: HeadKind = "lm") -> int:
   else:
     out = d  # scalar value head, no bias (as HF's *ForSequenceClassification `score`)
   return embed + config.num_layers * per_layer + d + out
-
-
-def adapter_count(config: ModelConfig, head: HeadKind = "lm") -> int:
-  """Number of LoRA adapter parameters (`config.lora`; 0 without), `rank x (in + out)` per
-  adapted projection and layer."""
-  if config.lora is None:
-    return 0
-  d, f, h, kv, hd = _dims(config)
-  sides = {
-    "q": d + h * hd,
-    "k": d + kv * hd,
-    "v": d + kv * hd,
-    "o": h * hd + d,
-    "gate": d + f,
-    "up": d + f,
-    "down": f + d,
-  }
-  per_layer = sum(sides[t] for t in config.lora.targets if t in sides)
-  total = config.num_layers * per_layer
-  if "lm_head" in config.lora.targets and head == "lm":
-    total += d + config.vocab_size
-  return config.lora.rank * total
-
-
-def trained_count(config: ModelConfig, head: HeadKind = "lm") -> int:
-  """Parameters a trained role updates: all of them, or with LoRA the adapters (and a value
-  head, which no base holds)."""
-  if config.lora is None:
-    return param_count(config, head)
-  return adapter_count(config, head) + (config.hidden_size if head == "value" else 0)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig) -> int:

@@ -166,10 +166,9 @@ def train_memory(
   if config.lora is not None:
     # LoRA: the frozen base has no moments or gradients; the float32 adapters (and a value
     # head) have them, each adapter split as its kernel's side it shares (`_adapter_elements`).
-    trained = _adapter_elements(config, head, sharding)
-    if head == "value":
-      trained += _ceil_div(config.hidden_size, ps)
-    params += 4 * (trained - (_ceil_div(config.hidden_size, ps) if head == "value" else 0))
+    adapters = _adapter_elements(config, head, sharding)
+    params += 4 * adapters
+    trained = adapters + (_ceil_div(config.hidden_size, ps) if head == "value" else 0)
     optimizer = 0 if options.optimizer_on_host else 2 * trained * 4
     grads = trained * (4 + 4)
   if options.optimizer_on_host:

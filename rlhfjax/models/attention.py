@@ -453,7 +453,7 @@ def context_attention(impl: str, q_bthn, k_bskn, v_bskn, mask: Mask) -> jax.Arra
   work whatever their place in the row. A sliding window works the same way (the gathered
   keys hold every position)."""
   mesh = jax.sharding.get_abstract_mesh()
-  b, t, h, _ = q_bthn.shape
+  b = q_bthn.shape[0]
   k = k_bskn.shape[2]
   tensor = dict(mesh.shape).get("tensor", 1)
   heads = "tensor" if tensor > 1 and k % tensor == 0 else None
