@@ -37,7 +37,7 @@ from rlhfjax.config.hf import config_to_hf
 from rlhfjax.config.model import HeadKind, LoraConfig, ModelConfig, RopeScaling
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
-from rlhfjax.models import hf, lora
+from rlhfjax.models import hf, hf_read, lora
 
 STAGES = ("ppo", "rm", "sft")
 """A pipeline workdir's stage directories, in the order `--stage` defaults through them."""
@@ -59,9 +59,16 @@ class ExportError(ValueError):
 
 
 def policy_meta(
-  item: str, head: HeadKind, model: ModelConfig, tokenizer: str, chat_template: bool
+  item: str,
+  head: HeadKind,
+  model: ModelConfig,
+  tokenizer: str,
+  chat_template: bool,
+  base: str = "",
 ) -> dict[str, Any]:
-  """The JSON a run saves with each checkpoint so that `export` can rebuild its policy."""
+  """The JSON a run saves with each checkpoint so that `export` can rebuild its policy; `base`
+  names where its first weights came from (a Hugging Face directory or a run; '' when random),
+  which an exported LoRA adapter names as its base model."""
   return {
     _META_KEY: {
       "item": item,
@@ -69,6 +76,7 @@ def policy_meta(
       "model": dataclasses.asdict(model),
       "tokenizer": tokenizer,
       "chat_template": chat_template,
+      "base": base,
     }
   }
 
@@ -333,6 +341,25 @@ class Exported:
     return f"the {self.item} of {self.run}{stage} at step {self.step} as {self.dtype}"
 
 
+PARTS = ("merged", "adapter", "base")
+"""What an export of a run with LoRA adapters writes: the adapted model with the adapters
+merged into its weights, the adapters alone as a PEFT adapter directory, or the frozen base
+they apply to (a run without adapters exports its model as 'merged')."""
+
+_PEFT_MODULES = {
+  "q": "q_proj",
+  "k": "k_proj",
+  "v": "v_proj",
+  "o": "o_proj",
+  "gate": "gate_proj",
+  "up": "up_proj",
+  "down": "down_proj",
+  "lm_head": "lm_head",
+}
+"""Our adapter target names -> the Hugging Face module names PEFT targets."""
+_ADAPTER_FILE = "adapter_model.safetensors"
+
+
 def export(
   workdir: str,
   out: str,
@@ -342,8 +369,10 @@ def export(
   dtype: str | None = None,
   max_shard_bytes: int = 5 * 2**30,
   overwrite: bool = False,
+  part: str = "merged",
 ) -> Exported:
-  """Writes the policy of a run's checkpoint to `out` as a Hugging Face checkpoint.
+  """Writes the policy of a run's checkpoint to `out` as a Hugging Face checkpoint, or, for a
+  run that trained LoRA adapters, its adapters as a PEFT adapter directory (`part`).
 
   Every process of the job calls it (see the module docstring for who writes what).
 
@@ -355,6 +384,9 @@ def export(
     dtype: 'float32' or 'bfloat16'; None: the run's parameter dtype.
     max_shard_bytes: Largest safetensors file (a single tensor may exceed it).
     overwrite: Write into a non-empty `out` (files of the same names are replaced).
+    part: 'merged' (the adapted model), 'adapter' (the LoRA adapters as `peft` loads them:
+      `adapter_config.json`, `adapter_model.safetensors`) or 'base' (the frozen weights the
+      adapters apply to, as a Hugging Face checkpoint); the last two need adapters.
 
   Returns:
     What it exported (run, stage, step, dtype) and the shard files this process wrote.
@@ -363,6 +395,8 @@ def export(
     ExportError, CheckpointError: no such run, checkpoint or step; `out` not empty; a model
       `config.json` cannot express.
   """
+  if part not in PARTS:
+    raise ExportError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
   out = os.path.abspath(os.path.expanduser(out))
   _check_out(out, overwrite)
   # Every process has looked at `out` before process 0 creates or clears it.
@@ -372,6 +406,12 @@ def export(
   policy = read_policy_meta(step_dir)
   head: HeadKind = policy["head"]
   saved = _model_from_json(policy["model"])
+  if part != "merged" and saved.lora is None:
+    raise ExportError(
+      f"--{part}: {run} trained no LoRA adapters (model.lora.rank=0): export it without --{part}"
+    )
+  if part == "adapter":
+    return _export_adapter(run, workdir, step_dir, policy, saved, out, dtype or "float32")
   dtype = dtype or saved.param_dtype
   tokenizer = tokenizer_lib.load_tokenizer(policy["tokenizer"])
   model = dataclasses.replace(saved, param_dtype=dtype, dtype=dtype, lora=None)
@@ -384,8 +424,8 @@ def export(
   item_dir = ckpt.item_directory(step_dir, policy["item"])
   abstract = _abstract_params(item_dir, assignment.layers_by_process)
   params = ckpt.restore_params(step_dir, abstract, policy["item"])
-  if saved.lora is not None:  # the adapted model: adapters merged into the weights
-    params = lora.merged(params, saved.lora)
+  if saved.lora is not None:  # the adapted model (adapters merged into the weights), or its base
+    params = lora.base(params) if part == "base" else lora.merged(params, saved.lora)
 
   me = jax.process_index()
   first = me * (model.num_layers // jax.process_count()) if assignment.layers_by_process else 0
@@ -411,10 +451,98 @@ def export(
     else:
       _copy_tokenizer_files(policy["tokenizer"], out)
   distributed.wait_for(range(jax.process_count()), "export: done")
+  return _exported(run, workdir, step_dir, policy, dtype, written)
+
+
+def _exported(run, workdir, step_dir, policy, dtype, written) -> Exported:
   own = run == os.path.abspath(os.path.expanduser(workdir))
   return Exported(
     run, None if own else os.path.basename(run), int(step_dir.name), policy["item"], dtype, written
   )
+
+
+def _export_adapter(
+  run: str,
+  workdir: str,
+  step_dir: epath.Path,
+  policy: Mapping[str, Any],
+  model: ModelConfig,
+  out: str,
+  dtype: str,
+) -> Exported:
+  """The adapters of the policy as a PEFT LoRA adapter directory, written by process 0.
+
+  Ours are `W + (alpha / r) A B` with A `[in..., r]` and B `[r, out...]` in the kernel's layout;
+  a Hugging Face weight is the kernel flattened to `[in, out]` and transposed, so PEFT's
+  `lora_A.weight` `[r, in]` is A flattened and transposed and `lora_B.weight` `[out, r]` is B's,
+  with the same scale (`lora_alpha / r`)."""
+  if policy["head"] != "lm":
+    raise ExportError(
+      f"--adapter: {run} holds a value-head model, whose head trains whole beside its "
+      "adapters: export it merged (without --adapter)"
+    )
+  item_dir = ckpt.item_directory(step_dir, policy["item"])
+  params = ckpt.restore_params(step_dir, _abstract_params(item_dir, False), policy["item"])
+  found = lora.adapters(params)
+  if jax.process_index() == 0:
+    tensors = {}
+    layers = found.get("layers", {})
+    for module, path in hf.layer_projections(model).items():
+      if not _has(layers, path):
+        continue  # not a target
+      proj = hf_read.get_at(layers, path)
+      a, b = _local(proj["lora_a"]), _local(proj["lora_b"])
+      for i in range(model.num_layers):
+        tensors.update(_peft_pair(f"base_model.model.model.layers.{i}.{module}", a[i], b[i]))
+    if "lm_head" in found:
+      head = found["lm_head"]
+      tensors.update(
+        _peft_pair("base_model.model.lm_head", _local(head["lora_a"]), _local(head["lora_b"]))
+      )
+    tensors = {k: np.ascontiguousarray(_cast(v, dtype)) for k, v in tensors.items()}
+    _clear_weights(out)
+    hf.write_shard(out, hf.ShardFile(_ADAPTER_FILE, range(0), (), 0), tensors)
+    lo = model.lora
+    _write_json(
+      os.path.join(out, "adapter_config.json"),
+      {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": policy.get("base") or None,
+        "r": lo.rank,
+        "lora_alpha": lo.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(_PEFT_MODULES[t] for t in lo.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+      },
+    )
+  distributed.wait_for(range(jax.process_count()), "export: done")
+  files = [_ADAPTER_FILE] if jax.process_index() == 0 else []
+  return _exported(run, workdir, step_dir, policy, dtype, files)
+
+
+def _has(tree: Mapping, path: tuple[str, ...]) -> bool:
+  for key in path:
+    if not isinstance(tree, Mapping) or key not in tree:
+      return False
+    tree = tree[key]
+  return True
+
+
+def _peft_pair(module: str, a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
+  """PEFT's `lora_A.weight` `[r, in]` and `lora_B.weight` `[out, r]` of our A `[in..., r]` and
+  B `[r, out...]`."""
+  r = a.shape[-1]
+  return {
+    f"{module}.lora_A.weight": a.reshape(-1, r).T,
+    f"{module}.lora_B.weight": b.reshape(r, -1).T,
+  }
 
 
 def _generation_config(model: ModelConfig) -> dict[str, Any]:

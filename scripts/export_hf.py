@@ -3,11 +3,15 @@
   python scripts/export_hf.py --workdir=workdirs/pipeline --out=exports/pipeline
   python scripts/export_hf.py --workdir=workdirs/pipeline --stage=rm --out=exports/rm
   python scripts/export_hf.py --workdir=workdirs/sft --out=exports/sft --step=6 --dtype=bfloat16
+  python scripts/export_hf.py --workdir=workdirs/grpo_lora --out=exports/adapter --adapter
 
 `--workdir` is any run's workdir (SFT, reward model: a `*ForSequenceClassification` with one
 label, PPO / GRPO / DAPO / RLOO / REINFORCE++ / DPO / online DPO: the actor) or a pipeline's
 (its PPO stage unless `--stage`). Writes safetensors weights (sharded past --max_shard_size),
-config.json, generation_config.json and the tokenizer files. Several processes
+config.json, generation_config.json and the tokenizer files; a run with LoRA adapters exports
+the adapted model merged, or with `--adapter` the adapters alone as a PEFT adapter directory
+(`peft.PeftModel.from_pretrained` loads it onto the base; `--base` writes that base). Several
+processes
 (`--config.distributed.*`, as the training scripts) each write their own shards. Bad input:
 one `error:` line, exit status 2.
 """
@@ -32,6 +36,17 @@ _MAX_SHARD_SIZE = flags.DEFINE_string(
   "max_shard_size", "5GB", "Largest safetensors file, e.g. 2GB, 500MB."
 )
 _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "Write into a non-empty --out.")
+_ADAPTER = flags.DEFINE_boolean(
+  "adapter",
+  False,
+  "A run with LoRA adapters: write the adapters alone as a PEFT adapter directory "
+  "(adapter_config.json, adapter_model.safetensors; float32 unless --dtype).",
+)
+_BASE = flags.DEFINE_boolean(
+  "base",
+  False,
+  "A run with LoRA adapters: write the frozen base weights the adapters apply to.",
+)
 _CONFIG = config_flags.DEFINE_config_dict(
   "config",
   ml_collections.ConfigDict({"distributed": dataclasses.asdict(DistributedSection())}),
@@ -43,6 +58,10 @@ flags.mark_flags_as_required(["workdir", "out"])
 def main(argv: list[str]) -> None:
   launch.start(argv, _CONFIG.value, max_cpu_devices=1)
 
+  if _ADAPTER.value and _BASE.value:
+    launch.fail("--adapter and --base each write one part of the model: pass one of them")
+  part = "adapter" if _ADAPTER.value else "base" if _BASE.value else "merged"
+
   from rlhfjax import export  # imports JAX: after `start`
 
   exported = export.export(
@@ -53,9 +72,11 @@ def main(argv: list[str]) -> None:
     dtype=_DTYPE.value,
     max_shard_bytes=export.parse_size(_MAX_SHARD_SIZE.value),
     overwrite=_OVERWRITE.value,
+    part=part,
   )
+  what = {"adapter": "the LoRA adapters of ", "base": "the frozen base of "}.get(part, "")
   print(
-    f"exported {exported.describe()}: wrote {', '.join(exported.files) or 'no shard'} to "
+    f"exported {what}{exported.describe()}: wrote {', '.join(exported.files) or 'no shard'} to "
     f"{_OUT.value}"
   )
 

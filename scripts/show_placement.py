@@ -52,7 +52,8 @@ def main(argv: list[str]) -> None:
   if pool is not None:
     print(pool.describe())
   print(placement.format_batches(config, train_rows, score_rows, packed=registry.packs(config)))
-  if adapters := placement.format_adapters(config, spec):
+  from_base = registry.reference_from_base(config)
+  if adapters := placement.format_adapters(config, spec, reference_from_base=from_base):
     print(adapters)
   print()
   print(placement.option_report(config, spec, train_rows, score_rows))

@@ -129,6 +129,8 @@ def test_grpo_on_a_bf16_llama3_checkpoint_trains_fp32_masters_that_move_at_lr_1e
   )
   out = tmp_path / "export"
   export.export(str(tmp_path / "run"), str(out), dtype="float32")
+  with pytest.raises(export.ExportError, match=r"--adapter: .* trained no LoRA adapters"):
+    export.export(str(tmp_path / "run"), str(tmp_path / "adapter"), part="adapter")
   source = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
   trained = safetensors.numpy.load_file(out / "model.safetensors")
   projections = [n for n in source if n.endswith("proj.weight")]

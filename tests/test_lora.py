@@ -4,6 +4,7 @@ adapters train and only they have optimizer moments; the merged weights run the 
 adapters shard like their kernel's axes with the rank replicated; GRPO with adapters learns and
 its rollout runs the merged weights; bad settings are one line."""
 
+import json
 import pathlib
 
 import flax.linen as nn
@@ -161,28 +162,31 @@ def test_the_memory_model_keeps_moments_and_gradients_of_the_adapters_only():
   assert lo.activations == full.activations
 
 
-def _grpo_lora(**changes):
-  return shipped_config("grpo_lora_tiny", {k.replace("__", "."): v for k, v in changes.items()})
+def _grpo_lora(variant="colocated", **changes):
+  changes = {k.replace("__", "."): v for k, v in changes.items()}
+  return shipped_config("grpo_lora_tiny", changes, variant)
 
 
 def test_grpo_with_adapters_learns_and_the_rollout_runs_the_merged_weights(tmp_path):
   """The learning run of every flow (`runs_testing.LEARNING_RUN`: 15 iterations on 2 devices)
-  with rank-8 adapters: the reward rises; the reference starts equal to the actor (KL 0 at the
-  first iteration); the rollout ends holding exactly the merged adapted weights."""
-  cfg = _grpo_lora(**{**LEARNING_RUN, "actor_optimizer__learning_rate": 2e-2})
+  with rank-8 adapters, disaggregated (the actor on one device, the rollout on the other): the
+  reward rises; the reference, the actor's base, starts equal to the actor (KL 0 at the first
+  iteration); each sync moves the adapters alone, and the rollout ends holding exactly the
+  weights a full sync of the merged adapted weights gives it."""
+  changes = {**LEARNING_RUN, "actor_optimizer__learning_rate": 2e-2}
+  cfg = _grpo_lora("disaggregated", **changes, placement__rollout_tensor=1)
   runner = Runner(cfg, str(tmp_path), show_progress=False)
   rows = runner.run().metrics
   rewards = [r["reward/mean"] for r in rows]
   first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
   assert last > first + 0.05 and last > 2 * first, rewards
   assert rows[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)
+  assert rows[-1]["kl/mean"] > 1e-4  # the adapters moved the policy away from its reference
+  _check_reference_is_the_base(runner)
   actor = runner.cluster.states[Role.ACTOR].params
   assert lora.has_adapters(actor) and not lora.has_adapters(runner.cluster.engine.params)
   model = runner.cluster.roles[Role.ACTOR].model
-  merged = lora.merged(actor, model.lora)
-  engine = jax.tree.leaves(runner.cluster.engine.params)
-  for a, b in zip(jax.tree.leaves(merged), engine, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _check_adapters_only_sync(runner, rows, actor, model)
   # The export is the merged model: `transformers` runs it with the adapted model's logits
   # (fp32; the bound of tests/test_export_e2e.py).
   import torch  # noqa: PLC0415
@@ -196,6 +200,90 @@ def test_grpo_with_adapters_learns_and_the_rollout_runs_the_merged_weights(tmp_p
     theirs = reloaded(input_ids=torch.tensor(tokens)).logits.float().numpy()
   ours = np.asarray(transformer.forward_logits(model, actor, jnp.asarray(tokens, jnp.int32)))
   assert np.max(np.abs(ours - theirs)) <= 1e-4 and np.ptp(ours) > 1.0
+  _check_peft_export(tmp_path, tokens, theirs, ours)
+
+
+def _check_adapters_only_sync(runner, rows, actor, model):
+  """Every sync moved the adapters' bytes alone; the rollout's weights after the last one are
+  those a full sync of the merged weights moves there (bit for bit), which moves more."""
+  cluster = runner.cluster
+  assert cluster.syncs_adapters
+  adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.adapters(actor)))
+  assert {r["sync/bytes"] for r in rows} == {float(adapter_bytes)}
+  via_adapters = [np.asarray(x) for x in jax.tree.leaves(cluster.engine.params)]
+  full_bytes = cluster.engine.update_params(lora.merged(actor, model.lora))
+  for a, b in zip(via_adapters, jax.tree.leaves(cluster.engine.params), strict=True):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  assert full_bytes == sum(x.nbytes for x in via_adapters) > 2 * adapter_bytes
+  assert memory.adapter_bytes(model) == adapter_bytes  # what the planner and show_placement say
+
+
+def _check_peft_export(tmp_path, tokens, merged_logits, ours):
+  """`--adapter` writes a PEFT adapter directory and `--base` the frozen base it applies to:
+  `peft` loads the one onto the other with the merged export's logits (the same fp32 bound)."""
+  import peft  # noqa: PLC0415
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  adapter = export.export(str(tmp_path), str(tmp_path / "adapter"), part="adapter")
+  assert adapter.files == ["adapter_model.safetensors"] and adapter.dtype == "float32"
+  export.export(str(tmp_path), str(tmp_path / "base"), part="base")
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 8, 16.0)
+  assert set(config["target_modules"]) == {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+  }
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+  with torch.no_grad():
+    base_logits = base(input_ids=torch.tensor(tokens)).logits.float().numpy()
+  adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  with torch.no_grad():
+    theirs = adapted(input_ids=torch.tensor(tokens)).logits.float().numpy()
+  assert np.max(np.abs(theirs - merged_logits)) <= 1e-4
+  assert np.max(np.abs(base_logits - ours)) > 100 * 1e-4  # the adapters are what differs
+  with pytest.raises(export.ExportError, match="part must be one of merged, adapter, base"):
+    export.export(str(tmp_path), str(tmp_path / "x"), part="nope")
+
+
+def _check_reference_is_the_base(runner):
+  """The reference (`model.lora.reference`='base') is placed as the actor, holds no weights
+  and scored on the actor's devices with the actor's base weights: its log-probs equal those
+  of a reference loaded separately from the same source, after the adapters have moved."""
+  cluster = runner.cluster
+  assert runner.placement[Role.REFERENCE] == runner.placement[Role.ACTOR]
+  assert Role.REFERENCE not in cluster.params
+  scored = {r.devices for r in cluster.timeline.records if r.role == "reference"}
+  assert scored == {cluster.roles[Role.ACTOR].devices}, scored
+  own = cluster._load(Role.REFERENCE)  # what a placed reference loads from the same source
+  from_base = cluster.weights(Role.REFERENCE)
+  assert not lora.has_adapters(from_base)
+  for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(from_base), strict=True):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rt, actor = cluster.roles[Role.REFERENCE], cluster.roles[Role.ACTOR]
+  b, s = 4, runner.cfg.rollout.max_seq_len
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
+  mask = jnp.ones((b, s), jnp.int32)
+  score = jax.jit(
+    lambda params: steps.response_logprobs(
+      rt.model, params, tokens, mask, prompt_len=runner.cfg.rollout.max_prompt_len
+    )
+  )
+  ref = np.asarray(score(from_base))
+  np.testing.assert_array_equal(ref, np.asarray(score(own)))
+  adapted = jax.jit(
+    lambda params: steps.response_logprobs(
+      actor.model, params, tokens, mask, prompt_len=runner.cfg.rollout.max_prompt_len
+    )
+  )(cluster.weights(Role.ACTOR))
+  assert np.max(np.abs(np.asarray(adapted) - ref)) > 1e-3  # the base is not the adapted actor
 
 
 @pytest.mark.parametrize(
@@ -207,6 +295,11 @@ def test_grpo_with_adapters_learns_and_the_rollout_runs_the_merged_weights(tmp_p
     (
       {"placement__pipeline_stages": 2, "model__overrides": {"num_layers": 4}},
       r"adapters do not train in pipeline stages yet",
+    ),
+    ({"model__lora__reference": "copy"}, r"'model.lora.reference' must be one of base, placed"),
+    (
+      {"offload__params": ("reference",)},
+      r"'offload.params' names reference, but the reference runs the actor's base weights",
     ),
   ],
 )
@@ -226,3 +319,70 @@ def test_show_placement_names_the_adapted_roles():
   assert line.startswith("adapters: LoRA rank 8, alpha 16 on q, k, v, o, gate, up, down, lm_head")
   assert " of actor: " in line  # GRPO trains the actor alone; the reference stays whole
   assert format_adapters(registry.configure(_grpo_lora(model__lora__rank=0)), spec) is None
+  # The reference is the actor's base (`model.lora.reference`='base'): placed as the actor with
+  # no weights, and the line says so; 'placed' places a copy of its own where the strategy says.
+  from rlhfjax.placement import estimate_placement_memory
+  from rlhfjax.planner.place import plan_placement
+
+  assert registry.reference_from_base(cfg)
+  for where in ("base", "placed"):
+    config = registry.configure(
+      _grpo_lora(model__lora__reference=where, placement__strategy="interleaved")
+    )
+    placed = plan_placement(config, 8)
+    estimates = estimate_placement_memory(placed, config.model, config.rollout)
+    if where == "base":
+      assert placed[Role.REFERENCE] == placed[Role.ACTOR]
+      assert estimates[Role.REFERENCE].params == 0 < estimates[Role.REFERENCE].total
+    else:
+      assert placed[Role.REFERENCE].devices == (0, 1, 2, 3)  # interleaved: the first half
+      assert estimates[Role.REFERENCE].params > 0
+  from_base = format_adapters(cfg, spec, reference_from_base=True)
+  assert from_base.endswith(
+    "the reference is the actor's base weights with the adapters off, on the actor's devices "
+    "(no copy placed)"
+  )
+
+
+def test_the_planner_scores_a_reference_on_the_actors_base_on_the_actors_devices():
+  """The planner's workload knows the reference runs on the actor's base: it places the
+  reference as the actor, with no weights, prices its scoring there as the same work, and
+  plans less memory than with a reference of its own on the same devices."""
+  from rlhfjax.costmodel import efficiency, hardware
+  from rlhfjax.flows import registry
+  from rlhfjax.placement import strategies
+  from rlhfjax.planner import auto, evaluate
+
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  plans = {}
+  for where in ("base", "placed"):
+    workload = auto.workload_of(registry.configure(_grpo_lora(model__lora__reference=where)))
+    assert workload.reference_from_base == (where == "base")
+    spec = strategies.disaggregated(8, split_reference_reward=False)
+    plans[where] = evaluate.evaluate(spec, workload, hw, eff, micro_batch=4)
+
+  def scored(plan):
+    (record,) = [
+      r for r in plan.replay.records if (r.role, r.stage, r.iteration) == ("reference", "score", 0)
+    ]
+    return record
+
+  base, placed = plans["base"], plans["placed"]
+  assert base.spec[Role.REFERENCE] == base.spec[Role.ACTOR]
+  assert base.memory[Role.REFERENCE].params == 0 < placed.memory[Role.REFERENCE].params
+  assert scored(base).devices == base.spec[Role.ACTOR].devices
+  assert scored(base).seconds == pytest.approx(scored(placed).seconds, rel=1e-9)
+  assert base.peak_memory_gib < placed.peak_memory_gib  # no reference copy
+  # The disaggregated rollout gets the adapters alone, merged into a base copy of its own: a
+  # shorter sync than the whole weights', and the base twice in the rollout's memory.
+  workload = auto.workload_of(registry.configure(_grpo_lora()))
+  spec = strategies.disaggregated(8)
+  full = workload.replace(actor=workload.actor.replace(lora=None))
+  adapted, whole = (evaluate.evaluate(spec, w, hw, eff, micro_batch=4) for w in (workload, full))
+
+  def sync(plan):
+    return next(r.seconds for r in plan.replay.records if r.stage == "sync")
+
+  assert sync(adapted) < sync(whole)
+  rollout = adapted.memory[Role.ROLLOUT]
+  assert rollout.params == 2 * whole.memory[Role.ROLLOUT].params + rollout.transfer

@@ -29,6 +29,7 @@ from absl import logging
 
 from rlhfjax import models
 from rlhfjax.cluster import dispatch, residency
+from rlhfjax.cluster.adapter_sync import AdapterSync
 from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import ConfigError, ExperimentConfig, RolloutSection
@@ -146,6 +147,9 @@ class Cluster:
     self.params: dict[Role, Any] = {}
     """Frozen roles' parameters, on their meshes."""
     self._sources: dict[Role, WeightSource] = {}
+    self._base_of: dict[Role, Role] = {}
+    """Frozen roles that run another role's base weights with its adapters off, on its devices
+    (the reference of an actor that trains LoRA adapters: `ModelSection.reference_from_base`)."""
     self._rollout_from: Role | None = None
     self._pad_id = 0
     self.engine: Engine | None = None
@@ -156,6 +160,8 @@ class Cluster:
     )
     """Where offloaded state is when (its `events` log every move)."""
     self._cast: Callable | None = None
+    self._adapters: AdapterSync | None = None
+    """The adapters-only sync (`syncs_adapters`), after `materialize`."""
 
   # -------------------------------------------------------------------------------------------
   # Declaring roles.
@@ -168,8 +174,18 @@ class Cluster:
     self.state_shardings[role] = self.roles[role].train_state_shardings(tx)
 
   def freeze(self, role: Role, source: WeightSource) -> None:
-    """`role` holds fixed weights from `source` (the reference, a reward model)."""
+    """`role` holds fixed weights from `source` (the reference, a reward model). A reference
+    placed beside an actor that trains adapters (`ModelSection.reference_from_base`,
+    `PlacementSpec.beside`) runs the actor's base weights with the adapters off: nothing is
+    loaded for it."""
     self._placed(role)
+    if (
+      role is Role.REFERENCE
+      and self.cfg.model.reference_from_base
+      and Role.ACTOR in self.roles
+      and self.placement[role] == self.placement[Role.ACTOR]
+    ):
+      self._base_of[role] = Role.ACTOR
     self._sources[role] = source
 
   def _placed(self, role: Role) -> None:
@@ -182,6 +198,12 @@ class Cluster:
   def rollout_from(self, role: Role, pad_id: int) -> None:
     """The rollout engine generates with `role`'s weights (synced by `sync`)."""
     self._rollout_from, self._pad_id = role, pad_id
+
+  def source_of(self, role: Role) -> str:
+    """Where `role`'s first weights came from (a checkpoint or Hugging Face directory; '' for
+    random weights or a role the flow does not use)."""
+    source = self._sources.get(role)
+    return source.source if source is not None else ""
 
   @property
   def trained(self) -> tuple[Role, ...]:
@@ -215,7 +237,10 @@ class Cluster:
   def materialize(self, restored: dict[str, Any] | None = None) -> None:
     """Every declared role's weights in its shards: trained states from `restored` (a
     checkpoint's items, by role name) when given, else from their sources; then the engine."""
+    self._check_bases()
     for role in self._sources:
+      if role in self._base_of:
+        continue  # reads its base role's weights (`weights`)
       if role in self.tx:
         if restored is not None:
           self.states[role] = restored[role.value]
@@ -241,8 +266,13 @@ class Cluster:
         self.engine.read_params_from(lambda: self.weights(source))
       else:
         self.engine = Engine(rt.model, engine_cfg, rt.mesh)
-        self._cast = self._rollout_cast()
-        self.engine.update_params(self._rollout_weights())
+        self._adapters = None
+        if self.syncs_adapters:
+          self._adapters = AdapterSync(self.roles[source], rt, self.compile)
+          self._adapters.start(self.weights(source))
+        else:
+          self._cast = self._rollout_cast()
+        self._take_weights()
     self.park()
 
   @functools.cached_property
@@ -255,14 +285,47 @@ class Cluster:
       return False
     return sharing.same_layout(self._abstract(self._rollout_from), self._abstract(Role.ROLLOUT))
 
+  @functools.cached_property
+  def syncs_adapters(self) -> bool:
+    """Whether each sync moves only the source's LoRA adapters, merged into the rollout's own
+    copy of the frozen base (`rlhfjax.cluster.adapter_sync`): the source trains adapters and
+    the rollout runs on devices of its own. (On the same devices the merge and cast of a full
+    sync move nothing between devices, and no base copy is needed.)"""
+    if self._rollout_from is None or self.rollout_reads_source:
+      return False
+    src, dst = self.roles[self._rollout_from], self.roles[Role.ROLLOUT]
+    return src.model.lora is not None and not set(src.devices) & set(dst.devices)
+
   def _abstract(self, role: Role) -> Any:
     rt = self.roles[role]
     return weights.abstract_with_shardings(
       models.abstract_params(rt.model, rt.head), rt.param_shardings
     )
 
+  def _check_bases(self) -> None:
+    """A role run on another's base weights starts from the same source as that role, which
+    trains adapters, and lays the base out as its own model would (shapes, dtypes, shards)."""
+    for role, base in self._base_of.items():
+      mine, theirs = self._sources[role], self._sources.get(base)
+      if base not in self.tx or self.roles[base].model.lora is None:
+        raise ValueError(f"{role} runs {base}'s base weights, but {base} trains no adapters")
+      if theirs is None or mine.source != theirs.source:
+        raise ValueError(
+          f"{role} runs {base}'s base weights, so both must start from the same weights: "
+          f"{mine.what}={mine.source!r}, {base}'s from {theirs and theirs.source!r}; set "
+          "'model.lora.reference'='placed' for a reference of its own"
+        )
+      if not sharing.same_layout(self._abstract(role), lora.base(self._abstract(base))):
+        raise ValueError(
+          f"{role}'s model ({self.cfg.model.model_name(role.value)}) is not {base}'s base; set "
+          "'model.lora.reference'='placed'"
+        )
+
   def weights(self, role: Role) -> Any:
-    """`role`'s current parameters (a trained role's from its state)."""
+    """`role`'s current parameters (a trained role's from its state; the base weights of the
+    role it runs on, its adapters dropped: no copy)."""
+    if role in self._base_of:
+      return lora.base(self.weights(self._base_of[role]))
     return self.states[role].params if role in self.states else self.params[role]
 
   # -------------------------------------------------------------------------------------------
@@ -538,8 +601,9 @@ class Cluster:
 
   def sync(self, iteration: int) -> int:
     """The rollout engine takes the current weights of its source role (cast to the rollout's
-    dtypes first where they differ), device to device; returns the bytes moved. Nothing runs
-    when the rollout reads the source's arrays themselves (`rollout_reads_source`)."""
+    dtypes first where they differ; with `syncs_adapters` only the adapters move), device to
+    device; returns the bytes moved. Nothing runs when the rollout reads the source's arrays
+    themselves (`rollout_reads_source`)."""
     if self.rollout_reads_source:
       return 0
     devices = tuple(
@@ -576,6 +640,10 @@ class Cluster:
   def _take_weights(self) -> int:
     """The sync itself: the engine takes the source's weights (cast first where the dtypes
     differ) and waits for them; returns the bytes moved."""
-    moved = self.engine.update_params(self._rollout_weights())
+    if self._adapters is not None:
+      params, moved = self._adapters.merged(self.weights(self._rollout_from))
+      self.engine.update_params(params)
+    else:
+      moved = self.engine.update_params(self._rollout_weights())
     jax.block_until_ready(self.engine.params)
     return moved

@@ -79,6 +79,7 @@ class RoleModelSection:
 
 
 _ROLES = ("actor", "critic", "reference", "reward", "rollout")
+_LORA_REFERENCES = ("base", "placed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +95,11 @@ class LoraSection:
   targets: tuple[str, ...] = model_config.LORA_TARGETS
   """Adapted projections: some of q, k, v, o (attention), gate, up, down (MLP), and lm_head
   (an untied LM head; not by default)."""
+  reference: str = "base"
+  """Where the reference policy's log-probs come from when the actor trains adapters: 'base',
+  the actor's own frozen base weights with the adapters off, on the actor's devices (the
+  reference is the model the adapters started from, so no copy is loaded or placed); 'placed',
+  a separate copy on its own devices like any other role."""
 
   def __post_init__(self):
     if isinstance(self.targets, str):
@@ -102,6 +108,7 @@ class LoraSection:
       raise ConfigError(f"'model.lora.rank' must be >= 0 (0: no adapters), got {self.rank}")
     if not self.alpha > 0:
       raise ConfigError(f"'model.lora.alpha' must be > 0, got {self.alpha}")
+    _check_choice("model.lora.reference", self.reference, _LORA_REFERENCES)
     known = model_config.LORA_TARGETS + model_config.LORA_EXTRA_TARGETS
     unknown = [t for t in self.targets if t not in known]
     if unknown or not self.targets:
@@ -199,6 +206,18 @@ class ModelSection:
         f"'model.roles': the rollout's param_dtype {rollout} is wider than the actor's {actor}: "
         "the weight sync would only add bytes, not precision"
       )
+
+  @property
+  def reference_from_base(self) -> bool:
+    """Whether the reference runs the actor's frozen base weights with the adapters off, on
+    the actor's devices, instead of a placed copy (`LoraSection.reference`): the actor trains
+    adapters and the reference is given nothing of its own."""
+    return (
+      bool(self.lora.rank)
+      and self.lora.reference == "base"
+      and "actor" in self.trained_roles
+      and "reference" not in self.roles
+    )
 
   def size_for(self, role: str) -> str | None:
     """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs; None
@@ -1235,6 +1254,14 @@ class ExperimentConfig:
         f"{self.placement.pipeline_stages}: adapters do not train in pipeline stages yet; set "
         "one of them to its default"
       )
+    if self.model.reference_from_base:
+      parked = [r for r in ("actor", "reference") if r in self.offload.params]
+      if parked:
+        raise ConfigError(
+          f"'offload.params' names {', '.join(parked)}, but the reference runs the actor's base "
+          "weights on the actor's devices ('model.lora.reference'='base'): leave "
+          f"{'them' if len(parked) > 1 else 'it'} out, or set 'model.lora.reference'='placed'"
+        )
     _checkpoint_tokenizer(self)
     _check_positions(self)
     width, lengths = self.rollout.max_seq_len, "rollout.max_prompt_len + rollout.max_new_tokens"

@@ -37,6 +37,7 @@ import math
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import Hardware
+from rlhfjax.costmodel.memory import adapter_bytes
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -312,8 +313,12 @@ def sync_time(
   pair_bw: float | None = None,
   devices: int = 0,
   buffers: int = 0,
+  adapters_only: bool = False,
 ) -> float:
   """Moving the actor's weights into the rollout's layout (each device gets its shard);
+  with `adapters_only` (an actor with LoRA adapters, `config.lora`, and a rollout on devices of
+  its own) only the float32 adapters move, and the rollout merges them into its base copy (a
+  pass over its weights: read the base, write the merged);
   `devices`: the devices of the actor and the rollout together (each reads or writes pieces
   of every array: `transfer_s` per device).
 
@@ -322,7 +327,11 @@ def sync_time(
   (`rlhfjax.planner.sync.buffers`). There every buffer is allocated, dispatched and waited for
   on the same cores, and the count, not the devices or the bytes a device receives, is what
   the placements' syncs differ in (see `rlhfjax.planner.sync`)."""
-  received = matmul_params(config, "lm") * _BYTES[config.param_dtype] / rollout_tensor
+  weights = matmul_params(config, "lm") * _BYTES[config.param_dtype] / rollout_tensor
+  received, merge = weights, 0.0
+  if adapters_only:
+    received = adapter_bytes(config) / rollout_tensor
+    merge = 2 * weights / (hw.memory_bw * eff.optimizer_bw)  # an elementwise pass, as Adam's
   if pair_bw:
     bw = pair_bw
   elif colocated:
@@ -330,4 +339,4 @@ def sync_time(
   else:
     bw = hw.inter_node_bw if spans_nodes else hw.intra_node_bw
   pieces = (buffers if hw.host_shared else devices) * eff.transfer_s
-  return received / (bw * eff.transfer_bw) + eff.stage_s + pieces
+  return received / (bw * eff.transfer_bw) + merge + eff.stage_s + pieces

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhfjax.config.model import ModelConfig, param_count
+from rlhfjax.config.model import LoraConfig, ModelConfig, param_count
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -191,6 +191,12 @@ def train_memory(
   )
 
 
+def adapter_bytes(config: ModelConfig, head: str = "lm") -> int:
+  """Bytes of all of `config`'s LoRA adapters (float32), unsplit: what an adapters-only weight
+  sync moves."""
+  return 4 * _adapter_elements(config, head, Sharding(param_shards=1, batch_shards=1))
+
+
 def _adapter_elements(config: ModelConfig, head: str, sharding: Sharding) -> int:
   """Adapter values one device holds: of each adapted projection, the factor on the model
   width (`embed`: A of q/k/v/gate/up, B of o/down) split over all the parameter axes, the
@@ -246,21 +252,34 @@ def rollout_memory(
   receives_sync: bool,
   cache_tokens: int | None = None,
   released: bool = False,
+  sync_adapters: LoraConfig | None = None,
 ) -> MemoryEstimate:
   """Per-device memory of generation with `slots` sequences per data group.
 
   `cache_tokens`: tokens the data group's KV cache holds (a paged pool); None: every slot at
   full length, `slots x seq_len`. `released`: the weights are freed between generations
-  (`rollout.release`), so they count in the generation only, as offloaded parts do."""
+  (`rollout.release`), so they count in the generation only, as offloaded parts do.
+  `sync_adapters`: the sync brings only the actor's LoRA adapters of this config, merged into
+  a copy of the frozen base the rollout keeps beside its merged weights
+  (`rlhfjax.cluster.adapter_sync`): the weights count twice, and the adapters arrive whole."""
   tokens = slots * seq_len if cache_tokens is None else cache_tokens
   kv_cache = tokens * kv_token_bytes(config, sharding, options)
   logits = slots * config.vocab_size * 4 * 2 // sharding.tensor
   transfer = 0
+  params = param_bytes(config, "lm", sharding.param_shards)
+  if receives_sync and sync_adapters is not None:
+    adapters = 4 * _adapter_elements(config.replace(lora=sync_adapters), "lm", sharding)
+    return MemoryEstimate(
+      params=2 * params + adapters,
+      kv_cache=kv_cache,
+      logits=logits,
+      transfer=adapters,
+      parked=params if released else 0,
+    )
   if receives_sync:
     d, f = config.hidden_size, config.intermediate_size
     largest = max(config.num_layers * d * f, config.vocab_size * d)
     transfer = _ceil_div(largest * _BYTES[config.param_dtype], sharding.tensor)
-  params = param_bytes(config, "lm", sharding.param_shards)
   return MemoryEstimate(
     params=params,
     kv_cache=kv_cache,

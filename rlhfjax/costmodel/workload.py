@@ -34,6 +34,9 @@ class Workload:
   reward: ModelConfig | None = None
   reference: ModelConfig | None = None
   """Defaults to the actor's shape."""
+  reference_from_base: bool = False
+  """The reference scores with the actor's frozen base weights on the actor's devices (an actor
+  that trains LoRA adapters): placed as the actor, with no weights of its own."""
   pricing: Pricing = PPO
   """The flow's stages: who generates, scores and trains, on how many sequences."""
   prompts: int = 1024

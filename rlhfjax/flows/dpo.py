@@ -176,7 +176,7 @@ class DPOFlow(Flow):
     """The batch on the actor's mesh with the reference's log-probs, computed on its mesh."""
     cluster = self.ctx.cluster
     on_ref = cluster.upload(Role.REFERENCE, host_batch, name)
-    ref = self._ref_logprobs(cluster.params[Role.REFERENCE], on_ref)
+    ref = self._ref_logprobs(cluster.weights(Role.REFERENCE), on_ref)
     ref = {f"ref_{k}": v for k, v in ref.items()}
     return {**cluster.move(Role.ACTOR, on_ref), **cluster.move(Role.ACTOR, ref)}
 

@@ -312,7 +312,7 @@ class OnlineDPOFlow(Flow):
     pairs = self._pair(exp.tokens_bs, exp.attention_mask_bs, exp.response_mask_bt, scores)
 
     def reference():
-      ref = self._ref_logprobs(cluster.params[Role.REFERENCE], cluster.move(Role.REFERENCE, pairs))
+      ref = self._ref_logprobs(cluster.weights(Role.REFERENCE), cluster.move(Role.REFERENCE, pairs))
       return {f"ref_{k}": v for k, v in ref.items()}
 
     (ref,) = cluster.run([cluster.stage(Role.REFERENCE, "score", reference)], iteration)

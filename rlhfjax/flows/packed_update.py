@@ -109,7 +109,7 @@ def sequence_scorer(
   def score(micros, b):
     acc_b = jax.device_put(np.zeros(b, np.float32), rt.replicated)
     for micro in micros:
-      acc_b = add(cluster.params[role], acc_b, micro)
+      acc_b = add(cluster.weights(role), acc_b, micro)
     return acc_b
 
   return score

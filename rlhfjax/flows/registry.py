@@ -201,6 +201,14 @@ def roles_of(config: Any) -> tuple[Role, ...]:
   return tuple(role for role in Role if role in used)
 
 
+def reference_from_base(config: Any) -> bool:
+  """Whether the configured flow's reference runs the actor's base weights with the adapters
+  off, placed on the actor's devices with no weights of its own
+  (`ModelSection.reference_from_base`, `PlacementSpec.beside`)."""
+  used = set(roles_of(config))
+  return config.model.reference_from_base and {Role.ACTOR, Role.REFERENCE} <= used
+
+
 def pricing_of(config: Any) -> Pricing:
   """How the planner prices the configured flow."""
   return spec_of(config).pricing

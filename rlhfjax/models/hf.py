@@ -77,6 +77,16 @@ def _layer_tensors(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], Any,
   return table
 
 
+def layer_projections(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+  """HF per-layer module name of each projection (e.g. 'self_attn.q_proj') -> our path under
+  'layers' of the dict that holds its kernel (and its LoRA adapters, if any)."""
+  return {
+    name.removesuffix(".weight"): ours[:-1]
+    for name, (ours, _, _) in _layer_tensors(config).items()
+    if ours[-1] == "kernel"
+  }
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading.
 

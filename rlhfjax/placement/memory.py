@@ -30,7 +30,7 @@ import math
 from collections.abc import Mapping
 
 from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
-from rlhfjax.config.model import ModelConfig
+from rlhfjax.config.model import LoraConfig, ModelConfig
 from rlhfjax.costmodel.memory import (
   MemoryEstimate,
   Options,
@@ -100,6 +100,7 @@ def estimate_memory(
   train_rows: int | None = None,
   score_rows: int | None = None,
   receives_sync: bool = False,
+  sync_adapters: LoraConfig | None = None,
   options: Options | None = None,
   offload: OffloadSection | None = None,
 ) -> MemoryEstimate:
@@ -114,6 +115,8 @@ def estimate_memory(
       micro-step of a trained role (default: the whole batch).
     score_rows: sequences (packed: rows) per call of a scoring role (default: the whole batch).
     receives_sync: the rollout gets the actor's weights from other devices.
+    sync_adapters: with `receives_sync`, the actor's LoRA adapters, which are all a sync
+      moves (`rlhfjax.cluster.adapter_sync`): the rollout keeps a copy of the base too.
     options: backend numerics; remat, the logits chunk and fused attention are always the
       role's model's own, and the offload flags are `role`'s own in `offload`.
     offload: the roles whose parameters or moments wait in host memory while idle (none when
@@ -134,12 +137,22 @@ def estimate_memory(
       receives_sync=receives_sync,
       cache_tokens=rollout_cache_tokens(rollout, sharding.batch_shards),
       released=rollout.release,
+      sync_adapters=sync_adapters,
     )
   trained = role in TRAINED_ROLES
   rows = (train_rows if trained else score_rows) or rollout.batch_size
   micro_batch = math.ceil(rows / sharding.batch_shards)
   fn = train_memory if trained else forward_memory
   return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
+
+
+def adapters_synced(actor: ModelConfig, actor_spec: RoleSpec, rollout_spec: RoleSpec):
+  """The actor's LoRA adapters when a sync to a rollout placed as `rollout_spec` moves them
+  alone (the rollout on devices of its own: `rlhfjax.cluster.Cluster.syncs_adapters`), else
+  None."""
+  if actor.lora is None or set(actor_spec.devices) & set(rollout_spec.devices):
+    return None
+  return actor.lora
 
 
 def rollout_cache_tokens(rollout: RolloutSection, replicas: int) -> int:
@@ -182,7 +195,8 @@ def estimate_placement_memory(
   """`estimate_memory` of every role of `placement`, with the model each role runs and its own
   offload in `offload`."""
   actor_devices = set(placement[Role.ACTOR].devices)
-  return {
+  actor = model.for_role(Role.ACTOR)
+  estimates = {
     role: estimate_memory(
       role,
       spec,
@@ -191,11 +205,22 @@ def estimate_placement_memory(
       train_rows=train_rows,
       score_rows=score_rows,
       receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
+      sync_adapters=adapters_synced(actor, placement[Role.ACTOR], spec),
       options=options,
       offload=offload,
     )
     for role, spec in placement.roles.items()
   }
+  if model.reference_from_base and Role.REFERENCE in estimates:
+    # The actor's base weights with the adapters off, beside it: its scoring only.
+    estimates[Role.REFERENCE] = without_weights(estimates[Role.REFERENCE])
+  return estimates
+
+
+def without_weights(estimate: MemoryEstimate) -> MemoryEstimate:
+  """`estimate` of a role that runs another role's weights (the reference on the actor's
+  base): its stage's working set alone."""
+  return dataclasses.replace(estimate, params=0, parked=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from rlhfjax.config import ExperimentConfig
+from rlhfjax.costmodel.memory import adapter_bytes
 from rlhfjax.placement.memory import (
   GIB,
   MemoryEstimate,
   OptionEffect,
+  adapters_synced,
   device_totals,
   option_effects,
   option_peaks,
@@ -195,20 +197,34 @@ def format_batches(
   )
 
 
-def format_adapters(config: ExperimentConfig, spec: PlacementSpec) -> str | None:
-  """The LoRA line: which placed roles train adapters over frozen weights (`model.lora`), or
-  None without adapters."""
+def format_adapters(
+  config: ExperimentConfig, spec: PlacementSpec, *, reference_from_base: bool = False
+) -> str | None:
+  """The LoRA line: which placed roles train adapters over frozen weights (`model.lora`), and
+  whether the reference runs the actor's base (`reference_from_base`), or None without
+  adapters."""
   adapted = [
     role.value for role in spec.roles if config.model.for_role(role.value).lora is not None
   ]
   if not adapted:
     return None
   lora = config.model.lora
-  return (
+  line = (
     f"adapters: LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)} of "
     f"{', '.join(adapted)}: their weights frozen (no gradients or optimizer moments), the "
     "adapters float32; the rollout runs the adapted weights merged"
   )
+  if Role.ACTOR in spec.roles and Role.ROLLOUT in spec.roles:
+    actor = config.model.for_role(Role.ACTOR)
+    if adapters_synced(actor, spec[Role.ACTOR], spec[Role.ROLLOUT]) is not None:
+      mib = adapter_bytes(actor) / 2**20
+      line += f", each weight sync moving the adapters alone ({mib:.3g} MiB) into its own base copy"
+  if reference_from_base:
+    line += (
+      "; the reference is the actor's base weights with the adapters off, on the actor's "
+      "devices (no copy placed)"
+    )
+  return line
 
 
 def _align(rows: Sequence[Sequence[str]], numeric_from: int = _NUMERIC_FROM) -> list[str]:

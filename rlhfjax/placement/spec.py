@@ -130,6 +130,18 @@ class PlacementSpec:
       disjoint=tuple((a, b) for a, b in self.disjoint if a in keep and b in keep),
     )
 
+  def beside(self, role: Role, host: Role) -> PlacementSpec:
+    """`role` placed exactly as `host` (its devices, mesh axes and layout), with no
+    disjointness rule naming it: a role that runs on another's weights (the reference on the
+    actor's base, `rlhfjax.cluster.Cluster.freeze`). Unchanged when `role` is not placed."""
+    if role not in self.roles:
+      return self
+    return dataclasses.replace(
+      self,
+      roles={**self.roles, role: self.roles[host]},
+      disjoint=tuple(pair for pair in self.disjoint if role not in pair),
+    )
+
   @property
   def devices(self) -> tuple[int, ...]:
     """All device indices the job uses, sorted."""

@@ -16,7 +16,14 @@ import dataclasses
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.costmodel import efficiency, hardware
 from rlhfjax.costmodel.workload import Workload
-from rlhfjax.flows.registry import batch_of, packs, pricing_of, roles_of, train_budget
+from rlhfjax.flows.registry import (
+  batch_of,
+  packs,
+  pricing_of,
+  reference_from_base,
+  roles_of,
+  train_budget,
+)
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import PlacementError, check_models
@@ -41,6 +48,7 @@ def workload_of(config: ExperimentConfig) -> Workload:
     critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
     reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
     reference=model.for_role(Role.REFERENCE),
+    reference_from_base=reference_from_base(config),
     pricing=pricing,
     prompt_len=rollout.max_prompt_len,
     prompts=prompts,

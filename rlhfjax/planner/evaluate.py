@@ -32,7 +32,13 @@ from rlhfjax.costmodel.hardware import GIB, Hardware
 from rlhfjax.costmodel.replay import Replay, StageCost, replay
 from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement.hosts import nodes_of, tensor_spans_hosts
-from rlhfjax.placement.memory import device_totals, offload_options, sharding_of
+from rlhfjax.placement.memory import (
+  adapters_synced,
+  device_totals,
+  offload_options,
+  sharding_of,
+  without_weights,
+)
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import sync as weight_sync
 
@@ -138,6 +144,7 @@ def role_memory(
       seq_len=workload.seq_len,
       options=opts,
       receives_sync=not set(rs.devices) <= set(spec[Role.ACTOR].devices),
+      sync_adapters=adapters_synced(workload.actor, spec[Role.ACTOR], rs),
     )
   trained = role in (Role.ACTOR, Role.CRITIC)
   if workload.packed:
@@ -155,7 +162,10 @@ def role_memory(
   if stages > 1:
     config = pipeline.stage_config(config, stages)
   fn = memory.train_memory if trained else memory.forward_memory
-  return fn(config, HEADS[role], sharding, **kwargs)
+  estimate = fn(config, HEADS[role], sharding, **kwargs)
+  if role is Role.REFERENCE and workload.reference_from_base:
+    return without_weights(estimate)
+  return estimate
 
 
 def stages_of(rs: RoleSpec) -> int:
@@ -209,6 +219,8 @@ def evaluate(
     micro_batch = math.ceil(workload.train_rows / sharding_of(spec[Role.ACTOR]).batch_shards)
   roles = present_roles(workload)
   spec = spec.only(roles)
+  if workload.reference_from_base:  # it scores with the actor's base, on the actor's devices
+    spec = spec.beside(Role.REFERENCE, Role.ACTOR)
   per_node = devices_per_node or hw.devices_per_node
   budget = hw.memory_gib * GIB
   groups = {role: _group(spec[role], per_node) for role in roles}
@@ -501,5 +513,6 @@ def _sync_cost(spec, w, hw, eff):
       pair_bw=pair_bw,
       devices=len(sync_devices),
       buffers=weight_sync.buffers(w.actor, spec[Role.ACTOR], rollout) if hw.host_shared else 0,
+      adapters_only=adapters_synced(w.actor, spec[Role.ACTOR], rollout) is not None,
     ),
   )

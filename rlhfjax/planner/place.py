@@ -19,7 +19,7 @@ from rlhfjax import distributed
 from rlhfjax.cluster.cluster import HEADS
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.config.model import HeadKind, ModelConfig
-from rlhfjax.flows.registry import configure, roles_of, section_of
+from rlhfjax.flows.registry import configure, reference_from_base, roles_of, section_of
 from rlhfjax.placement import memory, single_role
 from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
 from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
@@ -51,6 +51,14 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     spec = build_placement(config.placement, available_devices)
   # The roles the flow does not use get no mesh and count for no memory.
   spec = spec.only(roles)
+  if reference_from_base(config):
+    if config.placement.strategy == "explicit" and spec[Role.REFERENCE] != spec[Role.ACTOR]:
+      raise PlacementError(
+        "placement.explicit.reference is not the actor's placement, but the reference runs "
+        "the actor's base weights on the actor's devices ('model.lora.reference'='base'): "
+        "give it the actor's devices and axes, or set 'model.lora.reference'='placed'"
+      )
+    spec = spec.beside(Role.REFERENCE, Role.ACTOR)
   check_spec(spec, num_devices, roles)
   if config.ppo.fuse_actor_critic:
     check_fusable(spec)

@@ -246,6 +246,7 @@ class Runner:
         self.cfg.model.for_role(exported.value),
         self.cfg.data.tokenizer,
         self.cfg.data.chat_template,
+        base=self.cluster.source_of(exported),
       ),
     }
     if self.prompts is not None:
