@@ -201,6 +201,32 @@ def test_grpo_with_adapters_learns_and_the_rollout_runs_the_merged_weights(tmp_p
   ours = np.asarray(transformer.forward_logits(model, actor, jnp.asarray(tokens, jnp.int32)))
   assert np.max(np.abs(ours - theirs)) <= 1e-4 and np.ptp(ours) > 1.0
   _check_peft_export(tmp_path, tokens, theirs, ours)
+  _check_a_later_run_starts_from_the_merged_model(runner, tmp_path, actor, model)
+
+
+def _check_a_later_run_starts_from_the_merged_model(runner, tmp_path, actor, model):
+  """A run that starts from this one's checkpoint (PPO from an SFT with adapters, say) starts
+  from the adapted model merged: without adapters as its weights, with them as their base."""
+  from rlhfjax.training import weights  # noqa: PLC0415
+
+  rt = runner.cluster.roles[Role.ACTOR]
+  merged = lora.merged(actor, model.lora)
+  for config in (model.replace(lora=None), model):
+    shardings = weights.param_shardings(config, "lm", rt.mesh, rt.spec.layout)
+    loaded = weights.load_params(
+      str(tmp_path / "checkpoints"),
+      model=config,
+      head="lm",
+      mesh=rt.mesh,
+      layout=rt.spec.layout,
+      shardings=shardings,
+      rng=jax.random.key(3),
+      items=("actor",),
+      what="init.actor",
+    )
+    assert lora.has_adapters(loaded) == (config.lora is not None)
+    for a, b in zip(jax.tree.leaves(lora.base(loaded)), jax.tree.leaves(merged), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _check_adapters_only_sync(runner, rows, actor, model):

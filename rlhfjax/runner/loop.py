@@ -45,6 +45,7 @@ from rlhfjax.planner.place import place, sized
 from rlhfjax.runner import evaluation as evaluation_lib
 from rlhfjax.runner import identity as identity_lib
 from rlhfjax.runner import machines
+from rlhfjax.training import weights
 
 _STAGES = ("generate", "score", "advantages", "update", "sync")
 _SHOWN = ("reward/mean", "kl/mean", "loss/policy", "train/loss")
@@ -240,6 +241,13 @@ class Runner:
       "seed": self.cfg.seed,
       "placement": self.placement.strategy,
       **self.flow.meta(),
+      **weights.adapters_meta(
+        {
+          role.value: lora
+          for role in self.cluster.trained
+          if (lora := self.cluster.roles[role].model.lora) is not None
+        }
+      ),
       **export.policy_meta(
         exported.value,
         HEADS[exported],

@@ -13,6 +13,7 @@ way (a policy from a value-head model) has no language-model head to take and is
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -132,11 +133,36 @@ def _from_checkpoint(source, model, head, mesh, layout, shardings, items, what) 
     )
   found_head = ITEM_HEADS[item]
   _check_heads(found_head, head, f"{what} {str(step_dir)!r} (item {item!r})")
+  # A run that trained LoRA adapters saved them beside its frozen base: the model it trained is
+  # the two merged, which is what a later run starts from (an SFT's adapted policy as PPO's).
+  adapters = saved_adapters(step_dir, item)
+  saved = model.replace(lora=adapters)
+  wanted = param_shardings(model, found_head, mesh, layout)
   abstract = abstract_with_shardings(
-    models.abstract_params(model, found_head), param_shardings(model, found_head, mesh, layout)
+    models.abstract_params(saved, found_head), param_shardings(saved, found_head, mesh, layout)
   )
   params = ckpt.restore_params(step_dir, abstract, item=item)
+  if adapters is not None:
+    params = jax.jit(lambda p: lora.merged(p, adapters), out_shardings=wanted)(params)
   return _with_head(params, found_head, head, shardings)
+
+
+ADAPTERS_META = "adapters"
+"""The meta key of a checkpoint's LoRA settings: {item: `LoraConfig` as a dict} of each saved
+trained role that has adapters (`adapters_meta`)."""
+
+
+def adapters_meta(adapted: dict[str, model_config.LoraConfig]) -> dict[str, Any]:
+  """The JSON a checkpoint saves about the adapters of its items (`saved_adapters`)."""
+  return {ADAPTERS_META: {item: dataclasses.asdict(cfg) for item, cfg in adapted.items()}}
+
+
+def saved_adapters(step_dir: Any, item: str) -> model_config.LoraConfig | None:
+  """The LoRA settings item `item` of a checkpoint was saved with, or None without adapters."""
+  found = ckpt.read_meta(step_dir).get(ADAPTERS_META, {}).get(item)
+  if found is None:
+    return None
+  return model_config.LoraConfig(**{**found, "targets": tuple(found["targets"])})
 
 
 def _check_heads(found: HeadKind, wanted: HeadKind, what: str) -> None:
