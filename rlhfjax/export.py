@@ -32,12 +32,14 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import distributed
+from rlhfjax import distributed, models
 from rlhfjax.config.hf import config_to_hf
 from rlhfjax.config.model import HeadKind, LoraConfig, ModelConfig, RopeScaling
 from rlhfjax.data import tokenizer as tokenizer_lib
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.models import hf, hf_read, lora
+from rlhfjax.placement.spec import Layout
+from rlhfjax.training import weights
 
 STAGES = ("ppo", "rm", "sft")
 """A pipeline workdir's stage directories, in the order `--stage` defaults through them."""
@@ -170,12 +172,16 @@ def assign_files(shards: list[hf.ShardFile], num_layers: int, processes: int) ->
   return Assignment(writer, by_process)
 
 
-def _abstract_params(item_dir: epath.Path, layers_by_process: bool) -> Any:
-  """The saved parameters' shapes and dtypes, on a (process, local device) mesh: the layers
-  split over the processes when `layers_by_process`, everything else replicated."""
+def _export_mesh() -> Mesh:
+  """Every device of the job as a (process, local device) mesh."""
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("process", "local"))
-  saved = ocp.StandardCheckpointHandler().metadata(item_dir).tree
+  return Mesh(np.array(devices).reshape(jax.process_count(), -1), ("process", "local"))
+
+
+def _on_export_mesh(shapes: Any, layers_by_process: bool) -> Any:
+  """`shapes` (anything with a shape and dtype) on `_export_mesh`: the layers split over the
+  processes when `layers_by_process`, everything else replicated."""
+  mesh = _export_mesh()
 
   def abstract(path, m):
     in_layers = jax.tree_util.keystr(path[:1]) == "['layers']"
@@ -183,7 +189,36 @@ def _abstract_params(item_dir: epath.Path, layers_by_process: bool) -> Any:
     return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=NamedSharding(mesh, spec))
 
   return jax.tree_util.tree_map_with_path(
-    abstract, saved, is_leaf=lambda m: isinstance(m, ocp.metadata.ArrayMetadata)
+    abstract,
+    shapes,
+    is_leaf=lambda m: isinstance(m, ocp.metadata.ArrayMetadata | jax.ShapeDtypeStruct),
+  )
+
+
+def _abstract_params(item_dir: epath.Path, layers_by_process: bool) -> Any:
+  """The saved parameters' shapes and dtypes on `_export_mesh` (see `_on_export_mesh`)."""
+  saved = ocp.StandardCheckpointHandler().metadata(item_dir).tree
+  return _on_export_mesh(saved, layers_by_process)
+
+
+def _restore_policy(
+  step_dir: epath.Path, policy: Mapping[str, Any], model: ModelConfig, layers_by_process: bool
+) -> Any:
+  """The policy's whole parameters on `_export_mesh`: as saved, or for a run with LoRA
+  adapters (whose checkpoints hold the adapters alone) the adapters over their base, loaded
+  again from the run's own source (`rlhfjax.training.weights.with_base`)."""
+  item = policy["item"]
+  adapters = weights.saved_adapters(step_dir, item)
+  if adapters is None:
+    item_dir = ckpt.item_directory(step_dir, item)
+    return ckpt.restore_params(step_dir, _abstract_params(item_dir, layers_by_process), item)
+  model = model.replace(lora=adapters.lora)
+  head = policy["head"]
+  abstract = _on_export_mesh(models.abstract_params(model, head), layers_by_process)
+  trained = ckpt.restore_params(step_dir, lora.split(abstract)[0], item)
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
+  return weights.with_base(
+    trained, adapters, model, head, _export_mesh(), Layout.TRAINING, shardings
   )
 
 
@@ -421,9 +456,7 @@ def export(
   itemsize = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
   shards = hf.plan_shards(model, head, itemsize, max_shard_bytes)
   assignment = assign_files(shards, model.num_layers, jax.process_count())
-  item_dir = ckpt.item_directory(step_dir, policy["item"])
-  abstract = _abstract_params(item_dir, assignment.layers_by_process)
-  params = ckpt.restore_params(step_dir, abstract, policy["item"])
+  params = _restore_policy(step_dir, policy, saved, assignment.layers_by_process)
   if saved.lora is not None:  # the adapted model (adapters merged into the weights), or its base
     params = lora.base(params) if part == "base" else lora.merged(params, saved.lora)
 
@@ -481,9 +514,8 @@ def _export_adapter(
       f"--adapter: {run} holds a value-head model, whose head trains whole beside its "
       "adapters: export it merged (without --adapter)"
     )
-  item_dir = ckpt.item_directory(step_dir, policy["item"])
-  params = ckpt.restore_params(step_dir, _abstract_params(item_dir, False), policy["item"])
-  found = lora.adapters(params)
+  abstract = _on_export_mesh(models.abstract_params(model, "lm"), False)
+  found = lora.adapters(ckpt.restore_params(step_dir, lora.split(abstract)[0], policy["item"]))
   if jax.process_index() == 0:
     tensors = {}
     layers = found.get("layers", {})

@@ -202,6 +202,23 @@ def test_grpo_with_adapters_learns_and_the_rollout_runs_the_merged_weights(tmp_p
   assert np.max(np.abs(ours - theirs)) <= 1e-4 and np.ptp(ours) > 1.0
   _check_peft_export(tmp_path, tokens, theirs, ours)
   _check_a_later_run_starts_from_the_merged_model(runner, tmp_path, actor, model)
+  _check_the_checkpoint_holds_the_adapters_alone(tmp_path / "checkpoints" / str(cfg.total_steps))
+
+
+def _check_the_checkpoint_holds_the_adapters_alone(step_dir):
+  """The actor's parameters in the checkpoint are its adapters, nothing of the base; its
+  optimizer state has moments of the adapters only."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  def saved(item):
+    tree = ocp.StandardCheckpointHandler().metadata(step_dir / item).tree
+    is_leaf = lambda m: isinstance(m, ocp.metadata.ArrayMetadata)  # noqa: E731
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree, is_leaf)]
+
+  params = saved("actor_params")
+  assert len(params) == 2 * (7 + 1) and all(("lora_a" in k) != ("lora_b" in k) for k in params)
+  moments = [k for k in saved("actor_opt_state") if "kernel" in k or "embedding" in k]
+  assert not moments, moments
 
 
 def _check_a_later_run_starts_from_the_merged_model(runner, tmp_path, actor, model):

@@ -38,6 +38,8 @@ _COMMON = {
 # Each run: its shipped config and what it changes beyond _COMMON.
 RUNS = {
   "grpo": ("grpo", {}),
+  # Checkpoints of the adapters and their moments alone: the resume reloads the base.
+  "grpo_lora": ("grpo_lora", {}),
   "rloo": ("rloo", {}),
   "reinforce_pp": ("reinforce_pp", {}),
   "dapo": ("dapo", {}),

@@ -28,8 +28,15 @@ import jax.numpy as jnp
 from rlhfjax import models
 from rlhfjax.cluster.role import RoleRuntime
 from rlhfjax.config import OptimizerConfig
-from rlhfjax.config.model import LoraConfig, ModelConfig, get_model_config, model_sizes
+from rlhfjax.config.model import (
+  LoraConfig,
+  ModelConfig,
+  get_model_config,
+  model_sizes,
+  param_count,
+)
 from rlhfjax.costmodel import workload
+from rlhfjax.costmodel.memory import adapter_bytes
 from rlhfjax.mesh import rules
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Role
@@ -57,6 +64,9 @@ class MemoryPoint:
   """The actor step's own peak per device: arguments + outputs - aliased + temporaries."""
   colocated_resident_gb: float
   """Other roles' arrays resident on each device during the update."""
+  sync_gb: float
+  """What one weight sync to a rollout on devices of its own moves: the bf16 weights, or with
+  `lora_rank` the float32 adapters alone (`rlhfjax.cluster.adapter_sync`)."""
   compile_s: float
 
   @property
@@ -149,14 +159,17 @@ def colocated_resident_bytes(
   model: ModelConfig, num_devices: int, offload: bool, context: int = 1
 ) -> int:
   """Per-device bytes of the critic, reference and reward (same size as the actor) that stay
-  on the actor's devices during its update; with `offload`, what the trainer parks is out."""
+  on the actor's devices during its update; with `offload`, what the trainer parks is out.
+  With LoRA (`model.lora`) the reference is the actor's base (`model.lora.reference='base'`):
+  it holds nothing of its own."""
   spec = _placement(num_devices, context)
   tx = make_optimizer(OptimizerConfig(), 1000)
   critic = RoleRuntime.create(Role.CRITIC, spec[Role.CRITIC], model, "value")
   critic_params, critic_opt = _train_state_parts(critic, tx)
   frozen = 0
   base = model.replace(lora=None)  # the frozen roles carry no adapters
-  for role, head in ((Role.REFERENCE, "lm"), (Role.REWARD, "value")):
+  frozen_roles = ((Role.REFERENCE, "lm"), (Role.REWARD, "value"))
+  for role, head in frozen_roles[1:] if model.lora is not None else frozen_roles:
     rt = RoleRuntime.create(role, spec[role], base, head)
     frozen += _per_device_bytes(models.abstract_params(base, head), rt.param_shardings)
   if offload:
@@ -223,10 +236,18 @@ def measure(
       colocated_resident_gb=round(
         colocated_resident_bytes(model, num_devices, offload, context) / GB, 3
       ),
+      sync_gb=round(sync_bytes(model) / GB, 4),
       compile_s=round(compile_s, 1),
     )
     for offload in (False, True)
   ]
+
+
+def sync_bytes(model: ModelConfig) -> int:
+  """Bytes a sync of `model`'s actor to a disaggregated bf16 rollout moves."""
+  if model.lora is not None:
+    return adapter_bytes(model)
+  return param_count(model) * 2
 
 
 def targets(points: list[MemoryPoint], size: str, budget_gb: float) -> dict[str, Any]:

@@ -199,12 +199,6 @@ class Cluster:
     """The rollout engine generates with `role`'s weights (synced by `sync`)."""
     self._rollout_from, self._pad_id = role, pad_id
 
-  def source_of(self, role: Role) -> str:
-    """Where `role`'s first weights came from (a checkpoint or Hugging Face directory; '' for
-    random weights or a role the flow does not use)."""
-    source = self._sources.get(role)
-    return source.source if source is not None else ""
-
   @property
   def trained(self) -> tuple[Role, ...]:
     return tuple(self.tx)
@@ -213,8 +207,22 @@ class Cluster:
     return role in self._sources or (role is Role.ROLLOUT and self._rollout_from is not None)
 
   def abstract_states(self) -> dict[str, Any]:
-    """Shapes and shardings of every trained role's state: what a checkpoint restores."""
-    return {role.value: self.roles[role].abstract_train_state(tx) for role, tx in self.tx.items()}
+    """Shapes and shardings of every trained role's state as a checkpoint holds it (see
+    `checkpoint_states`): what a checkpoint restores."""
+    return {
+      role.value: _trained_part(self.roles[role].abstract_train_state(tx))
+      for role, tx in self.tx.items()
+    }
+
+  def checkpoint_states(self) -> dict[str, TrainState]:
+    """Every trained role's state as a checkpoint holds it: the trained parameters (with LoRA
+    adapters, the adapters and a value head alone; the frozen base is reloaded from the role's
+    source by `materialize`), the optimizer state and the step."""
+    return {role.value: _trained_part(self.states[role]) for role in self.tx}
+
+  def weight_source(self, role: Role) -> WeightSource | None:
+    """Where `role`'s first weights come from (None: a role the flow does not use)."""
+    return self._sources.get(role)
 
   def abstract_rollout(self) -> Any:
     return self._abstract(Role.ROLLOUT)
@@ -243,7 +251,7 @@ class Cluster:
         continue  # reads its base role's weights (`weights`)
       if role in self.tx:
         if restored is not None:
-          self.states[role] = restored[role.value]
+          self.states[role] = self._with_frozen(role, restored[role.value])
         else:
           self.states[role], _ = self.roles[role].train_state(self._load(role), self.tx[role])
       else:
@@ -274,6 +282,14 @@ class Cluster:
           self._cast = self._rollout_cast()
         self._take_weights()
     self.park()
+
+  def _with_frozen(self, role: Role, state: TrainState) -> TrainState:
+    """A restored state (`checkpoint_states`) with its frozen base loaded from the role's
+    source again: the same weights the run started from, so the resume is exact."""
+    if self.roles[role].model.lora is None:
+      return state
+    frozen = lora.split(self._load(role))[1]
+    return state.replace(params=lora.join(state.params, frozen))
 
   @functools.cached_property
   def rollout_reads_source(self) -> bool:
@@ -647,3 +663,8 @@ class Cluster:
       moved = self.engine.update_params(self._rollout_weights())
     jax.block_until_ready(self.engine.params)
     return moved
+
+
+def _trained_part(state: TrainState) -> TrainState:
+  """`state` with its frozen parameters (a LoRA base) as None: what a checkpoint saves."""
+  return state.replace(params=lora.split(state.params)[0])

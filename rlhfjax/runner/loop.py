@@ -243,7 +243,7 @@ class Runner:
       **self.flow.meta(),
       **weights.adapters_meta(
         {
-          role.value: lora
+          role.value: weights.SavedAdapters.of(lora, self.cluster.weight_source(role))
           for role in self.cluster.trained
           if (lora := self.cluster.roles[role].model.lora) is not None
         }
@@ -254,7 +254,7 @@ class Runner:
         self.cfg.model.for_role(exported.value),
         self.cfg.data.tokenizer,
         self.cfg.data.chat_template,
-        base=self.cluster.source_of(exported),
+        base=getattr(self.cluster.weight_source(exported), "source", ""),
       ),
     }
     if self.prompts is not None:
@@ -269,7 +269,7 @@ class Runner:
     if distributed.is_primary() and self.timeline.records:
       self.timeline.write_json(os.path.join(self.workdir, "timeline.json"), before=step)
     with self.cluster.resident():  # `save` returns once the arrays are copied
-      items = {role.value: self.cluster.states[role] for role in self.cluster.trained}
+      items = self.cluster.checkpoint_states()
       items.update(self.flow.checkpoint_items())
       return self.checkpointer.save(step, items, self._checkpoint_meta(step), force=force)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlhfjax import checkpoint as ckpt
 from rlhfjax import models
@@ -133,36 +134,94 @@ def _from_checkpoint(source, model, head, mesh, layout, shardings, items, what) 
     )
   found_head = ITEM_HEADS[item]
   _check_heads(found_head, head, f"{what} {str(step_dir)!r} (item {item!r})")
-  # A run that trained LoRA adapters saved them beside its frozen base: the model it trained is
-  # the two merged, which is what a later run starts from (an SFT's adapted policy as PPO's).
+  # A run that trained LoRA adapters saved them alone, its base being its own source: the model
+  # it trained is the two merged, which is what a later run starts from (an SFT's adapted
+  # policy as PPO's).
   adapters = saved_adapters(step_dir, item)
-  saved = model.replace(lora=adapters)
+  saved = model.replace(lora=adapters and adapters.lora)
+  saved_shardings = param_shardings(saved, found_head, mesh, layout)
+  abstract = abstract_with_shardings(models.abstract_params(saved, found_head), saved_shardings)
+  if adapters is None:
+    params = ckpt.restore_params(step_dir, abstract, item=item)
+    return _with_head(params, found_head, head, shardings)
+  trained = ckpt.restore_params(step_dir, lora.split(abstract)[0], item=item)
+  params = with_base(trained, adapters, saved, found_head, mesh, layout, saved_shardings)
   wanted = param_shardings(model, found_head, mesh, layout)
-  abstract = abstract_with_shardings(
-    models.abstract_params(saved, found_head), param_shardings(saved, found_head, mesh, layout)
-  )
-  params = ckpt.restore_params(step_dir, abstract, item=item)
-  if adapters is not None:
-    params = jax.jit(lambda p: lora.merged(p, adapters), out_shardings=wanted)(params)
+  params = jax.jit(lambda p: lora.merged(p, adapters.lora), out_shardings=wanted)(params)
   return _with_head(params, found_head, head, shardings)
 
 
 ADAPTERS_META = "adapters"
-"""The meta key of a checkpoint's LoRA settings: {item: `LoraConfig` as a dict} of each saved
-trained role that has adapters (`adapters_meta`)."""
+"""The meta key of a checkpoint's adapters: {item: `SavedAdapters.to_json`} of each saved
+trained role that has LoRA adapters (`adapters_meta`)."""
 
 
-def adapters_meta(adapted: dict[str, model_config.LoraConfig]) -> dict[str, Any]:
-  """The JSON a checkpoint saves about the adapters of its items (`saved_adapters`)."""
-  return {ADAPTERS_META: {item: dataclasses.asdict(cfg) for item, cfg in adapted.items()}}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SavedAdapters:
+  """What a checkpoint of a role with LoRA adapters says about them: it holds the adapters (and
+  a value head) alone, and their frozen base is `load_params(base, rng=rng)` of the model
+  without adapters, the weights the run started from."""
+
+  lora: model_config.LoraConfig
+  base: str
+  """The base's source ('': random from `rng`)."""
+  rng: jax.Array
+
+  @classmethod
+  def of(cls, lora_config: model_config.LoraConfig, source: Any) -> SavedAdapters:
+    """From a role's `LoraConfig` and its `rlhfjax.cluster.WeightSource`."""
+    return cls(lora=lora_config, base=source.source, rng=source.rng)
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "lora": dataclasses.asdict(self.lora),
+      "base": self.base,
+      "rng": [int(x) for x in np.asarray(jax.random.key_data(self.rng)).ravel()],
+    }
+
+  @classmethod
+  def from_json(cls, found: dict[str, Any]) -> SavedAdapters:
+    lora_fields = found["lora"]
+    return cls(
+      lora=model_config.LoraConfig(**{**lora_fields, "targets": tuple(lora_fields["targets"])}),
+      base=found["base"],
+      rng=jax.random.wrap_key_data(np.asarray(found["rng"], np.uint32)),
+    )
 
 
-def saved_adapters(step_dir: Any, item: str) -> model_config.LoraConfig | None:
-  """The LoRA settings item `item` of a checkpoint was saved with, or None without adapters."""
+def adapters_meta(adapted: dict[str, SavedAdapters]) -> dict[str, Any]:
+  """The JSON a checkpoint saves about the adapters of its items (`saved_adapters`); nothing
+  when none has adapters."""
+  if not adapted:
+    return {}
+  return {ADAPTERS_META: {item: saved.to_json() for item, saved in adapted.items()}}
+
+
+def saved_adapters(step_dir: Any, item: str) -> SavedAdapters | None:
+  """What item `item` of a checkpoint says about its adapters, or None without adapters."""
   found = ckpt.read_meta(step_dir).get(ADAPTERS_META, {}).get(item)
-  if found is None:
-    return None
-  return model_config.LoraConfig(**{**found, "targets": tuple(found["targets"])})
+  return None if found is None else SavedAdapters.from_json(found)
+
+
+def with_base(
+  trained: Any, saved: SavedAdapters, model: ModelConfig, head: HeadKind, mesh, layout, shardings
+) -> Any:
+  """The whole parameters of a checkpoint item that holds only its trained part (`trained`:
+  adapters and a value head, the base as None): the base loaded from its source again, in
+  `shardings` (the whole tree's, adapters included)."""
+  frozen = load_params(
+    saved.base,
+    model=model.replace(lora=None),
+    head=head,
+    mesh=mesh,
+    layout=layout,
+    shardings=lora.base(shardings),
+    rng=saved.rng,
+    items=("policy", "actor") if head == "lm" else ("reward", "critic", "policy", "actor"),
+    what=f"the base of the adapters ({saved.base or 'random'})",
+  )
+  frozen = jax.device_put(frozen, lora.base(shardings))
+  return lora.join(trained, lora.split(lora.attach(frozen, lora.adapters(trained)))[1])
 
 
 def _check_heads(found: HeadKind, wanted: HeadKind, what: str) -> None:
