@@ -370,6 +370,9 @@ class Exported:
   dtype: str
   files: list[str]
   """The shard files this process wrote."""
+  base: str = ""
+  """For LoRA adapters: where the run's base weights came from ('' for its random
+  initialisation, which `part='base'` writes)."""
 
   def describe(self) -> str:
     stage = f" (stage {self.stage})" if self.stage else ""
@@ -556,7 +559,8 @@ def _export_adapter(
     )
   distributed.wait_for(range(jax.process_count()), "export: done")
   files = [_ADAPTER_FILE] if jax.process_index() == 0 else []
-  return _exported(run, workdir, step_dir, policy, dtype, files)
+  exported = _exported(run, workdir, step_dir, policy, dtype, files)
+  return dataclasses.replace(exported, base=policy.get("base", ""))
 
 
 def _has(tree: Mapping, path: tuple[str, ...]) -> bool:

@@ -79,6 +79,11 @@ def main(argv: list[str]) -> None:
     f"exported {what}{exported.describe()}: wrote {', '.join(exported.files) or 'no shard'} to "
     f"{_OUT.value}"
   )
+  if part == "adapter":
+    base = exported.base or "the run's random initialisation (write it with --base)"
+    print(
+      f"their base: {base}; peft.PeftModel.from_pretrained(base_model, {_OUT.value!r}) loads them"
+    )
 
 
 if __name__ == "__main__":

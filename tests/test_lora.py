@@ -429,3 +429,73 @@ def test_the_planner_scores_a_reference_on_the_actors_base_on_the_actors_devices
   assert sync(adapted) < sync(whole)
   rollout = adapted.memory[Role.ROLLOUT]
   assert rollout.params == 2 * whole.memory[Role.ROLLOUT].params + rollout.transfer
+
+
+def test_the_readme_memory_figures_of_a_qwen_checkpoint_with_and_without_adapters():
+  """The README's figures for its Qwen2.5-1.5B command (`show_placement.py`'s estimates), with
+  `model.lora.rank=16` and without: the peak, the actor's and the reference's."""
+  from rlhfjax.flows import registry
+  from rlhfjax.placement import estimate_placement_memory
+  from rlhfjax.placement.memory import device_totals
+  from rlhfjax.planner import auto, place
+
+  readme = (_CONFIGS.parent / "README.md").read_text()
+  readme = " ".join(readme.split())
+  command = {
+    "model.size": "",
+    "model.hf": str(_CONFIGS / "hf" / "qwen2.5-1.5b-instruct"),
+    "placement.num_devices": 1,
+    "placement.memory_per_device_gb": 80.0,
+    "placement.rollout_tensor": 1,
+    "rollout.batch_size": 32,
+    "rollout.max_prompt_len": 512,
+    "rollout.max_new_tokens": 512,
+    "ppo.micro_batches": 8,
+  }
+  gib = {}
+  for rank in (16, 0):
+    config = registry.configure(shipped_config("grpo_tiny", {**command, "model.lora.rank": rank}))
+    spec = place.plan_placement(config, available_devices=8)
+    config, _ = place.sized(config, spec)
+    train_rows, score_rows = auto.memory_rows(config)
+    estimates = estimate_placement_memory(
+      spec, config.model, config.rollout, train_rows=train_rows, score_rows=score_rows
+    )
+    peak = max(device_totals(spec, estimates).values())
+    gib[rank] = {"peak": peak / 2**30, **{r.value: e.total / 2**30 for r, e in estimates.items()}}
+  lora, full = gib[16], gib[0]
+  assert (
+    f"peaks at {lora['peak']:.2f} GiB instead of {full['peak']:.2f}: the actor "
+    f"{lora['actor']:.2f} GiB instead of {full['actor']:.2f}, the reference its scoring's "
+    f"{lora['reference']:.2f} and no weights" in readme
+  ), (lora, full)
+  assert (
+    f"prints a peak of {full['peak']:.2f} GiB of the 80: the actor {full['actor']:.2f} GiB"
+    in readme
+  )
+
+
+def test_a_role_may_train_adapters_of_its_own_rank_or_its_full_weights():
+  """`model.roles.<role>.lora_rank` over `model.lora.rank`: PPO's critic with rank 4 beside the
+  actor's 8, or with its full weights; the placement line names each rank; a frozen role's
+  rank is one line."""
+  from rlhfjax.flows import registry
+  from rlhfjax.placement import format_adapters, strategies
+
+  def ppo(**changes):
+    changes = {k.replace("__", "."): v for k, v in changes.items()}
+    return registry.configure(shipped_config("ppo_tiny", {"model.lora.rank": 8, **changes}))
+
+  cfg = ppo(model__roles={"critic": {"lora_rank": 4}})
+  assert cfg.model.for_role("actor").lora.rank == 8 and cfg.model.for_role("critic").lora.rank == 4
+  assert cfg.model.for_role("reference").lora is None and cfg.model.reference_from_base
+  spec = strategies.build_placement(cfg.placement, 8).only(registry.roles_of(cfg))
+  line = format_adapters(cfg, spec)
+  assert "of actor (rank 8), critic (rank 4):" in line, line
+  full_critic = ppo(model__roles={"critic": {"lora_rank": 0}})
+  assert full_critic.model.for_role("critic").lora is None
+  assert full_critic.model.adapted_roles == ("actor",)
+  with pytest.raises(ConfigError, match=r"'model.roles.reference.lora_rank'=4: ppo does not train"):
+    ppo(model__roles={"reference": {"lora_rank": 4}})
+  with pytest.raises(ConfigError, match=r"'lora_rank' must be >= 0"):
+    ppo(model__roles={"critic": {"lora_rank": -1}})

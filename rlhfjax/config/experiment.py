@@ -56,6 +56,9 @@ class RoleModelSection:
   """The critic's or the reward model's own Hugging Face checkpoint directory (a causal LM or a
   one-label *ForSequenceClassification): its config.json gives the role's architecture, and
   its weights start the role unless `init.critic` / `init.reward` say otherwise."""
+  lora_rank: int | None = None
+  """A trained role's own LoRA rank over `model.lora.rank` (0: this role trains its full
+  weights; None: `model.lora.rank`), with `model.lora`'s alpha and targets."""
 
   def __post_init__(self):
     known_names = {
@@ -69,12 +72,15 @@ class RoleModelSection:
         _check_choice(name, getattr(self, name), known)
     if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
       raise ConfigError(f"'logprob_chunk_size' must be >= 1, got {self.logprob_chunk_size}")
+    if self.lora_rank is not None and self.lora_rank < 0:
+      raise ConfigError(f"'lora_rank' must be >= 0 (0: no adapters), got {self.lora_rank}")
 
   def overrides(self) -> dict[str, Any]:
+    """The `ModelConfig` fields this section sets."""
     return {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if getattr(self, f.name) is not None and f.name != "hf"
+      if getattr(self, f.name) is not None and f.name not in ("hf", "lora_rank")
     }
 
 
@@ -117,10 +123,12 @@ class LoraSection:
         f"choose from {', '.join(known)}"
       )
 
-  def for_model(self) -> model_config.LoraConfig | None:
-    if self.rank == 0:
+  def for_model(self, rank: int | None = None) -> model_config.LoraConfig | None:
+    """The adapters of rank `rank` (None: `rank`'s) with these alpha and targets; None at 0."""
+    rank = self.rank if rank is None else rank
+    if rank == 0:
       return None
-    return model_config.LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
+    return model_config.LoraConfig(rank=rank, alpha=self.alpha, targets=self.targets)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,11 +221,23 @@ class ModelSection:
     the actor's devices, instead of a placed copy (`LoraSection.reference`): the actor trains
     adapters and the reference is given nothing of its own."""
     return (
-      bool(self.lora.rank)
+      bool(self.lora_rank("actor"))
       and self.lora.reference == "base"
-      and "actor" in self.trained_roles
       and "reference" not in self.roles
     )
+
+  def lora_rank(self, role: str) -> int:
+    """The LoRA rank `role` trains adapters of (0: none, or a role that is not trained): its
+    own `lora_rank` in `roles`, else `lora.rank`."""
+    if role not in self.trained_roles:
+      return 0
+    own = self.roles.get(role, RoleModelSection()).lora_rank
+    return self.lora.rank if own is None else own
+
+  @property
+  def adapted_roles(self) -> tuple[str, ...]:
+    """The trained roles that train LoRA adapters."""
+    return tuple(role for role in self.trained_roles if self.lora_rank(role))
 
   def size_for(self, role: str) -> str | None:
     """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs; None
@@ -252,8 +272,8 @@ class ModelSection:
     }
     role_section = self.roles.get(role, RoleModelSection())
     changes = {**overrides, **self.overrides, **role_section.overrides()}
-    if role in self.trained_roles and self.lora.rank:
-      changes["lora"] = self.lora.for_model()
+    if rank := self.lora_rank(role):
+      changes["lora"] = self.lora.for_model(rank)
     try:
       if self.hf_for(role):
         return self._from_hf(role, changes)
@@ -291,7 +311,7 @@ class ModelSection:
     trained = role in self.trained_roles
     # With adapters the base is frozen: it keeps the checkpoint's dtype (the adapters are
     # float32 whatever it is).
-    adapted = trained and self.lora.rank > 0
+    adapted = self.lora_rank(role) > 0
     if trained and self.fp32_masters and found.param_dtype != "float32" and not adapted:
       out["param_dtype"] = "float32"  # the compute dtype stays the checkpoint's
     if model_config.param_count(found) >= _LARGE_PARAMS:
@@ -1248,9 +1268,9 @@ class ExperimentConfig:
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _check_pure_bf16(self)
-    if self.model.lora.rank and self.placement.pipeline_stages > 1:
+    if self.model.adapted_roles and self.placement.pipeline_stages > 1:
       raise ConfigError(
-        f"'model.lora.rank'={self.model.lora.rank} with 'placement.pipeline_stages'="
+        f"LoRA adapters on {', '.join(self.model.adapted_roles)} with 'placement.pipeline_stages'="
         f"{self.placement.pipeline_stages}: adapters do not train in pipeline stages yet; set "
         "one of them to its default"
       )
@@ -1285,11 +1305,13 @@ update smaller than this leaves such a weight unchanged."""
 def _check_pure_bf16(cfg: ExperimentConfig) -> None:
   """`model.fp32_masters=False` with a trained role in bf16 and a learning rate whose Adam
   steps (about the learning rate) bf16 cannot add to a weight of 0.02."""
-  if cfg.model.fp32_masters or cfg.model.lora.rank:  # adapters are float32 whatever the base
+  if cfg.model.fp32_masters:
     return
   optimizers = {"actor": "actor_optimizer", "reward": "reward_optimizer"}
   for role, section in optimizers.items():
-    if role not in cfg.model.trained_roles or cfg.model.for_role(role).param_dtype != "bfloat16":
+    if role not in cfg.model.trained_roles or cfg.model.lora_rank(role):
+      continue  # not trained, or adapters (float32 whatever the base)
+    if cfg.model.for_role(role).param_dtype != "bfloat16":
       continue
     lr = getattr(cfg, section).learning_rate
     if lr < _BF16_HALF_SPACING:

@@ -174,6 +174,12 @@ def configure(config: Any) -> Any:
     )
   if spec.check is not None:
     spec.check(config)
+  for role, section in config.model.roles.items():
+    if section.lora_rank and role not in trained:
+      raise ConfigError(
+        f"'model.roles.{role}.lora_rank'={section.lora_rank}: {spec.name} does not train the "
+        f"{role} (it trains {', '.join(trained)}); adapters are for trained roles"
+      )
   if config.model.trained_roles == trained:
     return config
   model = dataclasses.replace(config.model, trained_roles=trained)

@@ -203,15 +203,20 @@ def format_adapters(
   """The LoRA line: which placed roles train adapters over frozen weights (`model.lora`), and
   whether the reference runs the actor's base (`reference_from_base`), or None without
   adapters."""
-  adapted = [
-    role.value for role in spec.roles if config.model.for_role(role.value).lora is not None
-  ]
+  ranks = {role.value: config.model.lora_rank(role.value) for role in spec.roles}
+  adapted = {role: rank for role, rank in ranks.items() if rank}
   if not adapted:
     return None
   lora = config.model.lora
+  targets = ", ".join(lora.targets)
+  if len(set(adapted.values())) == 1:
+    (rank,) = set(adapted.values())
+    which = f"rank {rank}, alpha {lora.alpha:g} on {targets} of {', '.join(adapted)}"
+  else:
+    each = ", ".join(f"{role} (rank {rank})" for role, rank in adapted.items())
+    which = f"alpha {lora.alpha:g} on {targets} of {each}"
   line = (
-    f"adapters: LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)} of "
-    f"{', '.join(adapted)}: their weights frozen (no gradients or optimizer moments), the "
+    f"adapters: LoRA {which}: their weights frozen (no gradients or optimizer moments), the "
     "adapters float32; the rollout runs the adapted weights merged"
   )
   if Role.ACTOR in spec.roles and Role.ROLLOUT in spec.roles:
