@@ -56,14 +56,10 @@ class AdapterSync:
     self._dst = dst
     self.base: Any = None
     """The rollout's copy of the frozen base, in its dtypes and layout (after `start`)."""
-    self.base_bytes = 0
-    """Bytes the base copy moved once, at `start`."""
 
   def start(self, params: Any) -> None:
     """Copies the frozen base of the source's `params` to the rollout (once)."""
-    cast = self._cast_base(_on_device(params))
-    self.base, self.base_bytes = transfer.transfer(cast, self._dst.param_shardings)
-    del cast
+    self.base, _ = transfer.transfer(self._cast_base(_on_device(params)), self._dst.param_shardings)
 
   def merged(self, params: Any) -> tuple[Any, int]:
     """The rollout's adapted weights from the source's current `params`: its adapters moved to

@@ -36,6 +36,7 @@ from rlhfjax.config import ConfigError, ExperimentConfig, RolloutSection
 from rlhfjax.mesh import offload, rules, sharing, transfer
 from rlhfjax.models import lora
 from rlhfjax.observe.timeline import Timeline
+from rlhfjax.placement.memory import adapters_synced
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import reverse_stages
 from rlhfjax.placement.validate import check_layers
@@ -229,7 +230,7 @@ class Cluster:
 
   def _load(self, role: Role) -> Any:
     rt, src = self.roles[role], self._sources[role]
-    items = ("policy", "actor") if rt.head == "lm" else ("reward", "critic", "policy", "actor")
+    items = weights.items_for(rt.head)
     return weights.load_params(
       src.source,
       model=rt.model,
@@ -310,7 +311,7 @@ class Cluster:
     if self._rollout_from is None or self.rollout_reads_source:
       return False
     src, dst = self.roles[self._rollout_from], self.roles[Role.ROLLOUT]
-    return src.model.lora is not None and not set(src.devices) & set(dst.devices)
+    return adapters_synced(src.model, src.spec, dst.spec) is not None
 
   def _abstract(self, role: Role) -> Any:
     rt = self.roles[role]

@@ -43,6 +43,12 @@ class WeightsError(ValueError):
   """Weights cannot start a role: wrong model, wrong head or no such item."""
 
 
+def items_for(head: HeadKind) -> tuple[str, ...]:
+  """The items of an rlhfjax checkpoint a model with `head` starts from, in order of
+  preference: a policy's for a language model; a value model's own first for a value head."""
+  return ("policy", "actor") if head == "lm" else ("reward", "critic", "policy", "actor")
+
+
 def is_hf_checkpoint(source: str) -> bool:
   return os.path.isfile(os.path.join(source, "config.json"))
 
@@ -217,7 +223,7 @@ def with_base(
     layout=layout,
     shardings=lora.base(shardings),
     rng=saved.rng,
-    items=("policy", "actor") if head == "lm" else ("reward", "critic", "policy", "actor"),
+    items=items_for(head),
     what=f"the base of the adapters ({saved.base or 'random'})",
   )
   frozen = jax.device_put(frozen, lora.base(shardings))
