@@ -6,14 +6,14 @@ import sys
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 # XLA's CPU code generation in the two-worker suite (pytest-xdist workers, where nothing is
-# timed: the `solo` tests run in a serial session): LLVM at -O0 and the loop emitters instead of
-# the fusion emitters. The tiny configs' programs then compile about 5x faster and run about 2x
-# slower (PPO's programs, no cache: 6.4 s of compiles against 33.6 s; SFT steps 0.18 s against
-# 0.095 s), and most of the suite's time is compiling. Only the CPU backend's code changes (its
-# fusions and machine code): what the tests check of the programs (the maths, shardings and
-# collectives) is the same, and no accelerator runs this code. Speed is measured by the
-# `scripts/bench_*.py` scripts and the `solo` tests, outside the workers; a check of the CPU
-# backend's fusions pins the defaults (test_decode_cache).
+# timed): LLVM at -O0 and the loop emitters instead of the fusion emitters. The tiny configs'
+# programs then compile about 5x faster and run about 2x slower (PPO's programs, no cache:
+# 6.4 s of compiles against 33.6 s; SFT steps 0.18 s against 0.095 s), and most of the suite's
+# time is compiling. Only the CPU backend's code changes (its fusions and machine code): what
+# the tests check of the programs (the maths, shardings and collectives) is the same, and no
+# accelerator runs this code. Speed is measured by the `scripts/bench_*.py` scripts outside the
+# suite (CI runs the planner's timed check, `scripts/bench_ppo.py --check=6`, after it); a check
+# of the CPU backend's fusions pins the defaults (test_decode_cache).
 # One LLVM module per program instead of several compiled in parallel: on 2 cores shared by two
 # workers the split only adds work (a 1-step PPO run: 23.5-25.8 CPU-s against 27.1-29.9 s).
 _FAST_CODEGEN = (
@@ -70,13 +70,6 @@ def pytest_collection_finish(session):
   launch.collect_garbage_less()
 
 
-_SOLO_COMMAND = "python -m pytest -q -m solo"
-
-
-def _xdist_worker(config) -> bool:
-  return hasattr(config, "workerinput")
-
-
 def _tier(item) -> str | None:
   """The tier a test's module declares (its module-level `pytestmark`), or None."""
   marks = getattr(item.module, "pytestmark", [])
@@ -100,13 +93,6 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if _tier(item) == "multiprocess":
       item.add_marker(pytest.mark.e2e)
-  # Tests marked `solo` time the machine and need its cores to themselves: a pytest-xdist
-  # worker (another worker runs beside it) leaves them out; they run in a serial invocation.
-  if _xdist_worker(config):
-    solo = [item for item in items if item.get_closest_marker("solo")]
-    if solo:
-      config.hook.pytest_deselected(items=solo)
-      items[:] = [item for item in items if not item.get_closest_marker("solo")]
 
 
 _popen_init = subprocess.Popen.__init__
@@ -191,13 +177,6 @@ if _PROFILE_DIR:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(_PROFILE_DIR, f"{worker}.jsonl"), "a") as f:
       f.write(json.dumps(row) + "\n")
-
-
-def pytest_terminal_summary(terminalreporter, config):
-  if getattr(config.option, "numprocesses", None) and not _xdist_worker(config):
-    terminalreporter.write_line(
-      f"tests marked solo are not run under pytest-xdist; run them serially: {_SOLO_COMMAND}"
-    )
 
 
 @pytest.fixture(scope="session", autouse=True)

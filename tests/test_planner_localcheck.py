@@ -1,6 +1,7 @@
 """The planner against this machine: the host-shared cost terms, the sync's buffers, the fit,
-the local check's assertions, and the check itself (`scripts/bench_ppo.py --check=6`), marked
-`solo`: it times the machine, so it runs alone, not beside another pytest-xdist worker."""
+the calibration and the local check's assertions. The check itself times the machine, so it is
+a benchmark, not a test: `scripts/bench_ppo.py --check=6`, which exits 1 when a stage or the
+order is not met and which CI (`.ci/run`) runs alone after the suite."""
 
 import dataclasses
 
@@ -217,22 +218,6 @@ def test_host_shared_sync_charges_transfer_s_per_buffer_accelerators_per_device(
   # Both syncs touch 8 devices; the disaggregated one (fsdp 4 -> 2 replicas x tensor 2) makes
   # fewer buffers than the co-located one (fsdp 8 -> 4 replicas x tensor 2).
   assert counts["disaggregated"] < 0.75 * counts["colocated"]
-
-
-@pytest.mark.slow
-@pytest.mark.solo
-def test_local_check_predicts_every_stage_within_30_percent_and_the_measured_order():
-  # `python scripts/bench_ppo.py --check=6`: calibrate, fit on the co-located placement,
-  # predict the others. Timing: run alone (`solo`), not beside another test worker, where 6
-  # rounds hold (docs/placement.md); beside other jobs the check takes 8.
-  result = localcheck.check(rounds=6, progress=print)
-  found = localcheck.agreements(result)
-  for kind, rows in found.items():
-    for what, ok in rows:
-      print(f"{kind}: {'ok' if ok else 'NOT MET'}: {what}")
-  assert len(found["stages"]) == 3 * len(localcheck.COMPARED)
-  failed = [what for rows in found.values() for what, ok in rows if not ok]
-  assert not failed, (failed, {k: v for k, v in result.to_json().items() if k != "samples"})
 
 
 def test_resync_samples_take_every_cluster_in_turn_in_alternating_order():
