@@ -18,7 +18,7 @@ from rlhfjax.config.model import ModelConfig, get_model_config
 
 class _OnFirstUse:
   """A module imported when one of its attributes is first read: `torch` and `transformers`
-  take about 2 s to import, which every pytest process (the workers and `pytest -m solo`) would
+  take about 2 s to import, which every pytest process (each worker, or a serial run) would
   pay while collecting, whether or not it runs a test that uses them."""
 
   def __init__(self, name: str):
@@ -81,6 +81,85 @@ LLAMA3_SPECIALS = (
   "<|end_header_id|>",
   "<|eot_id|>",
 )
+
+# A Qwen3-style template (written for these tests after the format of Qwen3's): the tools'
+# schemas in the system turn, an assistant's tool calls as <tool_call> JSON, consecutive tool
+# results as <tool_response> blocks of one user turn, and `enable_thinking=False` answered with
+# an empty <think> block.
+QWEN3_STYLE_TEMPLATE = (
+  "{%- if tools %}"
+  "{{- '<|im_start|>system\n' }}"
+  "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+  "{{- '# Tools\n\n<tools>' }}"
+  "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+  '{{- \'\n</tools>\n\nCall a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>.'
+  "<|im_end|>\n' }}"
+  "{%- elif messages[0].role == 'system' %}"
+  "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+  "{%- endif %}"
+  "{%- for message in messages %}"
+  "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+  "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+  "{%- elif message.role == 'assistant' %}"
+  "{{- '<|im_start|>assistant\n' + (message.content or '') }}"
+  "{%- for call in message.tool_calls or [] %}"
+  "{%- set call = call.function if call.function is defined else call %}"
+  '{{- \'\n<tool_call>\n{"name": "\' + call.name + \'", "arguments": \''
+  " + (call.arguments | tojson) + '}\n</tool_call>' }}"
+  "{%- endfor %}"
+  "{{- '<|im_end|>\n' }}"
+  "{%- elif message.role == 'tool' %}"
+  "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}"
+  "{%- endif %}"
+  "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+  "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+  "{%- endif %}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+  "{%- if enable_thinking is defined and enable_thinking is false %}"
+  "{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+  "{%- endif %}"
+)
+QWEN3_STYLE_SPECIALS = (
+  *QWEN25_SPECIALS,
+  "<think>",
+  "</think>",
+  "<tool_call>",
+  "</tool_call>",
+  "<tool_response>",
+  "</tool_response>",
+)
+
+# A Llama-3.1-style template (after the format of Llama 3.1's): a system turn first, the tools'
+# schemas in it, an assistant's tool call as JSON ending in <|eom_id|>, a tool's result as an
+# 'ipython' turn.
+LLAMA31_STYLE_TEMPLATE = (
+  "{{- bos_token }}"
+  "{%- if messages[0].role == 'system' %}"
+  "{%- set system = messages[0].content | trim %}{%- set rest = messages[1:] %}"
+  "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
+  "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+  "{%- if tools %}{{- 'Environment: ipython\n' }}{%- endif %}"
+  "{{- 'Cutting Knowledge Date: December 2023\n\n' + system }}"
+  "{%- if tools %}{{- '\n\nFunctions you may call:' }}"
+  "{%- for t in tools %}{{- '\n' + (t | tojson(indent=4)) }}{%- endfor %}{%- endif %}"
+  "{{- '<|eot_id|>' }}"
+  "{%- for message in rest %}"
+  "{%- if message.role == 'assistant' and message.tool_calls %}"
+  "{%- set call = message.tool_calls[0].function %}"
+  '{{- \'<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "\' + call.name'
+  " + '\", \"parameters\": ' + (call.arguments | tojson) + '}<|eom_id|>' }}"
+  "{%- elif message.role == 'tool' %}"
+  "{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}"
+  "{%- else %}"
+  "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim"
+  " + '<|eot_id|>' }}"
+  "{%- endif %}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+  "{%- endif %}"
+)
+LLAMA31_STYLE_SPECIALS = (*LLAMA3_SPECIALS, "<|eom_id|>")
 
 _CORPUS = [
   "You are a helpful assistant. Answer the question in one word.",

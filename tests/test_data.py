@@ -155,10 +155,14 @@ def test_jsonl_round_trip_without_tensorflow(kind, tmp_path, data_dir):
   assert prepared.bad_records == {} and prepared.num_examples() == 7
   source = prepared.source("train")
   got = [source[i] for i in range(len(source))]
-  fields = lambda x: {k: v.decode() for k, v in x.items() if k not in ("extra", "line")}
+  skipped = ("extra", "line", "messages")
+  fields = lambda x: {k: v.decode() for k, v in x.items() if k not in skipped}
   assert [fields(x) for x in got] == records  # text comes back as bytes, in file order
-  # Beside them, each record's other fields (none here) and its line in the file.
-  assert [(x["extra"], int(x["line"])) for x in got] == [(b"{}", i + 1) for i in range(7)]
+  # Beside them, each record's other fields (none here), its line in the file and its
+  # conversation (none: a plain prompt).
+  assert [(x["extra"], int(x["line"]), x["messages"]) for x in got] == [
+    (b"{}", i + 1, b"") for i in range(7)
+  ]
   assert len(prepared.source("train[:70%]")) + len(prepared.source("train[70%:]")) == 7
   assert "tensorflow" not in sys.modules
 

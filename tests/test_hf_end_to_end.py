@@ -89,14 +89,34 @@ def _train(*flags: str, config: str = "configs/grpo_tiny.py") -> subprocess.Comp
 
 @pytest.mark.slow
 def test_train_script_runs_grpo_on_a_qwen2_checkpoint(tmp_path):
+  """... on prompts that are conversations (multi-turn, some with a system message of their
+  own) and plain prompts, with the config's system prompt put first where none is given."""
   path = _qwen2_dir(tmp_path / "qwen2")
+  prompts = tmp_path / "prompts.jsonl"
+  turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+  records = [
+    {"messages": [*turns, {"role": "user", "content": f"Say a word with {k} vowels."}]}
+    if k % 2
+    else {"prompt": f"Name {k} vowels."}
+    for k in range(16)
+  ]
+  records[0] = {"messages": [{"role": "system", "content": "Own system."}, *turns[:1]]}
+  prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
   flags = [f"--config.{k}={v}" for k, v in RUN_FLAGS.items()]
   done = _train(
-    f"--workdir={tmp_path / 'run'}", "--config.model.size=", f"--config.model.hf={path}", *flags
+    f"--workdir={tmp_path / 'run'}",
+    "--config.model.size=",
+    f"--config.model.hf={path}",
+    f"--config.data.prompts={prompts}",
+    "--config.data.system_prompt=Be brief.",
+    *flags,
   )
   assert done.returncode == 0, done.stderr[-3000:]
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 1]
+  first = next(x for x in done.stdout.splitlines() if "the first prompt as the model" in x)
+  assert "<|im_start|>system\\n" in first
+  assert ("Own system." in first) != ("Be brief." in first), first
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
 import re
@@ -956,7 +957,14 @@ class DataSection:
   tokenizer_config.json's `chat_template`, rendered as `transformers` does); refused in one line
   when it has none (its model never saw the built-in markers). The built-in byte tokenizer uses
   the minimal built-in one (user / assistant markers). The run prints the first prompt as the
-  model receives it, and eval.md shows each sample's prompt so."""
+  model receives it, and eval.md shows each sample's prompt so. Needed by records that hold a
+  conversation (`messages`, docs/data.md)."""
+  system_prompt: str = ""
+  """A system message put first in every prompt whose conversation has none of its own (needs
+  `chat_template` and a checkpoint's template: the built-in one has no system turn)."""
+  template_kwargs: str = ""
+  """A JSON object of keyword arguments the chat template reads, as `apply_chat_template`
+  passes them, e.g. '{"enable_thinking": false}' for Qwen3 (needs what `system_prompt` does)."""
   on_bad_record: str = "error"
   """A malformed JSONL record: 'error' (one line naming file:line) or 'skip' (counted)."""
   on_long_prompt: str = "truncate"
@@ -966,6 +974,27 @@ class DataSection:
   def __post_init__(self):
     _check_choice("data.on_bad_record", self.on_bad_record, _ON_BAD_RECORD)
     _check_choice("data.on_long_prompt", self.on_long_prompt, _ON_LONG_PROMPT)
+    self.template_arguments  # noqa: B018  (checks the JSON)
+    for field in ("system_prompt", "template_kwargs"):
+      if not getattr(self, field):
+        continue
+      if not self.chat_template:
+        raise ConfigError(f"data.{field} is set but data.chat_template is False: set it True")
+
+  @property
+  def template_arguments(self) -> dict[str, Any]:
+    """`template_kwargs` as a dict."""
+    if not self.template_kwargs:
+      return {}
+    try:
+      value = json.loads(self.template_kwargs)
+    except json.JSONDecodeError as e:
+      raise ConfigError(
+        f"data.template_kwargs is not JSON ({e.msg}): {self.template_kwargs!r}"
+      ) from None
+    if not isinstance(value, dict):
+      raise ConfigError(f"data.template_kwargs must be a JSON object, got {self.template_kwargs!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -1283,6 +1312,7 @@ class ExperimentConfig:
           f"{'them' if len(parked) > 1 else 'it'} out, or set 'model.lora.reference'='placed'"
         )
     _checkpoint_tokenizer(self)
+    _check_template_fields(self.data)
     _check_positions(self)
     width, lengths = self.rollout.max_seq_len, "rollout.max_prompt_len + rollout.max_new_tokens"
     self.ppo.check_budget("ppo", width, f"one sequence's capacity, {lengths}")
@@ -1350,6 +1380,17 @@ def _check_fusable(ppo: PPOSection, placement: PlacementSection) -> None:
       "'ppo.fuse_actor_critic' needs the actor and critic on the same devices, but "
       "'placement.split_actor_critic' puts them on disjoint halves"
     )
+
+
+def _check_template_fields(data: DataSection) -> None:
+  """A system prompt or template arguments need a checkpoint's template (once `data.tokenizer`
+  is resolved)."""
+  for field in ("system_prompt", "template_kwargs"):
+    if getattr(data, field) and data.tokenizer == "byte":
+      raise ConfigError(
+        f"data.{field} needs a checkpoint's chat template; the byte tokenizer's built-in one "
+        "has user and assistant turns only"
+      )
 
 
 def _checkpoint_tokenizer(cfg: ExperimentConfig) -> None:

@@ -3,14 +3,20 @@
 
 The template comes from `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a
 string, or a list of named templates, of which 'default' is used). It is rendered in a sandbox
-with what `transformers` provides: `messages`, `add_generation_prompt=True`, the special tokens
-(`bos_token`, `eos_token`, ...), `raise_exception`, `strftime_now` and a `tojson` filter.
+with what `transformers` provides: `messages`, `tools`, `add_generation_prompt=True`, the special
+tokens (`bos_token`, `eos_token`, ...), `raise_exception`, `strftime_now`, a `tojson` filter and
+the run's template keyword arguments (`data.template_kwargs`, e.g. `enable_thinking`).
 
-The pipelines left-truncate a long prompt's text while keeping the template around it, so the
-template is rendered once with a sentinel as the user's text and split there: the text before
-(head) and after (tail) are encoded once, the prompt (body) on its own. Special tokens the
-template writes as text (`<|im_start|>`) encode to their ids because the tokenizer's added
-tokens are matched in text; a BOS is only what the template writes, never added twice.
+A prompt is a text (one user turn) or a conversation (`Conversation`: messages with system,
+user, assistant and tool roles, and the tools the model may call). Either way its token ids are
+those of the rendered text encoded at once, as `apply_chat_template(..., tokenize=True)` gives.
+
+The pipelines left-truncate a long prompt's text while keeping the template around it, so for
+that the template is rendered once with a sentinel in place of the last message's text and split
+there: the text before (head: the template and the earlier turns) and after (tail) are encoded
+once, the last message's text (body) on its own. Special tokens the template writes as text
+(`<|im_start|>`) encode to their ids because the tokenizer's added tokens are matched in text; a
+BOS is only what the template writes, never added twice.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from rlhfjax.data.tokenizer import ChatTemplate, Tokenizer
+from rlhfjax.data.tokenizer import ChatTemplate, Conversation, Tokenizer
 
 # Text no prompt contains; the rendered template is split around it.
 _SENTINEL = "\u2063rlhfjax-prompt\u2063"
@@ -70,42 +76,68 @@ class JinjaChatTemplate:
   special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
   """bos_token, eos_token, ... as tokenizer_config.json names them."""
   system_prompt: str = ""
-  """A system message before the user's, if not empty."""
+  """A system message first, if not empty and the prompt has none of its own."""
   name: str = "chat template"
   """Where the template comes from, for error messages."""
+  kwargs: tuple[tuple[str, Any], ...] = ()
+  """Keyword arguments the template reads (`data.template_kwargs`: `enable_thinking`, ...)."""
 
-  def render(self, prompt: str) -> str:
-    """The template's text for one user turn, ready for the assistant's answer."""
-    messages = [{"role": "user", "content": prompt}]
-    if self.system_prompt:
+  def messages(self, prompt: str | Conversation) -> tuple[list[dict[str, Any]], list | None]:
+    """The messages and tools a prompt renders: a text is one user turn; `system_prompt`
+    goes first unless the conversation starts with a system message."""
+    if isinstance(prompt, Conversation):
+      messages, tools = [dict(m) for m in prompt.messages], prompt.tools
+    else:
+      messages, tools = [{"role": "user", "content": prompt}], None
+    if self.system_prompt and messages[0].get("role") != "system":
       messages.insert(0, {"role": "system", "content": self.system_prompt})
+    return messages, tools
+
+  def render(self, prompt: str | Conversation) -> str:
+    """The template's text for the prompt, ready for the assistant's answer."""
+    messages, tools = self.messages(prompt)
     try:
       template = _environment().from_string(self.source)
-      return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+      return template.render(
+        messages=messages,
+        tools=tools,
+        add_generation_prompt=True,
+        **self.special_tokens,
+        **dict(self.kwargs),
+      )
     except jinja2.exceptions.TemplateError as e:
       raise ChatTemplateError(f"{self.name}: {type(e).__name__}: {e}") from None
 
   def encode_parts(
-    self, tokenizer: Tokenizer, prompt: str, *, add_bos: bool = True
+    self, tokenizer: Tokenizer, prompt: str | Conversation, *, add_bos: bool = True
   ) -> tuple[list[int], list[int], list[int]]:
-    """(head, body, tail): the template before the user's text, the text, the template after.
+    """(head, body, tail): the template (and earlier turns) before the last message's text,
+    that text, the template after it.
 
     `add_bos` is ignored: the template writes a BOS where its model expects one.
     """
     del add_bos
-    text = self.render(_SENTINEL)
+    if isinstance(prompt, Conversation):
+      body = prompt.messages[-1]["content"]
+      sentinel = prompt.with_last_content(_SENTINEL)
+    else:
+      body, sentinel = prompt, _SENTINEL
+    text = self.render(sentinel)
     if text.count(_SENTINEL) != 1:
-      raise ChatTemplateError(f"{self.name}: the template does not write the user's message once")
+      raise ChatTemplateError(f"{self.name}: the template does not write the last message once")
     before, after = text.split(_SENTINEL)
     return (
       tokenizer.encode(before, add_bos=False),
-      tokenizer.encode(prompt, add_bos=False),
+      tokenizer.encode(body, add_bos=False),
       tokenizer.encode(after, add_bos=False),
     )
 
-  def encode(self, tokenizer: Tokenizer, prompt: str, *, add_bos: bool = True) -> list[int]:
-    head, body, tail = self.encode_parts(tokenizer, prompt, add_bos=add_bos)
-    return head + body + tail
+  def encode(
+    self, tokenizer: Tokenizer, prompt: str | Conversation, *, add_bos: bool = True
+  ) -> list[int]:
+    """The rendered text's ids, encoded at once (as `apply_chat_template` encodes it)."""
+    del add_bos
+    return tokenizer.encode(self.render(prompt), add_bos=False)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -143,7 +175,9 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
   return out
 
 
-def checkpoint_template(directory: str, system_prompt: str = "") -> JinjaChatTemplate | None:
+def checkpoint_template(
+  directory: str, system_prompt: str = "", kwargs: dict[str, Any] | None = None
+) -> JinjaChatTemplate | None:
   """The chat template of a tokenizer directory, or None when it has none."""
   config_path = os.path.join(directory, "tokenizer_config.json")
   config = _read_json(config_path) if os.path.isfile(config_path) else {}
@@ -156,14 +190,21 @@ def checkpoint_template(directory: str, system_prompt: str = "") -> JinjaChatTem
   if not source:
     return None
   return JinjaChatTemplate(
-    source, special_tokens=_special_tokens(config), system_prompt=system_prompt, name=name
+    source,
+    special_tokens=_special_tokens(config),
+    system_prompt=system_prompt,
+    name=name,
+    kwargs=tuple(sorted((kwargs or {}).items())),
   )
 
 
-def load_chat_template(tokenizer_spec: str, system_prompt: str = "") -> Any:
+def load_chat_template(
+  tokenizer_spec: str, system_prompt: str = "", kwargs: dict[str, Any] | None = None
+) -> Any:
   """The chat template for `data.chat_template=True`: the tokenizer directory's own; for the
   built-in byte tokenizer (no checkpoint, so no template of its own) the built-in minimal
-  `ChatTemplate`.
+  `ChatTemplate` (user and assistant turns only, no system prompt nor keyword arguments:
+  `DataSection` refuses those for it).
 
   Raises:
     ChatTemplateError: the tokenizer directory has none: its model never saw the built-in
@@ -173,7 +214,7 @@ def load_chat_template(tokenizer_spec: str, system_prompt: str = "") -> Any:
     return ChatTemplate()
   path = os.path.expanduser(tokenizer_spec)
   directory = path if os.path.isdir(path) else (os.path.dirname(path) or ".")
-  template = checkpoint_template(directory, system_prompt)
+  template = checkpoint_template(directory, system_prompt, kwargs)
   if template is None:
     raise ChatTemplateError(
       f"data.chat_template=True: {directory} has no chat template (chat_template.jinja or "
@@ -181,3 +222,11 @@ def load_chat_template(tokenizer_spec: str, system_prompt: str = "") -> Any:
       "data.chat_template=False to give it the plain prompts"
     )
   return template
+
+
+def data_template(data: Any) -> Any:
+  """The chat template a `DataSection` asks for (with its system prompt and keyword
+  arguments), or None when `data.chat_template` is False."""
+  if not data.chat_template:
+    return None
+  return load_chat_template(data.tokenizer, data.system_prompt, data.template_arguments)

@@ -6,6 +6,11 @@ Three kinds of record, one JSON object per line:
   demonstration  {"prompt": str, "response": str}
   preference     {"prompt": str, "chosen": str, "rejected": str}
 
+In any kind a conversation may stand for the prompt: `"messages"` (system, user, assistant and
+tool messages as `transformers`' chat templates take them, the last a user's or a tool's) and
+optionally `"tools"` (the JSON schemas of the tools the model may call), rendered by the chat
+template (`data.chat_template=True`; `rlhfjax.data.tokenizer.Conversation`).
+
 Any other fields of a line are kept as its extra fields (canonical JSON in the 'extra' feature,
 with the line number in 'line'): a prompt's extra fields reach the reward function as its
 `rlhfjax.data.records.Record` (for example a reference answer).
@@ -35,6 +40,7 @@ from absl import logging as absl_logging
 
 from rlhfjax import workdir
 from rlhfjax.data import records
+from rlhfjax.data.tokenizer import Conversation
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +49,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
   "demonstration": ("prompt", "response"),
   "preference": ("prompt", "chosen", "rejected"),
 }
-"""The string fields each kind of record must have."""
+"""The string fields each kind of record must have ('prompt' or a conversation)."""
+CONVERSATION = ("messages", "tools")
+"""The fields of a conversation standing for a record's prompt."""
 
 ON_BAD_RECORD = ("error", "skip")
 BAD_REASONS = (
@@ -54,13 +62,15 @@ BAD_REASONS = (
   "not_a_string",
   "empty_string",
   "same_pair",
+  "bad_messages",
 )
 """Why a record is bad; the keys of `PreparedDataset.bad_records`. 'same_pair': a preference
 whose chosen and rejected texts are equal teaches nothing (its loss is log 2 whatever the
 model), so it is refused (or, with on_bad_record='skip', skipped and counted) like any bad
 record."""
 
-_VERSION = "1.2.0"  # 1.1: extra fields and line numbers; 1.2: pairs that cannot be told apart
+# 1.1: extra fields and line numbers; 1.2: pairs that cannot be told apart; 1.3: conversations
+_VERSION = "1.3.0"
 
 
 class DataError(ValueError):
@@ -76,8 +86,9 @@ class BadRecord(Exception):
 
 
 def parse_line(kind: str, line: bytes) -> dict[str, str] | None:
-  """The record of one JSONL line (its kind's fields, and 'extra': the other fields as
-  JSON); None for a blank line.
+  """The record of one JSONL line (its kind's fields; 'messages': its conversation as JSON,
+  with 'prompt' empty, or empty; and 'extra': the other fields as JSON); None for a blank
+  line.
 
   Raises:
     BadRecord: the line is not UTF-8, not a JSON object, lacks a non-empty string field, or
@@ -95,10 +106,20 @@ def parse_line(kind: str, line: bytes) -> dict[str, str] | None:
     raise BadRecord("invalid_json", f"invalid JSON ({e.msg} at column {e.colno})") from None
   if not isinstance(value, dict):
     raise BadRecord("not_an_object", f"expected a JSON object, got {type(value).__name__}")
-  record = {}
+  record = {"messages": ""}
+  if "messages" in value:
+    if "prompt" in value:
+      raise BadRecord("bad_messages", "give either 'prompt' or 'messages', not both")
+    try:
+      record["messages"] = Conversation(value["messages"], value.get("tools")).to_json()
+    except (ValueError, TypeError, KeyError) as e:
+      raise BadRecord("bad_messages", f"field 'messages': {e}") from None
+    record["prompt"] = ""
   for field in FIELDS[kind]:
+    if field == "prompt" and record["messages"]:
+      continue
     if field not in value:
-      needs = ", ".join(FIELDS[kind])
+      needs = ", ".join(f if f != "prompt" else "prompt (or messages)" for f in FIELDS[kind])
       raise BadRecord("missing_field", f"missing field {field!r} (a {kind} record needs {needs})")
     if not isinstance(value[field], str):
       got = type(value[field]).__name__
@@ -111,7 +132,8 @@ def parse_line(kind: str, line: bytes) -> dict[str, str] | None:
       "same_pair", "fields 'chosen' and 'rejected' are the same text: the pair teaches nothing"
     )
   try:
-    record["extra"] = records.extra_fields(value, FIELDS[kind])
+    known = (*FIELDS[kind], *(CONVERSATION if record["messages"] else ()))
+    record["extra"] = records.extra_fields(value, known)
   except ValueError as e:
     raise BadRecord("invalid_json", str(e)) from None
   return record
@@ -198,7 +220,7 @@ class JsonlDataset(tfds.core.GeneratorBasedBuilder):
   def _info(self) -> tfds.core.DatasetInfo:
     # DatasetInfo(builder=self) rather than dataset_info_from_configs: the latter looks for
     # metadata files next to this module, which a builder outside the TFDS tree does not have.
-    fields = (*FIELDS[self.builder_config.kind], "extra")
+    fields = (*FIELDS[self.builder_config.kind], "messages", "extra")
     features = {f: tfds.features.Text() for f in fields}
     features["line"] = tfds.features.Scalar(dtype=np.int64)
     return _LocalDatasetInfo(
@@ -215,13 +237,20 @@ class JsonlDataset(tfds.core.GeneratorBasedBuilder):
     log = BadRecordLog()
     self.info.metadata["bad_records"] = log.counts
     self.info.metadata["first_bad_record"] = log.first
+    self.info.metadata["conversations"] = {}
     return {split: self._generate_split(path, log) for split, path in self.builder_config.paths}
 
   def _generate_split(self, path: str, log: BadRecordLog) -> Iterator[tuple[int, dict[str, str]]]:
     config = self.builder_config
     count = 0
+    first = self.info.metadata["conversations"]
     for number, record in read_records(config.kind, path, config.on_bad_record, log):
       count += 1
+      if record["messages"]:
+        conversation = Conversation.from_json(record["messages"])
+        roles = {m["role"] for m in conversation.messages}
+        for role in (*roles, *(("tools",) if conversation.tools is not None else ())):
+          first.setdefault(role, f"{path}:{number}")
       yield number, {**record, "line": number}
     if not count:
       raise DataError(_empty_message(config.kind, path, log))

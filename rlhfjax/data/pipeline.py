@@ -8,8 +8,9 @@ changes shape (no recompiles) and bad lengths never reach JAX.
 
 Long sequences (`on_long_prompt`):
   'truncate'  the prompt text is cut from the left (its end is what the response continues),
-              keeping BOS and the chat markers; a response is cut only when an empty prompt
-              text still does not leave room (it then has no EOS);
+              keeping BOS and the chat markers (a conversation: its last message's text is cut,
+              the earlier turns kept); a response is cut only when an empty prompt text still
+              does not leave room (it then has no EOS);
   'skip'      the example is dropped and counted;
   'error'     a `DataError` names the record.
 
@@ -35,7 +36,14 @@ import tqdm
 
 from rlhfjax.data.jsonl import DataError
 from rlhfjax.data.records import PromptBatch, Record, record_of
-from rlhfjax.data.tokenizer import ChatTemplate, Tokenizer, encode_prompt_parts
+from rlhfjax.data.tokenizer import (
+  NEEDS_TEMPLATE,
+  ChatTemplate,
+  Conversation,
+  Tokenizer,
+  encode_prompt,
+  encode_prompt_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +96,12 @@ def _text(value: bytes | str) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
+def prompt_of(record: dict[str, Any]) -> str | Conversation:
+  """A dataset example's prompt: its text, or the conversation its 'messages' holds."""
+  messages = _text(record.get("messages") or "")
+  return Conversation.from_json(messages) if messages else _text(record["prompt"])
+
+
 def encode_example(
   index: int,
   record: dict[str, Any],
@@ -102,17 +116,26 @@ def encode_example(
   """Tokenizes one record (prompt plus each of `response_fields`) and fits it to `max_len`.
 
   `origin` (the file of the source) given: the record's extra fields come along as a `Record`
-  named 'file:line'."""
-  head, body, tail = encode_prompt_parts(tokenizer, _text(record["prompt"]), chat_template)
+  named 'file:line'. A record whose 'messages' holds a conversation is that conversation's
+  prompt (`Conversation`); it needs a chat template.
+
+  Raises:
+    DataError: a conversation without a chat template, or one the template cannot render.
+  """
+  extra = record_of(record, index, origin) if origin is not None else None
+  text = prompt_of(record)
+  try:
+    prompt = encode_prompt(tokenizer, text, chat_template)
+  except ValueError as e:
+    where = extra.origin if extra is not None else f"record {index}"
+    raise DataError(f"{where}: {e}") from None
   responses = [
     tokenizer.encode(_text(record[f]), add_bos=False) + [tokenizer.eos_id] for f in response_fields
   ]
-  prompt = head + body + tail
-  extra = record_of(record, index, origin) if origin is not None else None
   length = len(prompt) + max((len(r) for r in responses), default=0)
   if length <= max_len:
     return Encoded(index, "ok", length, (prompt, *responses), extra)
-  fitted = fit_to_length(head, body, tail, responses, max_len)
+  fitted = fit_to_length(*encode_prompt_parts(tokenizer, text, chat_template), responses, max_len)
   if on_long_prompt != "truncate" or fitted is None:
     return Encoded(index, "too_long", length, (), extra)
   return Encoded(index, "truncated", length, (fitted[0], *fitted[1]), extra)
@@ -180,6 +203,32 @@ def _record_pass(where: tuple[str, str], records: int) -> None:
     os.replace(tmp, path)
 
 
+def _check_conversations(source: Sequence, encode: Callable) -> None:
+  """The conversations of a prepared dataset (its metadata names the first record of each role
+  and of tools) against the chat template, when the stream is built: a conversation without a
+  template, or a system or tool message in the built-in format, stops the run at its start.
+
+  Raises:
+    DataError: naming the first such record.
+  """
+  info = getattr(source, "dataset_info", None)
+  first = dict((info.metadata or {}).get("conversations", {})) if info is not None else {}
+  if not first or not isinstance(encode, functools.partial) or encode.func is not encode_example:
+    return
+  template = encode.keywords.get("chat_template")
+  if template is None:
+    raise DataError(f"{min(first.values(), key=_line)}: {NEEDS_TEMPLATE}")
+  if isinstance(template, ChatTemplate) and (problem := template.refuses(first)) is not None:
+    refused = [where for role, where in first.items() if role not in ("user", "assistant")]
+    raise DataError(f"{min(refused, key=_line)}: {problem}")
+
+
+def _line(origin: str) -> tuple[str, int]:
+  """'file:line' in file order."""
+  path, _, line = origin.rpartition(":")
+  return path, int(line) if line.isdigit() else 0
+
+
 def _check_lengths(source: Sequence, encode: Callable[[int, Any], Encoded], max_len: int) -> None:
   """With on_long_prompt='error': every record checked when the stream is built, in one pass,
   so a record too long at line 900,000 stops the run at its start, not hours into it. A pass
@@ -231,6 +280,7 @@ class _Stream:
       raise DataError("the dataset is empty: no record to iterate over")
     self._max_len, self._seed, self._repeat = max_len, seed, repeat
     self._on_long = on_long_prompt
+    _check_conversations(source, encode)
     if on_long_prompt == "error":
       _check_lengths(source, encode, max_len)
     self._dataset = _dataset(source, encode, seed=seed, repeat=repeat)

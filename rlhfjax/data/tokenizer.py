@@ -1,4 +1,4 @@
-"""Tokenizers behind one small protocol, and a minimal chat template.
+"""Tokenizers behind one small protocol, conversations, and a minimal chat template.
 
 Two kinds: the built-in byte-level tokenizer (no files, the default task's) and a Hugging Face
 `tokenizer.json` read by the `tokenizers` library. The pipelines only need encode/decode and the
@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
@@ -172,47 +172,175 @@ def load_tokenizer(spec: str) -> Tokenizer:
   )
 
 
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a conversation's messages may have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  """A prompt as a conversation: `messages` (dicts with 'role' and 'content', an assistant's
+  also 'tool_calls', a tool's 'name' or 'tool_call_id', as `transformers` takes them), the last
+  one a user's or a tool's (the model answers next), and the `tools` the model may call (JSON
+  schemas, or None). Checked on construction (`ValueError` naming the message)."""
+
+  messages: tuple[dict[str, Any], ...]
+  tools: tuple[dict[str, Any], ...] | None = None
+
+  def __post_init__(self):
+    messages = self.messages
+    if not isinstance(messages, list | tuple) or not messages:
+      raise ValueError("field 'messages' must be a non-empty list of messages")
+    for i, message in enumerate(messages):
+      where = f"message {i}"
+      if not isinstance(message, dict):
+        raise ValueError(f"{where} must be an object, got {type(message).__name__}")
+      role = message.get("role")
+      if role not in ROLES:
+        raise ValueError(f"{where}: role {role!r} is not one of {', '.join(ROLES)}")
+      content = message.get("content")
+      calls = message.get("tool_calls")
+      if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+        raise ValueError(f"{where}: 'tool_calls' must be a list, on an assistant message")
+      if not isinstance(content, str) and not (content is None and calls):
+        raise ValueError(f"{where}: 'content' must be a string")
+    last = messages[-1]
+    if last["role"] not in ("user", "tool") or not str(last.get("content") or "").strip():
+      raise ValueError(
+        f"the last message must be a user's or a tool's, with text (the model answers next); "
+        f"got {last['role']!r}"
+      )
+    if self.tools is not None and (
+      not isinstance(self.tools, list | tuple) or not all(isinstance(t, dict) for t in self.tools)
+    ):
+      raise ValueError("field 'tools' must be a list of objects (the tools' JSON schemas)")
+    object.__setattr__(self, "messages", tuple(dict(m) for m in messages))
+    if self.tools is not None:
+      object.__setattr__(self, "tools", tuple(dict(t) for t in self.tools))
+
+  def to_json(self) -> str:
+    """JSON (what a prepared dataset stores), keys in the record's order: a template writes
+    the tools' schemas and the calls' arguments in that order (`tojson`)."""
+    value = {"messages": list(self.messages)}
+    if self.tools is not None:
+      value["tools"] = list(self.tools)
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+  @classmethod
+  def from_json(cls, text: str | bytes) -> Conversation:
+    value = json.loads(text)
+    return cls(tuple(value["messages"]), value.get("tools"))
+
+  def with_last_content(self, content: str) -> Conversation:
+    """The conversation with the last message's text replaced by `content`."""
+    return Conversation(
+      (*self.messages[:-1], {**self.messages[-1], "content": content}), self.tools
+    )
+
+  @property
+  def tools_list(self) -> list[dict[str, Any]] | None:
+    return None if self.tools is None else [dict(t) for t in self.tools]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChatTemplate:
-  """A one-turn chat format: `<|user|>\\n{prompt}\\n<|assistant|>\\n`, then the response.
+  """A minimal chat format: `<|user|>\n{prompt}\n<|assistant|>\n`, then the response; a
+  conversation's earlier turns come first in the same format (`<|assistant|>\n{text}\n`).
+  User and assistant turns only: system and tool messages need a checkpoint's own template.
 
   A marker is one special token when the tokenizer has it (the byte tokenizer does) and plain
   text otherwise. The prompt is encoded in three parts so the pipelines can left-truncate a long
-  prompt's text while keeping BOS and both markers.
+  prompt's text while keeping BOS, the earlier turns and both markers.
   """
 
   user: str = USER_TOKEN
   assistant: str = ASSISTANT_TOKEN
 
-  def render(self, prompt: str) -> str:
+  def _turns(self, prompt: str | Conversation) -> tuple[list[tuple[str, str]], str]:
+    """The earlier turns as (marker, text) and the last user message's text."""
+    if not isinstance(prompt, Conversation):
+      return [], prompt
+    roles = {m["role"] for m in prompt.messages} | (
+      {"tools"} if prompt.tools is not None else set()
+    )
+    if (problem := self.refuses(roles)) is not None:
+      raise ValueError(problem)
+    markers = {"user": self.user, "assistant": self.assistant}
+    turns = [(markers[m["role"]], m["content"]) for m in prompt.messages[:-1]]
+    return turns, prompt.messages[-1]["content"]
+
+  @staticmethod
+  def refuses(roles: Iterable[str]) -> str | None:
+    """Why conversations with these roles (and 'tools': tools given) cannot be rendered in the
+    built-in format; None when they can."""
+    unsupported = sorted(set(roles) - {"user", "assistant", "tools"})
+    what = [f"{', '.join(unsupported)} messages"] if unsupported else []
+    what += ["tools"] if "tools" in roles else []
+    if not what:
+      return None
+    return (
+      f"the built-in chat format has user and assistant turns only, not {' or '.join(what)}: "
+      "use a tokenizer whose checkpoint has a chat template"
+    )
+
+  def render(self, prompt: str | Conversation) -> str:
     """The template as text (what a tokenizer without the marker tokens sees)."""
-    return f"{self.user}\n{prompt}\n{self.assistant}\n"
+    turns, last = self._turns(prompt)
+    return "".join(f"{m}\n{t}\n" for m, t in turns) + f"{self.user}\n{last}\n{self.assistant}\n"
 
   def _marker(self, tokenizer: Tokenizer, marker: str) -> list[int]:
     token_id = tokenizer.token_to_id(marker)
     return [token_id] if token_id is not None else tokenizer.encode(marker, add_bos=False)
 
   def encode_parts(
-    self, tokenizer: Tokenizer, prompt: str, *, add_bos: bool = True
+    self, tokenizer: Tokenizer, prompt: str | Conversation, *, add_bos: bool = True
   ) -> tuple[list[int], list[int], list[int]]:
-    """(head, body, tail): BOS and the user marker; the prompt text; the assistant marker."""
+    """(head, body, tail): BOS, the earlier turns and the user marker; the last user message's
+    text; the assistant marker."""
+    turns, last = self._turns(prompt)
+    newline = tokenizer.encode("\n", add_bos=False)
     head = [tokenizer.bos_id] if add_bos else []
-    head += self._marker(tokenizer, self.user) + tokenizer.encode("\n", add_bos=False)
-    body = tokenizer.encode(prompt, add_bos=False)
-    tail = tokenizer.encode("\n", add_bos=False) + self._marker(tokenizer, self.assistant)
-    tail += tokenizer.encode("\n", add_bos=False)
+    for marker, text in turns:
+      head += self._marker(tokenizer, marker) + newline + tokenizer.encode(text, add_bos=False)
+      head += newline
+    head += self._marker(tokenizer, self.user) + newline
+    body = tokenizer.encode(last, add_bos=False)
+    tail = newline + self._marker(tokenizer, self.assistant) + newline
     return head, body, tail
 
-  def encode(self, tokenizer: Tokenizer, prompt: str, *, add_bos: bool = True) -> list[int]:
+  def encode(
+    self, tokenizer: Tokenizer, prompt: str | Conversation, *, add_bos: bool = True
+  ) -> list[int]:
     """Token ids of the rendered prompt, ready for the model to continue."""
     head, body, tail = self.encode_parts(tokenizer, prompt, add_bos=add_bos)
     return head + body + tail
 
 
+NEEDS_TEMPLATE = (
+  "the record is a conversation ('messages'), which needs a chat template: set "
+  "data.chat_template=True"
+)
+
+
 def encode_prompt_parts(
-  tokenizer: Tokenizer, prompt: str, chat_template: ChatTemplate | None = None
+  tokenizer: Tokenizer, prompt: str | Conversation, chat_template: ChatTemplate | None = None
 ) -> tuple[list[int], list[int], list[int]]:
-  """(head, body, tail) of a prompt, with or without a chat template; head starts with BOS."""
+  """(head, body, tail) of a prompt, with or without a chat template; head starts with BOS.
+
+  Raises:
+    ValueError: a conversation without a chat template (it has no format to render in).
+  """
   if chat_template is not None:
     return chat_template.encode_parts(tokenizer, prompt)
+  if isinstance(prompt, Conversation):
+    raise ValueError(NEEDS_TEMPLATE)
   return [tokenizer.bos_id], tokenizer.encode(prompt, add_bos=False), []
+
+
+def encode_prompt(
+  tokenizer: Tokenizer, prompt: str | Conversation, chat_template: ChatTemplate | None = None
+) -> list[int]:
+  """A prompt's ids as the model receives it untruncated: a checkpoint's template's rendered
+  text encoded at once (`apply_chat_template`'s ids), else head + body + tail."""
+  if chat_template is not None:
+    return chat_template.encode(tokenizer, prompt)
+  return sum(encode_prompt_parts(tokenizer, prompt), [])

@@ -29,7 +29,7 @@ from rlhfjax import data, distributed
 from rlhfjax.cluster.cluster import WeightSource
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.data import packed_batches
-from rlhfjax.data.chat_template import load_chat_template
+from rlhfjax.data.chat_template import data_template
 from rlhfjax.flows import packed_update
 from rlhfjax.flows.base import Flow
 from rlhfjax.flows.stages import FlowContext
@@ -124,7 +124,7 @@ class SupervisedFlow(Flow):
       max_len=sup.max_len,
       seed=cfg.seed,
       on_long_prompt=d.on_long_prompt,
-      chat_template=load_chat_template(d.tokenizer) if d.chat_template else None,
+      chat_template=data_template(d),
     )
     self.train = self.batches(dataset.source(d.train_split), batch_size=sup.batch_size)
     self._held_out = dataset.source(d.eval_split)

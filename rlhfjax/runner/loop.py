@@ -33,7 +33,7 @@ from rlhfjax import data, distributed, export, rerun, signals
 from rlhfjax.cluster.cluster import HEADS, Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError, ExperimentConfig
-from rlhfjax.data.chat_template import load_chat_template
+from rlhfjax.data.chat_template import data_template
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import registry
 from rlhfjax.flows.stages import FlowContext
@@ -129,7 +129,7 @@ class Runner:
         f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
         f"only {vocab}"
       )
-    self.template = load_chat_template(cfg.data.tokenizer) if cfg.data.chat_template else None
+    self.template = data_template(cfg.data)
     self.prompts: data.PromptIterator | None = None
     """The prompt stream; None for a flow that reads its own dataset (SFT, reward model)."""
     self.eval_prompts = PromptBatch.of([])
