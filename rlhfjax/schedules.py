@@ -112,6 +112,17 @@ def textbook_bubble(stages: int, micro_batches: int) -> float:
   return (stages - 1) / (micro_batches + stages - 1)
 
 
+def scoring_micro_batches(rows: int, stages: int, row_shards: int) -> int:
+  """Micro-batches of a pipelined scoring call of `rows` rows (a forward-only pipeline,
+  `training.pipeline.pipelined_forward`): the most, up to `2 x stages`, that split the rows
+  evenly into micro-batches of a multiple of `row_shards` rows (the batch devices of a stage);
+  1 when none does."""
+  for m in range(min(2 * stages, rows), 1, -1):
+    if rows % m == 0 and (rows // m) % row_shards == 0:
+      return m
+  return 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Building tables.
 

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import jax
 import optax
 from absl import logging
 
-from rlhfjax import models
+from rlhfjax import models, schedules
 from rlhfjax.cluster import dispatch, residency
 from rlhfjax.cluster.adapter_sync import AdapterSync
 from rlhfjax.cluster.residency import Key
@@ -371,6 +372,39 @@ class Cluster:
       out_shardings=out_shardings,
       donate_argnums=donate_argnums,
     )
+
+  def scorer(
+    self,
+    name: str,
+    fn: Callable,
+    *,
+    role: Role,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+  ) -> Callable:
+    """`compile` of a scoring function `fn(params, *inputs)` of `role`'s weights (every input
+    and output with rows first: log-probs, values, scores). On a mesh with pipeline stages it
+    runs as a forward-only pipeline over them (`pipeline.pipelined_forward`): each stage applies
+    its own layers to micro-batches in turn, and no stage gathers another's (on CPU run alone,
+    as a pipelined step is: `_alone`)."""
+    rt = self.roles[role]
+    stages = pipeline.stages_of(rt.mesh)
+    if stages > 1:
+      check_layers(rt.model, stages, role)
+      whole = fn
+
+      def fn(params, *inputs):
+        rows = inputs[0].shape[0]
+        axes = rt.batch_sharding((rows,)).spec[0] or ()
+        axes = (axes,) if isinstance(axes, str) else axes
+        shards = math.prod(dict(rt.mesh.shape)[a] for a in axes if a != pipeline.AXIS)
+        m = schedules.scoring_micro_batches(rows, stages, shards)
+        return pipeline.pipelined_forward(whole, rt.model, rt.mesh, m, params, *inputs)
+
+    compiled = self.compile(
+      name, fn, in_shardings=in_shardings, out_shardings=out_shardings, role=role
+    )
+    return _alone(compiled, rt.mesh) if stages > 1 else compiled
 
   def train_step(self, name: str, role: Role, loss_fn: steps.LossFn) -> Callable:
     """`step(state, batch) -> (state, metrics)`: one optimizer update of trained `role` from a

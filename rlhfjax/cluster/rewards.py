@@ -58,7 +58,7 @@ class Rewards:
     rt, s = self.cluster.roles[Role.REWARD], self.cfg.rollout.max_seq_len
     batch = (rt.batch_sharding((rows, s)), rt.batch_sharding((rows, s)))
     tag = "" if rows == self.cfg.rollout.batch_size else f"_{rows}rows"
-    return self.cluster.compile(
+    return self.cluster.scorer(
       "reward_scores" + tag,
       functools.partial(steps.sequence_scores, rt.model),
       in_shardings=(rt.param_shardings, *batch),

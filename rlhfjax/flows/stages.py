@@ -178,7 +178,7 @@ def _scorer(ctx: FlowContext, role: Role, name: str, fn: Any, out_shape: tuple[i
   rt = ctx.cluster.roles[role]
   b, s = out_shape[0], ctx.cfg.rollout.max_seq_len
   batch = (rt.batch_sharding((b, s)), rt.batch_sharding((b, s)))
-  return ctx.cluster.compile(
+  return ctx.cluster.scorer(
     name,
     fn,
     in_shardings=(rt.param_shardings, *batch),

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from rlhfjax import schedules
 from rlhfjax.costmodel import costs, fill, memory, pipeline
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import GIB, Hardware
@@ -399,12 +400,22 @@ def _score_costs(spec, w, hw, eff, groups, shape, per_node):
       micro_steps=steps,
       offload=_offload(w, spec, role, trained=False),
     )
-    if stages_of(spec[role]) > 1:
-      seconds = pipeline.forward_time(
+    stages = stages_of(spec[role])
+    if stages > 1 and not w.packed:
+      # Each scoring call of `rows / steps` rows is a forward-only pipeline of its own, its
+      # rows split as the cluster splits them (`Cluster.scorer`).
+      per_call = math.ceil(rows / steps)
+      inner = schedules.scoring_micro_batches(per_call, stages, groups[role].replicas)
+      call = pipeline.forward_time(
         *args,
-        stages=stages_of(spec[role]),
+        stages=stages,
         crosses_nodes=_crosses_nodes(spec[role], per_node),
-        **kwargs,
+        **{**kwargs, "sequences": per_call, "micro_steps": inner},
+      )
+      seconds = steps * call
+    elif stages > 1:
+      seconds = pipeline.forward_time(
+        *args, stages=stages, crosses_nodes=_crosses_nodes(spec[role], per_node), **kwargs
       )
     else:
       seconds = costs.forward_time(*args, **kwargs)

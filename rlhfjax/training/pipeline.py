@@ -361,3 +361,100 @@ def fused_accumulate_and_apply(
   m = jax.tree.leaves(batches[0])[0].shape[0]
   schedule = schedules.fused(stages_of(mesh), m)
   return pipelined_update(models, txs, schedule, mesh, states, batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward-only: scoring on a staged mesh.
+
+
+def pipelined_forward(
+  fn: Any, config: ModelConfig, mesh: Mesh, micro_batches: int, params: Any, *inputs: jax.Array
+) -> Any:
+  """`fn(params, *inputs)` (every input and output with rows first) as a forward-only pipeline
+  over `mesh`'s `stage` axis: the rows split into `micro_batches` micro-batches (the callers'
+  `schedules.scoring_micro_batches`), stage `i`
+  running its own block of the layers on micro-batch `tick - i` and sending its output up, the
+  last stage running the rest of `fn` (the final norm and head, the log-probs or scores). No
+  stage reads another's layers: the stacked weights are never gathered over `stage`, as an
+  unpipelined call of `fn` on the staged mesh would (GPipe's forward: `micro_batches + stages -
+  1` ticks, the first and last `stages - 1` of them partly idle)."""
+  p, m = stages_of(mesh), micro_batches
+  rows = inputs[0].shape[0]
+  if rows % m:
+    raise ValueError(f"{rows} rows do not split into {m} micro-batches")
+  micro_inputs = tuple(x.reshape(m, rows // m, *x.shape[1:]) for x in inputs)
+  layers, rest = _split(params)
+  block0 = jax.tree.map(lambda x: x[: x.shape[0] // p], layers)
+  one = tuple(x[0] for x in micro_inputs)
+
+  def stage(place: str, rest, block, x_in, micro):
+    out = {}
+
+    def replaced(x_btd, positions_bt, mask):
+      x_btd = x_btd if place == "first" else x_in.astype(x_btd.dtype)
+      out["x"] = transformer.apply_layers(config, block, x_btd, positions_bt, mask)
+      return out["x"]
+
+    with transformer.layers_replaced(replaced):
+      y = fn(rest, *micro)
+    return out["x"], y
+
+  x_shape = jax.eval_shape(lambda r, b, mi: stage("first", r, b, None, mi)[0], rest, block0, one)
+  y_shape = jax.eval_shape(
+    lambda r, b, x, mi: stage("last", r, b, x, mi)[1], rest, block0, x_shape, one
+  )
+  flax_rules = _rules_without_stage(nn.get_logical_axis_rules())
+
+  def body(params, micro_inputs):
+    me = jax.lax.axis_index(AXIS)
+    block, rest = _split(params)
+    place = jnp.where(me == 0, 0, jnp.where(me == p - 1, 2, 1))
+
+    def branch(k: int):
+      name = ("first", "mid", "last")[k]
+
+      def run(x_in, micro, outs, i):
+        x, y = stage(name, rest, block, x_in, micro)
+        if name == "last":
+          outs = jax.tree.map(
+            lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v.astype(o.dtype), i, 0), outs, y
+          )
+          x = jnp.zeros(x_shape.shape, x_shape.dtype)
+        return x.astype(x_shape.dtype), outs
+
+      return run
+
+    def idle(x_in, micro, outs, i):
+      return jnp.zeros(x_shape.shape, x_shape.dtype), outs
+
+    branches = [branch(0), branch(1), branch(2), idle]
+
+    def tick(carry, t):
+      x_in, outs = carry
+      i = t - me
+      valid = (i >= 0) & (i < m)
+      j = jnp.clip(i, 0, m - 1)
+      micro = tuple(jax.lax.dynamic_index_in_dim(x, j, keepdims=False) for x in micro_inputs)
+      x, outs = jax.lax.switch(jnp.where(valid, place, 3), branches, x_in, micro, outs, j)
+      x_in = jax.lax.ppermute(x, AXIS, [(k, k + 1) for k in range(p - 1)])
+      return (x_in, outs), None
+
+    varying = lambda x: jax.lax.pcast(x, AXIS, to="varying")
+    outs0 = jax.tree.map(lambda s: varying(jnp.zeros((m, *s.shape), s.dtype)), y_shape)
+    x0 = varying(jnp.zeros(x_shape.shape, x_shape.dtype))
+    with nn.logical_axis_rules(flax_rules):
+      (_, outs), _ = jax.lax.scan(tick, (x0, outs0), jnp.arange(m + p - 1))
+    # Only the last stage wrote its outputs: summing over the stages hands them to every one.
+    return jax.tree.map(lambda o: jax.lax.psum(o, AXIS), outs)
+
+  in_specs = (_param_specs(params), jax.tree.map(lambda _: PartitionSpec(), micro_inputs))
+  run = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=jax.tree.map(lambda _: PartitionSpec(), y_shape),
+    axis_names={AXIS},
+    check_vma=False,
+  )
+  outs = run(params, micro_inputs)
+  return jax.tree.map(lambda o: o.reshape(rows, *o.shape[2:]), outs)
