@@ -335,10 +335,6 @@ def _check_reference_is_the_base(runner):
     ({"model__lora__rank": -1}, r"'model.lora.rank' must be >= 0"),
     ({"model__lora__targets": ("q", "qkv")}, r"'model.lora.targets': unknown projection\(s\) qkv"),
     ({"model__lora__rank": 57}, r"LoRA rank 57 exceeds the smallest adapted projection"),
-    (
-      {"placement__pipeline_stages": 2, "model__overrides": {"num_layers": 4}},
-      r"adapters do not train in pipeline stages yet",
-    ),
     ({"model__lora__reference": "copy"}, r"'model.lora.reference' must be one of base, placed"),
     (
       {"offload__params": ("reference",)},

@@ -1,5 +1,6 @@
-"""PPO with a pipelined actor and critic (`placement.pipeline_stages`), separate and fused, gives
-the unpipelined run's numbers, and resumes; packed updates refuse pipeline stages.
+"""PPO with a pipelined actor and critic (`placement.pipeline_stages`), separate and fused, and
+with LoRA adapters, gives the unpipelined run's numbers, and resumes; packed updates refuse
+pipeline stages.
 
 The runs are `Runner`s in this process, as `scripts/train_ppo.py` runs them (its flags, one-line
 errors and resume message: `test_front_door_e2e`, `test_resume_e2e`); the pipelined steps against
@@ -72,6 +73,20 @@ def test_pipelined_and_fused_ppo_give_the_unpipelined_numbers(tmp_path):
   # Fused, the critic has no update stage of its own: it trains inside the actor's.
   assert _updating(tmp_path / "fused") == {"actor"}
   assert _updating(tmp_path / "staged") == {"actor", "critic"}
+
+
+@pytest.mark.slow
+def test_lora_through_pipeline_stages_gives_the_unpipelined_numbers(tmp_path):
+  """Adapters on the actor and the critic, each stage training its own layers' adapters, the
+  reference scoring the actor's base as a forward-only pipeline: the unpipelined LoRA run's
+  numbers (the gradients' tree, adapters alone: `test_pipeline_parallel`)."""
+  lora = {"model.lora.rank": 4}
+  cfg = shipped_config("ppo_tiny", {**_PPO, **_STAGED, **lora})
+  assert set(cfg.model.adapted_roles) == {"actor", "critic"} and cfg.model.reference_from_base
+  plain, _ = _ppo(tmp_path / "plain", 2, lora)
+  staged, _ = _ppo(tmp_path / "staged", 2, {**_STAGED, **lora})
+  assert_same_numbers(plain, staged, _COMPARED)
+  assert plain[0]["loss/policy"] != plain[1]["loss/policy"]
 
 
 def _updating(workdir) -> set[str]:

@@ -1297,12 +1297,6 @@ class ExperimentConfig:
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _check_pure_bf16(self)
-    if self.model.adapted_roles and self.placement.pipeline_stages > 1:
-      raise ConfigError(
-        f"LoRA adapters on {', '.join(self.model.adapted_roles)} with 'placement.pipeline_stages'="
-        f"{self.placement.pipeline_stages}: adapters do not train in pipeline stages yet; set "
-        "one of them to its default"
-      )
     if self.model.reference_from_base:
       parked = [r for r in ("actor", "reference") if r in self.offload.params]
       if parked:

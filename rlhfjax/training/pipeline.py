@@ -20,7 +20,8 @@ stage's loss is used. A backward recomputes its stage's forward from the stored 
 stage is rematerialised whole; the model's own remat policy applies inside) and takes the
 vector-Jacobian product with the gradient that arrived, or with the loss on the last stage.
 
-Gradients are summed per stage over the micro-batches in micro-batch order, as
+Gradients (of the trained leaves: with LoRA the adapters and a value head, `models.lora.split`)
+are summed per stage over the micro-batches in micro-batch order, as
 `steps.accumulate_and_apply`'s scan sums them, then averaged; the parameters outside the layer
 stack are summed over the stages (each stage adds only what it used). A non-finite loss on the
 last stage poisons every stage's gradients, so the optimizer skips the update as unpipelined.
@@ -42,7 +43,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from rlhfjax import schedules
 from rlhfjax.config.model import ModelConfig
-from rlhfjax.models import transformer
+from rlhfjax.models import lora, transformer
 from rlhfjax.training import steps
 from rlhfjax.training.state import TrainState
 
@@ -184,6 +185,9 @@ def pipelined_grads(
   def body(params, batches):
     me = jax.lax.axis_index(AXIS)
     split = [_split(prm) for prm in params]
+    # The trained and frozen halves of each model's block and rest, split by the whole tree's
+    # mask (`models.lora.trainable`: a block or rest alone may hold no adapters).
+    halves = [tuple(_split(half) for half in lora.split(prm)) for prm in params]
 
     def varying(x):
       return jax.lax.pcast(x, AXIS, to="varying")
@@ -213,17 +217,20 @@ def pipelined_grads(
           else:
             sent = x
         else:
+          # Gradients of the trained leaves only (`models.lora.split`: with adapters, the
+          # adapters and a value head; the frozen base is a constant here).
+          (block_t, rest_t), (block_f, rest_f) = halves[k]
+          out = 1 if place == "last" else 0
+
+          def stage_out(r, bl, xi):
+            joined = (lora.join(r, rest_f), lora.join(bl, block_f))
+            return _stage_forward(model, place, *joined, xi, micro)[out]
+
+          _, pull = jax.vjp(stage_out, rest_t, block_t, x_in)
           if place == "last":
-            _, pull = jax.vjp(
-              lambda r, bl, xi: _stage_forward(model, place, r, bl, xi, micro)[1], rest, block, x_in
-            )
             d_rest, d_block, d_x = pull(jnp.ones((), jnp.float32))
           else:
-            g = grads_in[k][g_slot][..., :d]
-            _, pull = jax.vjp(
-              lambda r, bl, xi: _stage_forward(model, place, r, bl, xi, micro)[0], rest, block, x_in
-            )
-            d_rest, d_block, d_x = pull(g.astype(dtype))
+            d_rest, d_block, d_x = pull(grads_in[k][g_slot][..., :d].astype(dtype))
           layers_acc, rest_acc = grads[k]
           grads = list(grads)
           grads[k] = (
@@ -277,10 +284,7 @@ def pipelined_grads(
       varying(jnp.zeros((slots.gradient_slots[k], b, s, x.shape[-1]), dtype))
       for k, x in enumerate(shapes)
     )
-    grads0 = tuple(
-      (varying(steps.zero_gradients(block)), varying(steps.zero_gradients(rest)))
-      for block, rest in split
-    )
+    grads0 = tuple(varying(_split(steps.zero_gradients(prm))) for prm in params)
     metrics0 = tuple(
       varying(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), mets))
       for mets in metric_shapes
@@ -302,7 +306,7 @@ def pipelined_grads(
     tuple(_param_specs(prm) for prm in params),
     jax.tree.map(lambda _: PartitionSpec(), tuple(batches)),
   )
-  out_specs = (tuple(_param_specs(prm) for prm in params), PartitionSpec())
+  out_specs = (tuple(_param_specs(lora.split(prm)[0]) for prm in params), PartitionSpec())
   run = jax.shard_map(
     body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False
   )
