@@ -91,6 +91,7 @@ def _model_from_json(fields: Mapping[str, Any]) -> ModelConfig:
   if fields.get("lora") is not None:
     fields["lora"] = LoraConfig(**{**fields["lora"], "targets": tuple(fields["lora"]["targets"])})
   fields["eos_token_ids"] = tuple(fields.get("eos_token_ids") or ())
+  fields["quantized"] = tuple(fields.get("quantized") or ())
   return ModelConfig(**fields)
 
 
@@ -212,7 +213,7 @@ def _restore_policy(
   if adapters is None:
     item_dir = ckpt.item_directory(step_dir, item)
     return ckpt.restore_params(step_dir, _abstract_params(item_dir, layers_by_process), item)
-  model = model.replace(lora=adapters.lora)
+  model = model.replace(lora=adapters.lora, quantized=adapters.quantized)
   head = policy["head"]
   abstract = _on_export_mesh(models.abstract_params(model, head), layers_by_process)
   trained = ckpt.restore_params(step_dir, lora.split(abstract)[0], item)
@@ -452,7 +453,7 @@ def export(
     return _export_adapter(run, workdir, step_dir, policy, saved, out, dtype or "float32")
   dtype = dtype or saved.param_dtype
   tokenizer = tokenizer_lib.load_tokenizer(policy["tokenizer"])
-  model = dataclasses.replace(saved, param_dtype=dtype, dtype=dtype, lora=None)
+  model = dataclasses.replace(saved, param_dtype=dtype, dtype=dtype, lora=None, quantized=())
   model = _with_token_ids(model, tokenizer)
   hf_config = config_to_hf(model, head)  # fails here, before any file, if it cannot
 
@@ -461,7 +462,10 @@ def export(
   assignment = assign_files(shards, model.num_layers, jax.process_count())
   params = _restore_policy(step_dir, policy, saved, assignment.layers_by_process)
   if saved.lora is not None:  # the adapted model (adapters merged into the weights), or its base
-    params = lora.base(params) if part == "base" else lora.merged(params, saved.lora)
+    # An int8 base (QLoRA) is written dequantized.
+    params = (
+      lora.dequantized(lora.base(params)) if part == "base" else lora.merged(params, saved.lora)
+    )
 
   me = jax.process_index()
   first = me * (model.num_layers // jax.process_count()) if assignment.layers_by_process else 0

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from runs_testing import LEARNING_RUN, shipped_config
+from runs_testing import LEARNING_RUN, deterministic, shipped_config
 
 from rlhfjax import export, models
 from rlhfjax.config import ConfigError
@@ -336,6 +336,11 @@ def _check_reference_is_the_base(runner):
     ({"model__lora__targets": ("q", "qkv")}, r"'model.lora.targets': unknown projection\(s\) qkv"),
     ({"model__lora__rank": 57}, r"LoRA rank 57 exceeds the smallest adapted projection"),
     ({"model__lora__reference": "copy"}, r"'model.lora.reference' must be one of base, placed"),
+    ({"model__lora__quantize": "nf4"}, r"'model.lora.quantize' must be 'int8' or ''"),
+    (
+      {"model__lora__quantize": "int8", "model__lora__rank": 0},
+      r"'model.lora.quantize'='int8' quantizes the frozen base .* set 'model.lora.rank' > 0",
+    ),
     (
       {"offload__params": ("reference",)},
       r"'offload.params' names reference, but the reference runs the actor's base weights",
@@ -429,7 +434,8 @@ def test_the_planner_scores_a_reference_on_the_actors_base_on_the_actors_devices
 
 def test_the_readme_memory_figures_of_a_qwen_checkpoint_with_and_without_adapters():
   """The README's figures for its Qwen2.5-1.5B command (`show_placement.py`'s estimates), with
-  `model.lora.rank=16` and without: the peak, the actor's and the reference's."""
+  `model.lora.rank=16` and without, and over an int8 base: the peak, the actor's and the
+  reference's."""
   from rlhfjax.flows import registry
   from rlhfjax.placement import estimate_placement_memory
   from rlhfjax.placement.memory import device_totals
@@ -449,8 +455,10 @@ def test_the_readme_memory_figures_of_a_qwen_checkpoint_with_and_without_adapter
     "ppo.micro_batches": 8,
   }
   gib = {}
-  for rank in (16, 0):
-    config = registry.configure(shipped_config("grpo_tiny", {**command, "model.lora.rank": rank}))
+  variants = {16: {"model.lora.rank": 16}, 0: {}, "int8": {"model.lora.quantize": "int8"}}
+  for rank, extra in variants.items():
+    changes = {**command, "model.lora.rank": 16 if rank == "int8" else rank, **extra}
+    config = registry.configure(shipped_config("grpo_tiny", changes))
     spec = place.plan_placement(config, available_devices=8)
     config, _ = place.sized(config, spec)
     train_rows, score_rows = auto.memory_rows(config)
@@ -468,6 +476,10 @@ def test_the_readme_memory_figures_of_a_qwen_checkpoint_with_and_without_adapter
   assert (
     f"prints a peak of {full['peak']:.2f} GiB of the 80: the actor {full['actor']:.2f} GiB"
     in readme
+  )
+  int8 = gib["int8"]
+  assert f"the actor takes {int8['actor']:.2f} GiB and the peak is {int8['peak']:.2f}" in readme, (
+    int8
   )
 
 
@@ -495,3 +507,131 @@ def test_a_role_may_train_adapters_of_its_own_rank_or_its_full_weights():
     ppo(model__roles={"reference": {"lora_rank": 4}})
   with pytest.raises(ConfigError, match=r"'lora_rank' must be >= 0"):
     ppo(model__roles={"critic": {"lora_rank": -1}})
+
+
+# ---------------------------------------------------------------------------------------------
+# QLoRA: the frozen base's adapted kernels in int8 (`model.lora.quantize='int8'`).
+
+
+def test_int8_kernels_are_within_half_a_step_of_the_float_ones_and_run_as_them():
+  """`quantize_kernel` against NumPy: per output channel (the dimensions the einsum does not
+  contract) `s = max |W| / 127`, `q = round(W / s)`, so every weight is within `s / 2` of
+  `q * s`; a model whose kernels are int8 computes what the float model with the dequantized
+  kernels computes (the forward dequantizes in float32 first)."""
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(3, 56, 4, 12)).astype(np.float32) * 0.02  # stacked q_proj [l, d, h, n]
+  shape, axes = lora.scale_layout("btd,dhn->bthn", w.shape[1:], ("embed", "heads", "kv"))
+  assert shape == (1, 4, 12) and axes == (None, "heads", "kv")
+  q, s = lora.quantize_kernel(jnp.asarray(w), (3, *shape))
+  amax = np.max(np.abs(w), axis=1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(s), amax / 127, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(q), np.clip(np.round(w / (amax / 127)), -127, 127))
+  assert q.dtype == jnp.int8 and np.max(np.abs(np.asarray(q, np.int32))) == 127
+  err = np.abs(np.asarray(lora.dequantize_kernel(q, s)) - w)
+  assert np.all(err <= np.asarray(s) / 2 * (1 + 1e-6))
+
+  quantized = ADAPTED.replace(quantized=ADAPTED.lora.targets)
+  params = _with_random_b(models.init_params(quantized, "lm", jax.random.key(0)))
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  int8 = {jax.tree_util.keystr(p) for p, x in leaves if x.dtype == jnp.int8}
+  adapted = {jax.tree_util.keystr(p[:-1]) for p, _ in leaves if str(p[-1]) == "['lora_a']"}
+  assert int8 == {f"{k}['kernel']" for k in adapted} and len(int8) == 7  # q k v o gate up down
+  tokens = _tokens()
+  mask = jnp.ones_like(tokens)
+  logits = jax.jit(models.forward_logits, static_argnums=0)
+  got = logits(quantized, params, tokens, mask)
+  want = logits(ADAPTED, lora.dequantized(params), tokens, mask)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  # Merged, the rollout's weights: float32 kernels, no scales, the same adapted model.
+  merged = lora.merged(params, quantized.lora)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(merged))
+  plain = get_model_config("tiny")
+  np.testing.assert_allclose(
+    np.asarray(logits(plain, merged, tokens, mask)), np.asarray(got), rtol=1e-5, atol=1e-5
+  )
+
+
+def test_a_float_checkpoint_loads_as_an_int8_base_with_its_own_scales(tmp_path):
+  """QLoRA from a Hugging Face checkpoint: the adapted kernels are the checkpoint's quantized
+  (`quantize_kernel` of its float weights), sharded as the float kernels would be, the rest
+  as saved, and the adapters fresh."""
+  from hf_dirs import TINY_QWEN2, write_checkpoint
+
+  from rlhfjax.training import weights
+
+  write_checkpoint(tmp_path / "qwen2", TINY_QWEN2)
+  model = TINY_QWEN2.replace(lora=LoraConfig(rank=4), quantized=("q", "down"))
+  spec = RoleSpec.training(range(8), fsdp=4, tensor=2)
+  mesh = meshes.make_mesh(spec)
+  load = lambda m: weights.load_params(  # noqa: E731
+    str(tmp_path / "qwen2"),
+    model=m,
+    head="lm",
+    mesh=mesh,
+    layout=spec.layout,
+    shardings=weights.param_shardings(m, "lm", mesh, spec.layout),
+    rng=jax.random.key(0),
+    items=("actor",),
+    what="init.actor",
+  )
+  got, float_params = load(model), load(model.replace(quantized=()))
+  for name in ("q_proj", "k_proj"):
+    proj = got["layers"]["attn"][name]
+    base = float_params["layers"]["attn"][name]["kernel"]
+    if name == "k_proj":  # not quantized
+      assert proj["kernel"].dtype == base.dtype and lora.SCALE not in proj
+      np.testing.assert_array_equal(np.asarray(proj["kernel"]), np.asarray(base))
+      continue
+    q, s = lora.quantize_kernel(base, proj[lora.SCALE].shape)
+    np.testing.assert_array_equal(np.asarray(proj["kernel"]), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(proj[lora.SCALE]), np.asarray(s))
+    assert proj["kernel"].sharding.is_equivalent_to(base.sharding, base.ndim)
+    where = lambda x: {  # noqa: E731
+      (d.device.id, tuple((i.start, i.stop) for i in d.index)) for d in x.addressable_shards
+    }
+    assert where(proj["kernel"]) == where(base) and len({i for _, i in where(base)}) > 1
+  assert got["layers"]["mlp"]["down_proj"]["kernel"].dtype == jnp.int8
+  assert np.all(np.asarray(got["layers"]["attn"]["q_proj"]["lora_b"]) == 0)
+
+
+@pytest.mark.parametrize("variant", ["colocated", "disaggregated"])
+def test_grpo_over_an_int8_base(tmp_path, variant):
+  """Two GRPO iterations with adapters over an int8 base, co-located on 8 devices (the merged
+  weights cast for the rollout) and disaggregated (the rollout's dequantized base copy, the
+  adapters moved alone): the reference is the quantized base (KL 0 at first); the actor's
+  bytes are what the memory model says; the rollout ends with the merged, dequantized
+  weights; and a resume from the first checkpoint repeats the second iteration."""
+  changes = {"model.lora.quantize": "int8", "total_steps": 2, "eval.num_prompts": 0}
+  changes["checkpoint.every_steps"] = 1
+  if variant == "disaggregated":
+    changes.update({"placement.num_devices": 2, "placement.rollout_tensor": 1})
+  cfg = shipped_config("grpo_lora_tiny", changes, variant)
+  runner = Runner(cfg, str(tmp_path / "run"), show_progress=False)
+  rows = runner.run().metrics
+  assert rows[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl/mean"] > 0
+  cluster = runner.cluster
+  actor, model = cluster.weights(Role.ACTOR), cluster.roles[Role.ACTOR].model
+  assert model.quantized == model.lora.targets
+  assert sum(x.nbytes for x in jax.tree.leaves(actor)) == (
+    memory.stored_param_bytes(model, "lm") + memory.adapter_bytes(model)
+  )
+  assert memory.stored_param_bytes(model, "lm") < 0.6 * memory.stored_param_bytes(
+    model.replace(quantized=()), "lm"
+  )
+  wanted = models.abstract_params(cluster.roles[Role.ROLLOUT].model, "lm")
+  merged = jax.tree.map(
+    lambda x, w: np.asarray(x).astype(w.dtype), lora.merged(actor, model.lora), wanted
+  )
+  for a, b in zip(jax.tree.leaves(cluster.engine.params), jax.tree.leaves(merged), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  assert cluster.syncs_adapters == (variant == "disaggregated")
+  if variant == "disaggregated":
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "run", cut, ignore=shutil.ignore_patterns(".lock", "finished.json"))
+    shutil.rmtree(cut / "checkpoints" / "2")
+    resumed = Runner(cfg, str(cut), show_progress=False)
+    assert resumed.start_step == 1
+    again = resumed.run().metrics
+    assert deterministic(again[-1]) == deterministic(rows[1])

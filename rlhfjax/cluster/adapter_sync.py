@@ -32,10 +32,11 @@ class AdapterSync:
     `compile_fn` is `Cluster.compile`."""
     self.lora = src.model.lora
     wanted = models.abstract_params(dst.model, dst.head)
-    base_shardings = lora.base(src.param_shardings)
+    base_shardings = lora.without_scales(lora.base(src.param_shardings))
     self._cast_base = compile_fn(
       "rollout_base_cast",
-      lambda params: transfer.cast(lora.base(params), dtypes=wanted),
+      # An int8 base (QLoRA) dequantized: the rollout runs float weights.
+      lambda params: transfer.cast(lora.dequantized(lora.base(params)), dtypes=wanted),
       in_shardings=(src.param_shardings,),
       out_shardings=base_shardings,
       role=src.role,

@@ -87,6 +87,7 @@ class RoleModelSection:
 
 _ROLES = ("actor", "critic", "reference", "reward", "rollout")
 _LORA_REFERENCES = ("base", "placed")
+_LORA_QUANTIZE = ("", "int8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,8 +108,20 @@ class LoraSection:
   the actor's own frozen base weights with the adapters off, on the actor's devices (the
   reference is the model the adapters started from, so no copy is loaded or placed); 'placed',
   a separate copy on its own devices like any other role."""
+  quantize: str = ""
+  """'int8': the adapted projections' frozen base kernels are stored as int8 with a float32
+  scale per output channel (symmetric, absmax: about a quarter of the float32 bytes, half of
+  bf16's) and dequantized in the forward; QLoRA's saving, on every backend (XLA computes the
+  dequantization; no special kernel). '' (default): the base in its own dtype. The reference on
+  the base ('base') scores the same quantized weights; the rollout runs the adapted weights
+  dequantized and merged."""
 
   def __post_init__(self):
+    if self.quantize not in _LORA_QUANTIZE:
+      raise ConfigError(
+        f"'model.lora.quantize' must be 'int8' or '' (the base in its own dtype), got "
+        f"{self.quantize!r}"
+      )
     if isinstance(self.targets, str):
       object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t))
     if self.rank < 0:
@@ -275,6 +288,10 @@ class ModelSection:
     changes = {**overrides, **self.overrides, **role_section.overrides()}
     if rank := self.lora_rank(role):
       changes["lora"] = self.lora.for_model(rank)
+    if self.lora.quantize and (
+      self.lora_rank(role) or (role == "reference" and self.reference_from_base)
+    ):
+      changes["quantized"] = self.lora.targets
     try:
       if self.hf_for(role):
         return self._from_hf(role, changes)
@@ -1297,6 +1314,11 @@ class ExperimentConfig:
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _check_pure_bf16(self)
+    if self.model.lora.quantize and not self.model.adapted_roles:
+      raise ConfigError(
+        f"'model.lora.quantize'={self.model.lora.quantize!r} quantizes the frozen base under "
+        "LoRA adapters, but no role trains adapters: set 'model.lora.rank' > 0"
+      )
     if self.model.reference_from_base:
       parked = [r for r in ("actor", "reference") if r in self.offload.params]
       if parked:

@@ -164,8 +164,16 @@ class ModelConfig:
   pad_token_id: int | None = _hf("pad_token_id", default=None)
   lora: LoraConfig | None = None
   """Low-rank adapters over frozen base weights (`LoraConfig`); None: every weight trains."""
+  quantized: tuple[str, ...] = ()
+  """Projections (names of `LORA_TARGETS` and `lm_head`) whose frozen base kernels are stored
+  as int8 with a float32 scale per output channel and dequantized in the forward (QLoRA's
+  memory saving, `rlhfjax.models.lora.quantize_kernel`): the adapted projections of a run with
+  `model.lora.quantize='int8'`, and the same of a reference that scores the actor's base."""
 
   def __post_init__(self):
+    unknown = [t for t in self.quantized if t not in LORA_TARGETS + LORA_EXTRA_TARGETS]
+    if unknown:
+      raise ValueError(f"ModelConfig.quantized names unknown projections {unknown}")
     for name in SHAPE_FIELDS:
       if getattr(self, name) < 1:
         raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -236,7 +244,7 @@ TOKEN_FIELDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
 """The special token ids a checkpoint declares: the tokenizer's, not the network's."""
 # The family name only picks the export format: with the fields above excepted, what is left
 # is what the network computes from given weights.
-ADAPTER_FIELDS = ("lora",)
+ADAPTER_FIELDS = ("lora", "quantized")
 """What a run trains on top of the weights (not the weights' architecture)."""
 ARCHITECTURE_FIELDS = tuple(
   f.name

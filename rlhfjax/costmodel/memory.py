@@ -4,7 +4,8 @@ Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens eac
 `d`, MLP width `f`, `h` query heads and `k` KV heads of size `n`, `L` layers, vocab `v`.
 
 - LoRA (`ModelConfig.lora`): the frozen base in `param_dtype` plus float32 adapters; moments
-  and gradients of the adapters only (and of a value head).
+  and gradients of the adapters only (and of a value head). QLoRA (`ModelConfig.quantized`):
+  those projections' base kernels in int8 plus a float32 scale per output channel.
 - Persistent (lives between stages): parameters in `param_dtype`, and for trained roles the two
   Adam moments (optax keeps them in the parameters' dtype unless told otherwise), sharded over
   the layout's parameter axes. A part this role offloads (`Options.offload_params`,
@@ -137,7 +138,35 @@ def activation_bytes(config: ModelConfig, native_half: bool) -> int:
 
 
 def param_bytes(config: ModelConfig, head: str, shards: int) -> int:
-  return _ceil_div(param_count(config, head) * _BYTES[config.param_dtype], shards)
+  return _ceil_div(stored_param_bytes(config, head), shards)
+
+
+def stored_param_bytes(config: ModelConfig, head: str) -> int:
+  """Bytes of the parameters as stored: `param_dtype`, but int8 kernels with a float32 scale
+  per output channel for the projections in `config.quantized` (QLoRA's base)."""
+  total = param_count(config, head) * _BYTES[config.param_dtype]
+  if not config.quantized:
+    return total
+  d, f, h, k, n = _dims(config)
+  shapes = {  # (kernel elements, output channels) of one layer's projection
+    "q": (d * h * n, h * n),
+    "k": (d * k * n, k * n),
+    "v": (d * k * n, k * n),
+    "o": (h * n * d, d),
+    "gate": (d * f, f),
+    "up": (d * f, f),
+    "down": (f * d, d),
+  }
+  for target in config.quantized:
+    if target == "lm_head":
+      if head != "lm" or config.tie_embeddings:
+        continue
+      elements, channels = d * config.vocab_size, config.vocab_size
+    else:
+      elements, channels = (x * config.num_layers for x in shapes[target])
+    total -= elements * (_BYTES[config.param_dtype] - 1)
+    total += 4 * channels
+  return total
 
 
 def layer_params(config: ModelConfig) -> int:
@@ -160,7 +189,7 @@ def train_memory(
   pb = _BYTES[config.param_dtype]
   ob = _BYTES[options.optimizer_dtype or config.param_dtype]
   c = activation_bytes(config, options.native_half)
-  params = _ceil_div(p * pb, ps)
+  params = _ceil_div(stored_param_bytes(config, head), ps)
   optimizer = 0 if options.optimizer_on_host else _ceil_div(2 * p * ob, ps)
   grads = _ceil_div(p * (4 + pb), ps)
   if config.lora is not None:

@@ -16,6 +16,14 @@ A parameter tree with adapters has `lora_a` / `lora_b` leaves beside the adapted
 `trainable` says which leaves train (the adapters, and a value head, which no base has), `base`
 drops the adapters and `merged` folds them into the kernels (the weights a rollout or an export
 without adapters runs).
+
+QLoRA's frozen base (`ModelConfig.quantized`): an adapted kernel stored as int8 `q` beside a
+float32 `kernel_scale` per output channel (the kernel's dimensions the einsum does not
+contract; size 1 on the contracted ones), `W ~ q * scale` with `scale = max |W| / 127` over the
+contracted dimensions (symmetric absmax, round to nearest: each weight within `scale / 2` of its
+float value). The forward dequantizes in float32 and casts to the compute dtype
+(`dequantize_kernel`); `quantize_base` turns a loaded float base into this form, `dequantized`
+back (what a rollout or an export receives).
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from rlhfjax.config.model import LoraConfig
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The names of the adapter parameters inside an adapted projection."""
+SCALE = "kernel_scale"
+"""The per-output-channel scale beside an int8 base kernel."""
+_INT8_MAX = 127.0
 ALWAYS_TRAINED = ("value_head",)
 """Parameters that train with the adapters: a value head is new, no base holds it."""
 
@@ -77,6 +88,98 @@ def adapter_delta(
   return delta * jnp.asarray(lora.scale, dtype)
 
 
+def _contracted(eqn: str) -> list[int]:
+  """The kernel's dimensions the einsum contracts with the input."""
+  lhs, rhs, _ = _einsum_parts(eqn)
+  return [i for i, c in enumerate(rhs) if c in lhs]
+
+
+def scale_layout(
+  eqn: str, kernel_shape: tuple[int, ...], kernel_axes: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+  """Shape and logical axes of an int8 kernel's scale: the kernel's, 1 (unsharded) on the
+  dimensions the einsum contracts."""
+  contracted = set(_contracted(eqn))
+  shape = tuple(1 if i in contracted else n for i, n in enumerate(kernel_shape))
+  axes = tuple(None if i in contracted else a for i, a in enumerate(kernel_axes))
+  return shape, axes
+
+
+def _init_step(std: float) -> float:
+  """The scale of a random int8 kernel: 4 standard deviations of the float draw over 127."""
+  return 4 * std / _INT8_MAX
+
+
+def int8_normal_init(std: float):
+  """A random int8 kernel: a normal draw of `std` quantized with `_init_step(std)` (the scale
+  `int8_scale_init` gives every channel), so `q * scale` is a normal draw rounded."""
+
+  def init(key, shape, dtype=jnp.int8):
+    w = jax.random.normal(key, shape, jnp.float32) * std
+    return jnp.clip(jnp.round(w / _init_step(std)), -_INT8_MAX, _INT8_MAX).astype(dtype)
+
+  return init
+
+
+def int8_scale_init(std: float):
+  def init(key, shape, dtype=jnp.float32):
+    del key
+    return jnp.full(shape, _init_step(std), dtype)
+
+  return init
+
+
+def quantize_kernel(kernel: jax.Array, scale_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """`(q, scale)` of a float kernel: int8 and the float32 absmax scale over the dimensions of
+  size 1 in `scale_shape` (a zero channel gets scale 1)."""
+  w = kernel.astype(jnp.float32)
+  axes = tuple(i for i, (n, m) in enumerate(zip(w.shape, scale_shape, strict=True)) if m == 1 < n)
+  amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
+  scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
+  q = jnp.clip(jnp.round(w / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+  return q, scale.reshape(scale_shape)
+
+
+def dequantize_kernel(q: jax.Array, scale: jax.Array) -> jax.Array:
+  """The float32 kernel of an int8 one."""
+  return q.astype(jnp.float32) * scale.astype(jnp.float32)
+
+
+def quantize_base(params: Any, like: Any) -> Any:
+  """`params` (a float base) with the kernels that `like` (a tree of the quantized layout:
+  arrays or shape structs) holds as int8 quantized (`quantize_kernel`)."""
+
+  def walk(tree: Any, target: Any) -> Any:
+    if not isinstance(tree, dict):
+      return tree
+    if "kernel" in tree and isinstance(target, dict) and SCALE in target:
+      q, scale = quantize_kernel(tree["kernel"], tuple(target[SCALE].shape))
+      return {**tree, "kernel": q, SCALE: scale}
+    return {
+      k: walk(v, target.get(k) if isinstance(target, dict) else None) for k, v in tree.items()
+    }
+
+  return walk(params, like)
+
+
+def dequantized(params: Any) -> Any:
+  """`params` with every int8 kernel dequantized to float32 and its scale dropped."""
+
+  def fold(proj: dict) -> dict:
+    if SCALE not in proj:
+      return proj
+    kernel = dequantize_kernel(proj["kernel"], proj[SCALE])
+    return {**{k: v for k, v in proj.items() if k != SCALE}, "kernel": kernel}
+
+  return _map_projections(params, fold)
+
+
+def without_scales(tree: Any) -> Any:
+  """`tree` (any tree of the parameters' structure) without the int8 kernels' scales: the
+  structure of the dequantized parameters (`dequantized`)."""
+  return _map_projections(tree, lambda proj: {k: v for k, v in proj.items() if k != SCALE})
+
+
 def _names(path) -> tuple[str, ...]:
   return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
@@ -120,13 +223,15 @@ def base(params: Any) -> Any:
 
 def merged(params: Any, lora: LoraConfig) -> Any:
   """`params` with each adapter folded into its kernel, `W + (alpha / r) A B` computed in
-  float32 and stored in the kernel's dtype, and no adapter leaves: the adapted model's weights
-  for a model without adapters (the rollout's, an export's)."""
+  float32 and stored in the kernel's dtype (float32 for an int8 base, dequantized), and no
+  adapter leaves nor scales: the adapted model's weights for a model without adapters (the
+  rollout's, an export's)."""
 
   def fold(proj: dict) -> dict:
     if "lora_a" not in proj:
       return proj
-    kernel, a, b = proj["kernel"], proj["lora_a"], proj["lora_b"]
+    a, b = proj["lora_a"], proj["lora_b"]
+    kernel = dequantized(proj)["kernel"]  # float32 from an int8 base
     lead = a.ndim + b.ndim - 2 - kernel.ndim  # stacked layers in front of every one of them
     n_in = a.ndim - 1 - lead
     letters = iter(string.ascii_lowercase)
@@ -139,7 +244,7 @@ def merged(params: Any, lora: LoraConfig) -> Any:
       b.astype(jnp.float32),
     )
     folded = (kernel.astype(jnp.float32) + lora.scale * delta).astype(kernel.dtype)
-    return {**_without(proj), "kernel": folded}
+    return {**without_scales(_without(proj)), "kernel": folded}
 
   return _map_projections(params, fold)
 

@@ -53,9 +53,38 @@ def _adapted(config: ModelConfig, target: str) -> LoraConfig | None:
   return config.lora if config.lora is not None and target in config.lora.targets else None
 
 
+def _quantized(config: ModelConfig, target: str) -> bool:
+  """Whether projection `target`'s frozen base kernel is stored as int8 (`config.quantized`)."""
+  return target in config.quantized
+
+
+def _projection(
+  cfg: ModelConfig,
+  target: str,
+  eqn: str,
+  kernel_shape: tuple[int, ...],
+  kernel_axes: tuple[str, ...],
+  bias_axes: tuple[str, ...] | None = None,
+) -> Linear:
+  """The model's projection `target` (one of `LORA_TARGETS`), module `<target>_proj`: its
+  adapters (`_adapted`) and int8 base (`_quantized`) as the config says."""
+  return Linear(
+    eqn,
+    kernel_shape,
+    kernel_axes,
+    bias_axes,
+    dtype=jnp.dtype(cfg.dtype),
+    param_dtype=jnp.dtype(cfg.param_dtype),
+    lora=_adapted(cfg, target),
+    quantized=_quantized(cfg, target),
+    name=f"{target}_proj",
+  )
+
+
 class Linear(nn.Module):
   """`y = einsum(eqn, x, kernel) (+ bias)` with logically named kernel axes; with `lora`, plus
-  `scale * B (A x)` (`lora.adapter_delta`)."""
+  `scale * B (A x)` (`lora.adapter_delta`); `quantized`: the kernel is int8 times a float32
+  scale per output channel (`kernel_scale`), dequantized here (`lora.dequantize_kernel`)."""
 
   eqn: str
   kernel_shape: tuple[int, ...]
@@ -65,17 +94,39 @@ class Linear(nn.Module):
   param_dtype: Any = jnp.float32
   lora: LoraConfig | None = None
   """Adapters on this projection (None: none)."""
+  quantized: bool = False
+  """The kernel is stored as int8 with a per-output-channel float32 scale."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = _param(
-      self,
-      "kernel",
-      self.kernel_shape,
-      self.kernel_axes,
-      nn.initializers.normal(_INIT_STD),
-      self.param_dtype,
-    )
+    if self.quantized:
+      scale_shape, scale_axes = lora.scale_layout(self.eqn, self.kernel_shape, self.kernel_axes)
+      q = _param(
+        self,
+        "kernel",
+        self.kernel_shape,
+        self.kernel_axes,
+        lora.int8_normal_init(_INIT_STD),
+        jnp.int8,
+      )
+      scale = _param(
+        self,
+        "kernel_scale",
+        scale_shape,
+        scale_axes,
+        lora.int8_scale_init(_INIT_STD),
+        jnp.float32,
+      )
+      kernel = lora.dequantize_kernel(q, scale)
+    else:
+      kernel = _param(
+        self,
+        "kernel",
+        self.kernel_shape,
+        self.kernel_axes,
+        nn.initializers.normal(_INIT_STD),
+        self.param_dtype,
+      )
     y = jnp.einsum(self.eqn, x.astype(self.dtype), kernel.astype(self.dtype))
     if self.lora is not None:
       y = y + lora.adapter_delta(self, self.lora, self.eqn, x, self.kernel_shape, self.kernel_axes)
@@ -404,34 +455,30 @@ class Attention(nn.Module):
   def __call__(self, x_btd, positions_bt, mask: Mask, cache, layer, cache_index_b):
     cfg = self.config
     d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
     bias = lambda axes: axes if cfg.qkv_bias else None
-    q_bthn = Linear(
+    q_bthn = _projection(
+      cfg,
+      "q",
       "btd,dhn->bthn",
       (d, h, n),
       ("embed", "heads", "head_dim"),
       bias(("heads", "head_dim")),
-      name="q_proj",
-      lora=_adapted(cfg, "q"),
-      **kw,
     )(x_btd)
-    k_btkn = Linear(
+    k_btkn = _projection(
+      cfg,
+      "k",
       "btd,dkn->btkn",
       (d, k, n),
       ("embed", "kv_heads", "head_dim"),
       bias(("kv_heads", "head_dim")),
-      name="k_proj",
-      lora=_adapted(cfg, "k"),
-      **kw,
     )(x_btd)
-    v_btkn = Linear(
+    v_btkn = _projection(
+      cfg,
+      "v",
       "btd,dkn->btkn",
       (d, k, n),
       ("embed", "kv_heads", "head_dim"),
       bias(("kv_heads", "head_dim")),
-      name="v_proj",
-      lora=_adapted(cfg, "v"),
-      **kw,
     )(x_btd)
     if cfg.qk_norm:
       norm = functools.partial(
@@ -470,14 +517,13 @@ class Attention(nn.Module):
       out_bthn = attend(cfg, q_bthn, keys_bskn, values_bskn, mask)
 
     out_bthn = checkpoint_name(out_bthn, "attention_out")
-    out_btd = Linear(
+    out_btd = _projection(
+      cfg,
+      "o",
       "bthn,hnd->btd",
       (h, n, d),
       ("heads", "head_dim", "embed"),
       ("embed",) if cfg.o_bias else None,
-      name="o_proj",
-      lora=_adapted(cfg, "o"),
-      **kw,
     )(out_bthn)
     return out_btd, new_cache
 
@@ -489,15 +535,26 @@ class MLP(nn.Module):
   def __call__(self, x_btd):
     cfg = self.config
     d, f = cfg.hidden_size, cfg.intermediate_size
-    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
-    gate_btf = Linear(
-      "btd,df->btf", (d, f), ("embed", "mlp"), name="gate_proj", lora=_adapted(cfg, "gate"), **kw
+    gate_btf = _projection(
+      cfg,
+      "gate",
+      "btd,df->btf",
+      (d, f),
+      ("embed", "mlp"),
     )(x_btd)
-    up_btf = Linear(
-      "btd,df->btf", (d, f), ("embed", "mlp"), name="up_proj", lora=_adapted(cfg, "up"), **kw
+    up_btf = _projection(
+      cfg,
+      "up",
+      "btd,df->btf",
+      (d, f),
+      ("embed", "mlp"),
     )(x_btd)
-    return Linear(
-      "btf,fd->btd", (f, d), ("mlp", "embed"), name="down_proj", lora=_adapted(cfg, "down"), **kw
+    return _projection(
+      cfg,
+      "down",
+      "btf,fd->btd",
+      (f, d),
+      ("mlp", "embed"),
     )(jax.nn.silu(gate_btf) * up_btf)
 
 
@@ -677,6 +734,7 @@ class Transformer(nn.Module):
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.param_dtype),
         lora=_adapted(cfg, "lm_head") if self.head == "lm" else None,
+        quantized=self.head == "lm" and _quantized(cfg, "lm_head"),
         name="lm_head",
       )(x_btd)
     return out.astype(jnp.float32), new_cache
@@ -843,7 +901,7 @@ def lm_head_vd(config: ModelConfig, params: Params) -> jax.Array:
   head = params["lm_head"]
   if "lora_a" in head:  # an adapted head, merged: `W + scale A B`
     return lora.merged({"lm_head": head}, config.lora)["lm_head"]["kernel"].T
-  return head["kernel"].T
+  return lora.dequantized({"lm_head": head})["lm_head"]["kernel"].T  # int8: dequantized
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> Cache:

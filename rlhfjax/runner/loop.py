@@ -243,9 +243,9 @@ class Runner:
       **self.flow.meta(),
       **weights.adapters_meta(
         {
-          role.value: weights.SavedAdapters.of(lora, self.cluster.weight_source(role))
+          role.value: weights.SavedAdapters.of(model, self.cluster.weight_source(role))
           for role in self.cluster.trained
-          if (lora := self.cluster.roles[role].model.lora) is not None
+          if (model := self.cluster.roles[role].model).lora is not None
         }
       ),
       **export.policy_meta(

@@ -14,6 +14,7 @@ way (a policy from a value-head model) has no language-model head to take and is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlhfjax import checkpoint as ckpt
-from rlhfjax import models
+from rlhfjax import models, programs
 from rlhfjax.config import model as model_config
 from rlhfjax.config.hf import read_hf_config
 from rlhfjax.config.model import HeadKind, ModelConfig
@@ -91,19 +92,19 @@ def load_params(
   """
   if not source:
     return models.init_params(model, head, rng, shardings=shardings)
+  again = functools.partial(
+    load_params, source, head=head, mesh=mesh, layout=layout, rng=rng, items=items, what=what
+  )
+  if model.lora is None and model.quantized:
+    # QLoRA's base: the source's float weights, then its adapted kernels quantized to int8.
+    float_base = again(model=model.replace(quantized=()), shardings=lora.without_scales(shardings))
+    like = models.abstract_params(model, head)
+    return programs.jit(
+      lambda params: lora.quantize_base(params, like), "quantize_base", out_shardings=shardings
+    )(float_base)
   if model.lora is not None:
     # The source holds a base model: its weights, then fresh adapters over them.
-    base = load_params(
-      source,
-      model=model.replace(lora=None),
-      head=head,
-      mesh=mesh,
-      layout=layout,
-      shardings=lora.base(shardings),
-      rng=rng,
-      items=items,
-      what=what,
-    )
+    base = again(model=model.replace(lora=None), shardings=lora.base(shardings))
     return lora.attach(base, models.init_adapters(model, head, rng, shardings=shardings))
   if is_hf_checkpoint(source):
     return _from_hf(source, model, head, mesh, layout, shardings, what)
@@ -144,7 +145,9 @@ def _from_checkpoint(source, model, head, mesh, layout, shardings, items, what) 
   # it trained is the two merged, which is what a later run starts from (an SFT's adapted
   # policy as PPO's).
   adapters = saved_adapters(step_dir, item)
-  saved = model.replace(lora=adapters and adapters.lora)
+  saved = model.replace(lora=None, quantized=())
+  if adapters is not None:
+    saved = saved.replace(lora=adapters.lora, quantized=adapters.quantized)
   saved_shardings = param_shardings(saved, found_head, mesh, layout)
   abstract = abstract_with_shardings(models.abstract_params(saved, found_head), saved_shardings)
   if adapters is None:
@@ -152,7 +155,7 @@ def _from_checkpoint(source, model, head, mesh, layout, shardings, items, what) 
     return _with_head(params, found_head, head, shardings)
   trained = ckpt.restore_params(step_dir, lora.split(abstract)[0], item=item)
   params = with_base(trained, adapters, saved, found_head, mesh, layout, saved_shardings)
-  wanted = param_shardings(model, found_head, mesh, layout)
+  wanted = param_shardings(model.replace(lora=None, quantized=()), found_head, mesh, layout)
   params = jax.jit(lambda p: lora.merged(p, adapters.lora), out_shardings=wanted)(params)
   return _with_head(params, found_head, head, shardings)
 
@@ -172,17 +175,20 @@ class SavedAdapters:
   base: str
   """The base's source ('': random from `rng`)."""
   rng: jax.Array
+  quantized: tuple[str, ...] = ()
+  """The base's projections the adapters were trained over as int8 (`ModelConfig.quantized`)."""
 
   @classmethod
-  def of(cls, lora_config: model_config.LoraConfig, source: Any) -> SavedAdapters:
-    """From a role's `LoraConfig` and its `rlhfjax.cluster.WeightSource`."""
-    return cls(lora=lora_config, base=source.source, rng=source.rng)
+  def of(cls, model: ModelConfig, source: Any) -> SavedAdapters:
+    """From a role's model (its `lora` and `quantized`) and its `rlhfjax.cluster.WeightSource`."""
+    return cls(lora=model.lora, base=source.source, rng=source.rng, quantized=model.quantized)
 
   def to_json(self) -> dict[str, Any]:
     return {
       "lora": dataclasses.asdict(self.lora),
       "base": self.base,
       "rng": [int(x) for x in np.asarray(jax.random.key_data(self.rng)).ravel()],
+      "quantized": list(self.quantized),
     }
 
   @classmethod
@@ -192,6 +198,7 @@ class SavedAdapters:
       lora=model_config.LoraConfig(**{**lora_fields, "targets": tuple(lora_fields["targets"])}),
       base=found["base"],
       rng=jax.random.wrap_key_data(np.asarray(found["rng"], np.uint32)),
+      quantized=tuple(found.get("quantized", ())),
     )
 
 
