@@ -32,7 +32,7 @@ class AdapterSync:
     `compile_fn` is `Cluster.compile`."""
     self.lora = src.model.lora
     wanted = models.abstract_params(dst.model, dst.head)
-    base_shardings = lora.without_scales(lora.base(src.param_shardings))
+    base_shardings = lora.base_layout(src.param_shardings)
     self._cast_base = compile_fn(
       "rollout_base_cast",
       # An int8 base (QLoRA) dequantized: the rollout runs float weights.

@@ -621,7 +621,7 @@ class Cluster:
     have = models.abstract_params(src.model, src.head)
     adapted = src.model.lora is not None
     if adapted:
-      have = lora.without_scales(lora.base(have))
+      have = lora.base_layout(have)
     pairs = zip(jax.tree.leaves(have), jax.tree.leaves(wanted), strict=True)
     if not adapted and all(a.dtype == b.dtype for a, b in pairs):
       return None
@@ -635,7 +635,7 @@ class Cluster:
       "rollout_cast",
       prepare,
       in_shardings=(src.param_shardings,),
-      out_shardings=lora.without_scales(lora.base(src.param_shardings)),
+      out_shardings=lora.base_layout(src.param_shardings),
       role=self._rollout_from,
     )
 

@@ -236,10 +236,6 @@ class Conversation:
       (*self.messages[:-1], {**self.messages[-1], "content": content}), self.tools
     )
 
-  @property
-  def tools_list(self) -> list[dict[str, Any]] | None:
-    return None if self.tools is None else [dict(t) for t in self.tools]
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChatTemplate:

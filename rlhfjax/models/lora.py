@@ -180,6 +180,13 @@ def without_scales(tree: Any) -> Any:
   return _map_projections(tree, lambda proj: {k: v for k, v in proj.items() if k != SCALE})
 
 
+def base_layout(tree: Any) -> Any:
+  """`tree` (any tree of the parameters' structure) as a model without adapters or int8
+  kernels holds it: the structure of `dequantized(base(params))`, what a rollout or an export
+  receives."""
+  return without_scales(base(tree))
+
+
 def _names(path) -> tuple[str, ...]:
   return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 

@@ -401,22 +401,16 @@ def _score_costs(spec, w, hw, eff, groups, shape, per_node):
       offload=_offload(w, spec, role, trained=False),
     )
     stages = stages_of(spec[role])
-    if stages > 1 and not w.packed:
-      # Each scoring call of `rows / steps` rows is a forward-only pipeline of its own, its
-      # rows split as the cluster splits them (`Cluster.scorer`).
-      per_call = math.ceil(rows / steps)
-      inner = schedules.scoring_micro_batches(per_call, stages, groups[role].replicas)
-      call = pipeline.forward_time(
-        *args,
-        stages=stages,
-        crosses_nodes=_crosses_nodes(spec[role], per_node),
-        **{**kwargs, "sequences": per_call, "micro_steps": inner},
-      )
-      seconds = steps * call
-    elif stages > 1:
-      seconds = pipeline.forward_time(
-        *args, stages=stages, crosses_nodes=_crosses_nodes(spec[role], per_node), **kwargs
-      )
+    if stages > 1:
+      calls = 1
+      if not w.packed:
+        # Each scoring call of `rows / steps` rows is a forward-only pipeline of its own, its
+        # rows split as the cluster splits them (`Cluster.scorer`).
+        calls, per_call = steps, math.ceil(rows / steps)
+        inner = schedules.scoring_micro_batches(per_call, stages, groups[role].replicas)
+        kwargs.update(sequences=per_call, micro_steps=inner)
+      crosses = _crosses_nodes(spec[role], per_node)
+      seconds = calls * pipeline.forward_time(*args, stages=stages, crosses_nodes=crosses, **kwargs)
     else:
       seconds = costs.forward_time(*args, **kwargs)
     scores.append(

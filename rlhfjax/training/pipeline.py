@@ -134,19 +134,26 @@ def _rules_without_stage(flax_rules) -> tuple:
   )
 
 
-def _stage_forward(model: Model, place: str, rest, block, x_in, micro):
-  """`(output activation, loss, metrics)` of the model's stage holding `block`: the loss
-  function run with its layer stack replaced by the block (see the module docstring)."""
+def _run_stage(config: ModelConfig, fn: Any, place: str, rest, block, x_in, *args):
+  """`(output activation, fn(rest, *args))` of the stage holding `block`: `fn` run with the
+  model's layer stack replaced by the block, which reads the embedded tokens on the first
+  stage and `x_in` on the others (see the module docstring)."""
   out = {}
 
   def layers(x_btd, positions_bt, mask):
     x_btd = x_btd if place == "first" else x_in.astype(x_btd.dtype)
-    out["x"] = transformer.apply_layers(model.config, block, x_btd, positions_bt, mask)
+    out["x"] = transformer.apply_layers(config, block, x_btd, positions_bt, mask)
     return out["x"]
 
   with transformer.layers_replaced(layers):
-    loss, metrics = model.loss_fn(rest, micro)
-  return out["x"], loss, metrics
+    y = fn(rest, *args)
+  return out["x"], y
+
+
+def _stage_forward(model: Model, place: str, rest, block, x_in, micro):
+  """`(output activation, loss, metrics)` of the model's stage holding `block`."""
+  x, (loss, metrics) = _run_stage(model.config, model.loss_fn, place, rest, block, x_in, micro)
+  return x, loss, metrics
 
 
 def pipelined_grads(
@@ -392,16 +399,7 @@ def pipelined_forward(
   one = tuple(x[0] for x in micro_inputs)
 
   def stage(place: str, rest, block, x_in, micro):
-    out = {}
-
-    def replaced(x_btd, positions_bt, mask):
-      x_btd = x_btd if place == "first" else x_in.astype(x_btd.dtype)
-      out["x"] = transformer.apply_layers(config, block, x_btd, positions_bt, mask)
-      return out["x"]
-
-    with transformer.layers_replaced(replaced):
-      y = fn(rest, *micro)
-    return out["x"], y
+    return _run_stage(config, fn, place, rest, block, x_in, *micro)
 
   x_shape = jax.eval_shape(lambda r, b, mi: stage("first", r, b, None, mi)[0], rest, block0, one)
   y_shape = jax.eval_shape(
