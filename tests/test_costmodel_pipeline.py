@@ -77,6 +77,40 @@ def test_a_send_is_one_micro_batch_of_stage_inputs():
     assert (work.micro_batches, work.flushes) == (8, 8 * epochs)
 
 
+def test_an_engine_that_keeps_residuals_prices_no_recomputed_forward():
+  """rlhfjax's pipelined backward recomputes its stage's forward (4 passes, a backward op of
+  3 forwards) whatever the remat policy; Megatron's (`pipeline_recomputes=False`) keeps what
+  its policy keeps: 3 passes and a backward of 2 without remat, rlhfjax's cost with it."""
+  megatron = dataclasses.replace(EFF, pipeline_recomputes=False)
+  group = costs.Group(devices=8, tensor=2)
+  kwargs = dict(sequences=256, seq_len=2048, epochs=1, optimizer_steps=4, micro_steps=4 * 8)
+
+  def work(eff, remat):
+    return pipeline.update_work(
+      H100, eff, B70, "lm", group, stages=4, crosses_nodes=False, remat=remat, **kwargs
+    )
+
+  ours, theirs = work(EFF, "none"), work(megatron, "none")
+  assert (ours.backward_cost, theirs.backward_cost) == (3.0, 2.0)
+  # The stage's compute is 3 passes instead of 4; collectives, optimizer and dispatch stay.
+  flops = 4 * 256 * 2048 * costs.forward_flops_per_token(B70, "lm", 1024)
+  one_pass = flops / 4 / (H100.parallel(8) * H100.flops(B70.dtype) * EFF.train_mfu)
+  # One pass more is one more set of tensor all-reduces, one more parameter gather (FSDP 4) and
+  # one more launch of every layer per micro-step.
+  extra_tp = costs._tensor_allreduce(H100, EFF, B70, group, 256 * 2048 / group.replicas, 1)
+  param_bytes = costs.matmul_params(B70, "lm") * 2 / group.tensor
+  bw = costs._link(H100, group) * EFF.collective_bw
+  extra_gathers = 4 * 8 * costs._ring(param_bytes, group.fsdp, bw)
+  launches = 4 * 8 * B70.num_layers * EFF.layer_s  # each layer's kernels, once more
+  expected = (one_pass + extra_tp + extra_gathers + launches) / 4
+  assert ours.busy_s - theirs.busy_s == pytest.approx(expected, rel=1e-9)
+  # With full remat both recompute: the same cost.
+  assert work(megatron, "full") == work(EFF, "full")
+  # A backward op costs two of its forwards instead of three.
+  assert theirs.op_s(schedules.BACKWARD) == pytest.approx(2 * theirs.op_s(schedules.FORWARD))
+  assert ours.op_s(schedules.BACKWARD) == pytest.approx(3 * ours.op_s(schedules.FORWARD))
+
+
 def test_one_stage_is_todays_cost_exactly():
   group = costs.Group(devices=8, tensor=2)
   kwargs = dict(

@@ -22,6 +22,7 @@ from rlhfjax.config import OffloadSection
 from rlhfjax.costmodel.efficiency import load_efficiency
 from rlhfjax.costmodel.hardware import load_hardware
 from rlhfjax.costmodel.workload import Workload, config_from_hf_dict, resolve_model
+from rlhfjax.flows.registry import pricing_by_name
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner.evaluate import Plan, evaluate
 
@@ -44,15 +45,20 @@ def _model(entry):
 
 
 def _spec(placement: Mapping[str, Mapping]) -> PlacementSpec:
+  """The placement a source used: every role it names (or `all` gives), its devices as a
+  `[start, stop)` range and its mesh axes."""
   roles = {}
   for role in Role:
-    entry = placement.get(role.value) or placement["all"]
+    entry = placement.get(role.value) or placement.get("all")
+    if entry is None:  # a flow without the role (GRPO's critic and reward model)
+      continue
     devices = range(*entry["devices"])
     if role == Role.ROLLOUT:
       roles[role] = RoleSpec.generation(devices, data=entry["data"], tensor=entry["tensor"])
     else:
       roles[role] = RoleSpec.training(
         devices,
+        stage=entry.get("stage", 1),
         data=entry.get("data", 1),
         fsdp=entry.get("fsdp", 1),
         tensor=entry.get("tensor", 1),
@@ -67,6 +73,7 @@ def predict_case(case: Mapping, table: Mapping) -> Plan:
   if "offload" in settings:
     settings["offload"] = OffloadSection(**{k: tuple(v) for k, v in settings["offload"].items()})
   work = Workload(
+    pricing=pricing_by_name(case.get("algorithm", "ppo")),
     actor=models["actor"],
     critic=models.get("critic"),
     reward=models.get("reward"),
@@ -76,23 +83,29 @@ def predict_case(case: Mapping, table: Mapping) -> Plan:
   hw = load_hardware(case["hardware"])
   eff = load_efficiency(case["profile"])
   spec = _spec(case["placement"])
+  kwargs = dict(async_rollout=case.get("async_rollout", False), label=case["name"])
   if work.micro_batch:  # the source states it
-    return evaluate(spec, work, hw, eff, micro_batch=work.micro_batch, label=case["name"])
+    return evaluate(spec, work, hw, eff, micro_batch=work.micro_batch, **kwargs)
   plan = None
   for micro_batch in (16, 8, 4, 2, 1):  # the largest micro-batch that fits, as a user would
-    plan = evaluate(spec, work, hw, eff, micro_batch=micro_batch, label=case["name"])
+    plan = evaluate(spec, work, hw, eff, micro_batch=micro_batch, **kwargs)
     if plan.fits:
       break
   return plan
 
 
 def validate(table: Mapping | None = None) -> dict:
-  """Predicted against published for every case and ratio, with pass/fail per target."""
+  """Predicted against published for every case and ratio, with pass/fail per target; each
+  case's predicted stages; the default profile against this project's GPU measurements."""
   table = table or load_table()
-  rows, plans = [], {}
+  rows, stages_by_case = [], {}
   for case in table["cases"]:
     plan = predict_case(case, table)
-    plans[case["name"]] = plan
+    stages_by_case[case["name"]] = {
+      "profile": case["profile"],
+      "fits": plan.fits,
+      **{stage: round(seconds, 3) for stage, seconds in plan.stages.items()},
+    }
     # The OpenRLHF table times `make_experience` (generation, then the scoring forwards) as
     # "generation" and the PPO updates (with the weight sync) as "training"; a case whose
     # source times generation alone names its stages.
@@ -136,4 +149,30 @@ def validate(table: Mapping | None = None) -> dict:
           "ok": abs(pred / pub - 1) <= RATIO_TOLERANCE,
         }
       )
-  return {"absolute": rows, "ratios": ratios}
+  return {
+    "absolute": rows,
+    "ratios": ratios,
+    "stages": stages_by_case,
+    "calibration": calibration(table),
+  }
+
+
+def calibration(table: Mapping) -> list[dict]:
+  """The default profile's factors against what this project measured on a GPU (the table's
+  `measured`): the planner prices rlhfjax's own runs with the profile, so the gap is how far
+  its predictions of them may be off."""
+  profile = load_efficiency(None)
+  rows = []
+  for m in table.get("measured", ()):
+    low, high = (m["value"], m["value"]) if isinstance(m["value"], float) else m["value"]
+    assumed = getattr(profile, m["factor"])
+    rows.append(
+      {
+        "factor": m["factor"],
+        "assumed": assumed,
+        "measured": [low, high],
+        "assumed_over_measured": [round(assumed / high, 3), round(assumed / low, 3)],
+        "source": m["source"],
+      }
+    )
+  return rows

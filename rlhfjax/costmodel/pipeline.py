@@ -233,9 +233,13 @@ def update_work(
   """One model's update over `stages` stages of `stage_group` each, its ops not yet scheduled.
   `train`: the keyword arguments of `costs.train_time` (`micro_steps` per epoch over every
   optimizer step, as there); `crosses_nodes`: some neighbouring stages are on different nodes."""
+  backward_cost = BACKWARD_COST
   if stages > 1:
     stage_config(config, stages)  # the layers must split evenly
-    train = {**train, "remat": RECOMPUTE}
+    if eff.pipeline_recomputes:
+      train = {**train, "remat": RECOMPUTE}
+    elif train["remat"] != "full":  # the two backward matmuls only
+      backward_cost = BACKWARD_COST - 1
   whole = costs.train_time(hw, eff, config, head, stage_group, **train)
   steps = train["optimizer_steps"]
   m = math.ceil(train["micro_steps"] / steps)
@@ -254,7 +258,11 @@ def update_work(
     crosses_nodes=crosses_nodes,
   )
   return StageWork(
-    busy_s=(whole - fixed) / stages + fixed, send_s=send, micro_batches=m, flushes=flushes
+    busy_s=(whole - fixed) / stages + fixed,
+    send_s=send,
+    micro_batches=m,
+    flushes=flushes,
+    backward_cost=backward_cost,
   )
 
 
