@@ -280,3 +280,60 @@ def test_readme_quotes_the_prediction():
   for text in quoted:
     assert text in readme, text
   assert gain.to_json()["unpipelined_layout"] == {"tensor": 1, "fsdp": 32}
+
+
+def test_with_stages_splits_fsdp_into_contiguous_stages_and_reverses_the_critic():
+  spec = strategies.with_stages(strategies.colocated(8, tensor=2), 2)
+  actor, critic, rollout = spec[Role.ACTOR], spec[Role.CRITIC], spec[Role.ROLLOUT]
+  assert actor.axes == (("stage", 2), ("data", 1), ("fsdp", 2), ("tensor", 2))
+  assert actor.devices == tuple(range(8))  # stage j: the j-th block of 4
+  assert critic.devices == (4, 5, 6, 7, 0, 1, 2, 3)  # the fused schedule's reversed critic
+  assert spec[Role.REFERENCE].stages == spec[Role.REWARD].stages == 2
+  assert rollout == strategies.colocated(8, tensor=2)[Role.ROLLOUT]  # generation untouched
+  # The same as `placement.pipeline_stages` builds.
+  assert spec.roles == strategies.colocated(8, tensor=2, pipeline_stages=2).roles
+  with pytest.raises(strategies.PlacementError, match="pipeline_stages=8 does not divide"):
+    strategies.with_stages(strategies.colocated(8, tensor=2), 8)
+
+
+def test_a_stage_holds_its_layers_once_in_the_planners_memory():
+  """Parameters per device are the model's over stage x fsdp x tensor, whether the layers are
+  split into stages or sharded by FSDP alone (each stage counted with embedding and head)."""
+  flat = strategies.colocated(8)
+  staged = strategies.with_stages(flat, 4)
+  work = WORK.replace(remat="full")
+  mem = {
+    name: evaluate.evaluate(spec, work, H100, EFF, micro_batch=1).memory
+    for name, spec in (("flat", flat), ("staged", staged))
+  }
+  share = 2 * B70.vocab_size * B70.hidden_size / param_count(B70, "lm")
+  for role in (Role.ACTOR, Role.REFERENCE):
+    ratio = mem["staged"][role].params / mem["flat"][role].params
+    assert 1 <= ratio <= 1 + 4 * share, (role, ratio)
+
+
+def _long_rows(packed=False):
+  """13B PPO on sequences of 8191 tokens (odd: no context parallelism), no remat."""
+  b13 = resolve_model("13b")
+  rows = dict(prompt_len=4095, response_len_mean=2048, response_len_max=4096, remat="none")
+  work = Workload(actor=b13, critic=b13, reward=b13, prompts=64, **rows)
+  return work.replace(padded=False, packed=True) if packed else work
+
+
+def test_auto_plans_pipeline_stages_where_nothing_fits_without():
+  """On 8 H100 in pairs (tensor parallelism within a pair), a 13B PPO of 8191-token rows
+  without remat fits no placement without stages; the search splits the layers and a plan
+  with stages wins. A packing run gets none (its updates do not run through stages)."""
+  from rlhfjax.planner import search
+
+  plans = search.search(_long_rows(), H100, EFF, 8, devices_per_node=2)
+  staged = [p for p in plans if any(s.stages > 1 for s in p.spec.roles.values())]
+  assert staged and not any(p.fits for p in plans if p not in staged)
+  winner = plans[0]
+  assert winner.fits and winner in staged and "pp=" in winner.label
+  assert winner.spec[Role.ACTOR].axis_size("tensor") <= 2
+  line = search.explain(plans).splitlines()[-1]
+  assert line.startswith("searched: ") and "stage 1/2/4/8" in line
+  assert "the winner among them" in line
+  packed = search.search(_long_rows(packed=True), H100, EFF, 8, devices_per_node=2)
+  assert not any(any(s.stages > 1 for s in p.spec.roles.values()) for p in packed)

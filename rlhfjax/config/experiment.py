@@ -466,8 +466,9 @@ class PlacementSection:
     _check_choice("placement.pipeline_schedule", self.pipeline_schedule, choices.PIPELINE_SCHEDULES)
     if self.pipeline_stages > 1 and self.strategy in ("auto", "explicit"):
       instead = {
-        "auto": "the planner plans without pipeline stages; pick colocated, interleaved or "
-        "disaggregated",
+        "auto": "the planner splits the layers into stages itself where no placement fits "
+        "without them or training spans nodes (with ppo.packing=False); to fix the stages, pick "
+        "colocated, interleaved or disaggregated",
         "explicit": "give each training role a 'stage' axis in placement.explicit.<role>.axes",
       }[self.strategy]
       raise ConfigError(

@@ -301,6 +301,7 @@ def forward_time(
   return busy / (1 - schedules.textbook_bubble(stages, m)) + (m + stages - 1) * send + fixed
 
 
+@functools.lru_cache(maxsize=1024)
 def stash_slots(name: str, stages: int, micro_batches: int) -> tuple[int, ...]:
   """Per model of table `name`: stage inputs a device keeps waiting for their backwards."""
   if stages == 1:

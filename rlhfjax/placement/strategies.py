@@ -416,6 +416,41 @@ def with_context(spec: PlacementSpec, context: int) -> PlacementSpec:
   return dataclasses.replace(spec, roles=roles)
 
 
+def with_stages(spec: PlacementSpec, stages: int) -> PlacementSpec:
+  """`spec` with every training-layout role's fsdp axis split into stage x fsdp (the same
+  devices in the same order: 'stage' is outermost, so stage j holds the j-th contiguous block),
+  the critic's stages reversed where it shares the actor's devices and mesh, as
+  `placement.pipeline_stages` places them.
+
+  Raises:
+    PlacementError: `stages` does not divide a role's fsdp size, or a role already has stages
+      or a context axis."""
+  roles = {}
+  for role, role_spec in spec.roles.items():
+    if role_spec.layout != Layout.TRAINING:
+      roles[role] = role_spec
+      continue
+    sizes = dict(role_spec.axes)
+    if sizes.get("stage", 1) > 1 or sizes.get("context", 1) > 1:
+      raise PlacementError(f"{role}: already split over {role_spec.axis_names}")
+    fsdp = sizes.get("fsdp", 1)
+    if fsdp % stages:
+      raise PlacementError(
+        f"{role}: placement.pipeline_stages={stages} does not divide its {fsdp} fsdp "
+        f"devices; set placement.pipeline_stages to one of {_divisors(fsdp)}"
+      )
+    roles[role] = RoleSpec.training(
+      role_spec.devices,
+      stage=stages,
+      data=sizes.get("data", 1),
+      fsdp=fsdp // stages,
+      tensor=sizes.get("tensor", 1),
+    )
+  if Role.ACTOR in roles and Role.CRITIC in roles:
+    roles = _critic_reversed(roles)
+  return dataclasses.replace(spec, roles=roles)
+
+
 def _device_range(start: int, stop: int) -> tuple[int, ...]:
   if stop <= start:
     raise PlacementError(f"placement.num_devices must be >= 1, got {stop - start}")

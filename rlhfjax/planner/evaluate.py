@@ -23,6 +23,7 @@ critic's lasts 0 s after it), and the actor's working set counts both models'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -136,6 +137,12 @@ def role_memory(
   """Per-device memory of `role` on its group of `spec`."""
   config, rs = model_for(workload, role), spec[role]
   sharding = sharding_of(rs)
+  if (stages := stages_of(rs)) > 1:  # one stage's devices hold its L / P layers
+    sharding = dataclasses.replace(
+      sharding,
+      param_shards=sharding.param_shards // stages,
+      batch_shards=sharding.batch_shards // stages,
+    )
   opts = offload_options(options(workload, hw, eff), role, workload.offload)
   if role == Role.ROLLOUT:
     return memory.rollout_memory(
@@ -151,7 +158,6 @@ def role_memory(
   if workload.packed:
     micro_batch = packed_micro_batch(workload, sharding.batch_shards, micro_batch, trained)
   kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
-  stages = stages_of(rs)
   if trained and stages > 1:
     per_step = math.ceil(workload.trained(role.value) / workload.optimizer_steps)
     m = max(1, math.ceil(per_step / (micro_batch * sharding.batch_shards)))
@@ -311,8 +317,10 @@ def _with_working_set(actor: memory.MemoryEstimate, critic: memory.MemoryEstimat
   )
 
 
+@functools.lru_cache(maxsize=4096)
 def _group(rs: RoleSpec, per_node: int) -> costs.Group:
-  """The cost group of a role: its devices, or one pipeline stage's (the first axis)."""
+  """The cost group of a role: its devices, or one pipeline stage's (the first axis). Cached:
+  a search prices the same role specs in many candidates."""
   size = len(rs.devices) // stages_of(rs)
   stages = [rs.devices[i : i + size] for i in range(0, len(rs.devices), size)]
   spans = any(min(s) // per_node != max(s) // per_node for s in stages)

@@ -15,15 +15,25 @@ from rlhfjax.planner.search import explain
 _SHORT = {"actor": "A", "critic": "C", "reference": "Ref", "reward": "Rw", "rollout": "G"}
 
 
+_TRAINING_AXES = (("stage", "p"), ("data", "d"), ("fsdp", "f"), ("context", "c"), ("tensor", "t"))
+"""A training mesh's axes in order, by letter: fsdp and tensor always, the others when > 1."""
+
+
 def format_groups(plan: Plan, roles: Sequence[Role]) -> str:
-  """Devices and mesh per role, e.g. 'A:0-7 f8t1 | G:0-7 d2t4'."""
+  """Devices and mesh per role, e.g. 'A:0-7 f8t1 | G:0-7 d2t4' (with pipeline stages, data or
+  context parallelism: 'p4f2t1', 'd2f4t1', 'f4c2t1')."""
   parts = []
   for role in roles:
     spec = plan.spec[role]
     axes = dict(spec.axes)
-    mesh = (
-      f"f{axes['fsdp']}t{axes['tensor']}" if "fsdp" in axes else f"d{axes['data']}t{axes['tensor']}"
-    )
+    if "fsdp" in axes:
+      mesh = "".join(
+        f"{short}{axes.get(name, 1)}"
+        for name, short in _TRAINING_AXES
+        if name in ("fsdp", "tensor") or axes.get(name, 1) > 1
+      )
+    else:
+      mesh = f"d{axes['data']}t{axes['tensor']}"
     parts.append(f"{_SHORT[role.value]}:{format_devices(spec.devices)} {mesh}")
   return " | ".join(parts)
 

@@ -6,8 +6,11 @@ rollout device counts, with and without the training roles split; and any strate
 `register_strategy`), each with the tensor sizes that divide every model's heads (within a
 node), and each with the micro-batch sizes of `MICRO_BATCHES`; a candidate that fits with none
 of them is tried with each row split over 2, 4, ... of its fsdp devices (context parallelism,
-`CONTEXT_SIZES`), the smallest split that fits kept. Plans that do not fit memory stay in the
-result, last, with the reason.
+`CONTEXT_SIZES`), the smallest split that fits kept; one that still does not fit, or whose
+training roles span nodes, with its training roles' layers split into 2, 4 or 8 pipeline stages
+(`STAGE_SIZES`, over their fsdp devices; not for a packing run, whose updates do not run through
+stages), the fastest kept. Plans that do not fit memory stay in the result, last, with the
+reason.
 
 Only the roles the workload has are placed (`present_roles`: no critic for critic-free
 algorithms, no reward model for a rule reward, no rollout for DPO); a candidate that then
@@ -74,6 +77,10 @@ def candidates(
 CONTEXT_SIZES = (2, 4, 8, 16)
 """Context-parallel sizes the search tries on a placement that does not fit without."""
 
+STAGE_SIZES = (2, 4, 8)
+"""Pipeline stage counts the search tries on a placement whose models do not fit without, or
+whose training roles span nodes (where FSDP's gathers cross the slower network)."""
+
 
 def context_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
   """The `CONTEXT_SIZES` that split every training-layout role's fsdp devices and its rows'
@@ -85,6 +92,33 @@ def context_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
     size
     for size in CONTEXT_SIZES
     if workload.seq_len % size == 0 and all(s.axis_size("fsdp") % size == 0 for s in trained)
+  )
+
+
+def stage_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
+  """The `STAGE_SIZES` that split every training-layout role's fsdp devices and every model's
+  layers, for a run that does not pack (packed updates do not run through pipeline stages)
+  and a placement without stages or a context axis."""
+  trained = [s for s in spec.roles.values() if s.layout == Layout.TRAINING]
+  if workload.packed or not trained:
+    return ()
+  if any(s.stages > 1 or s.axis_size("context") > 1 for s in trained):
+    return ()
+  models = [m for m in (workload.actor, workload.critic, workload.reward, workload.reference) if m]
+  return tuple(
+    size
+    for size in STAGE_SIZES
+    if all(m.num_layers % size == 0 for m in models)
+    and all(s.axis_size("fsdp") % size == 0 for s in trained)
+  )
+
+
+def _spans_nodes(spec: PlacementSpec, per_node: int) -> bool:
+  """Some training-layout role's devices are on more than one node."""
+  return any(
+    len({d // per_node for d in s.devices}) > 1
+    for s in spec.roles.values()
+    if s.layout == Layout.TRAINING
   )
 
 
@@ -144,6 +178,13 @@ def search(
       if plan.fits:
         best = plan
         break
+    # Models too large for the devices' memory, or training that gathers across nodes: split
+    # the layers into pipeline stages, keeping the fastest plan that fits.
+    if not best.fits or _spans_nodes(spec, per_node):
+      for size in stage_sizes(spec, workload):
+        plan = best_of(f"{label} pp={size}", strategies.with_stages(spec, size))
+        if _key(plan) < _key(best):
+          best = plan
     plans.append(best)
   plans.sort(key=_key)
   return plans
@@ -172,4 +213,39 @@ def explain(plans: Sequence[Plan]) -> str:
   dropped = sum(not p.fits for p in plans)
   if dropped:
     parts.append(f"{dropped} candidates do not fit memory")
-  return "; ".join(parts)
+  return "; ".join(parts) + "\n" + searched(plans)
+
+
+def searched(plans: Sequence[Plan]) -> str:
+  """One line: the space the plans came from (strategies, the parallelism sizes the search
+  chooses, micro-batches) and the best plan with pipeline stages."""
+  sizes: dict[str, set[int]] = {name: set() for name in _SEARCHED_AXES}
+  for plan in plans:
+    for spec in plan.spec.roles.values():
+      for axis, size in spec.axes:
+        key = f"rollout {axis}" if spec.layout == Layout.GENERATION else axis
+        if key in sizes:
+          sizes[key].add(size)
+  axes = ", ".join(
+    f"{name} {'/'.join(str(v) for v in sorted(values | {1}))}" for name, values in sizes.items()
+  )
+  micro = "/".join(str(m) for m in sorted({p.micro_batch for p in plans}))
+  staged = [p for p in plans if any(s.stages > 1 for s in p.spec.roles.values())]
+  line = (
+    f"searched: {len(plans)} placements ({', '.join(sorted({p.spec.strategy for p in plans}))});"
+    f" {axes}; micro-batches {micro}"
+  )
+  fitting = [p for p in plans if p.fits]
+  best_staged = next((p for p in staged if p.fits), None)
+  if best_staged is None:
+    return line + f"; {len(staged)} with pipeline stages, none fits"
+  if best_staged is fitting[0]:
+    return line + f"; {len(staged)} with pipeline stages, the winner among them"
+  ratio = best_staged.iteration_s / fitting[0].iteration_s
+  return line + (
+    f"; {len(staged)} with pipeline stages, the best {best_staged.label} {ratio:.2f}x slower"
+  )
+
+
+_SEARCHED_AXES = ("tensor", "rollout tensor", "stage", "context")
+"""The sizes the search varies (fsdp and data take the devices left)."""
