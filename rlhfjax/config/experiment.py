@@ -112,9 +112,9 @@ class LoraSection:
   """'int8': the adapted projections' frozen base kernels are stored as int8 with a float32
   scale per output channel (symmetric, absmax: about a quarter of the float32 bytes, half of
   bf16's) and dequantized in the forward; QLoRA's saving, on every backend (XLA computes the
-  dequantization; no special kernel). '' (default): the base in its own dtype. The reference on
-  the base ('base') scores the same quantized weights; the rollout runs the adapted weights
-  dequantized and merged."""
+  dequantization; no special kernel). '' (default): the base in its own dtype. The reference
+  scores the same quantized weights, on the base ('base') or as a placed copy of the actor's
+  model ('placed'); the rollout runs the adapted weights dequantized and merged."""
 
   def __post_init__(self):
     if self.quantize not in _LORA_QUANTIZE:
@@ -240,6 +240,15 @@ class ModelSection:
       and "reference" not in self.roles
     )
 
+  def _scores_quantized_base(self, role: str) -> bool:
+    """Whether `role` is a reference that scores the model the actor's adapters start from:
+    on the actor's base, or placed on its own devices from the same checkpoint or size. With
+    `lora.quantize` that model is the quantized base, so such a reference is quantized the same
+    way (the same weights as the actor's at step 0: the KL starts at 0)."""
+    if role != "reference" or not self.lora_rank("actor"):
+      return False
+    return self.reference_from_base or self.model_name("reference") == self.model_name("actor")
+
   def lora_rank(self, role: str) -> int:
     """The LoRA rank `role` trains adapters of (0: none, or a role that is not trained): its
     own `lora_rank` in `roles`, else `lora.rank`."""
@@ -288,9 +297,7 @@ class ModelSection:
     changes = {**overrides, **self.overrides, **role_section.overrides()}
     if rank := self.lora_rank(role):
       changes["lora"] = self.lora.for_model(rank)
-    if self.lora.quantize and (
-      self.lora_rank(role) or (role == "reference" and self.reference_from_base)
-    ):
+    if self.lora.quantize and (self.lora_rank(role) or self._scores_quantized_base(role)):
       changes["quantized"] = self.lora.targets
     try:
       if self.hf_for(role):
