@@ -457,6 +457,47 @@ def test_zero_offload_costs_the_host_copies_and_cpu_adam():
   assert extra == pytest.approx(shard_in, rel=1e-9)
 
 
+def test_lora_updates_skip_the_base_weight_gradients_and_int8_gathers_move_fewer_bytes():
+  """A LoRA update computes no weight gradients of the frozen base (one forward's matmuls
+  less) and updates the adapters alone (float32, with float32 moments); a QLoRA base's gathers
+  move its int8 kernels and scales (`memory.stored_param_bytes`)."""
+  hw, eff = hardware.load_hardware("h100"), efficiency.load_efficiency(None)
+  base = get_model_config("7b").replace(param_dtype="bfloat16", dtype="bfloat16")
+  adapted = base.replace(lora=LoraConfig(rank=16))
+  kwargs = dict(sequences=64, seq_len=1024, epochs=1, optimizer_steps=2, micro_steps=8)
+  one = costs.Group(devices=1)  # no collectives: compute and the optimizer's reads
+  full = costs.train_time(hw, eff, base, "lm", one, remat="none", **kwargs)
+  lora = costs.train_time(hw, eff, adapted, "lm", one, remat="none", **kwargs)
+  p, a = costs.matmul_params(base, "lm"), memory.adapter_bytes(adapted) / 4
+  tokens = 64 * 1024
+  weight_grads = tokens * 2 * p / (hw.flops("bfloat16") * eff.train_mfu)
+  optimizer = 2 * (p * (2 * 2 + 4 * 2 + 4 + 2) - a * (2 * 4 + 4 * 4 + 4 + 4))
+  optimizer /= hw.memory_bw * eff.optimizer_bw
+  assert full - lora == pytest.approx(weight_grads + optimizer, rel=1e-9)
+  # Over FSDP 8 the gradients reduced are the adapters', the gathers still the whole base's.
+  eight = costs.Group(devices=8)
+  bw = hw.intra_node_bw * eff.collective_bw
+  scatter = 8 * (costs._ring(p * 2, 8, bw) - costs._ring(a * 4, 8, bw))  # no data replicas
+  gap = costs.train_time(hw, eff, base, "lm", eight, remat="none", **kwargs) - costs.train_time(
+    hw, eff, adapted, "lm", eight, remat="none", **kwargs
+  )
+  per_device = (weight_grads + optimizer) / 8
+  assert gap == pytest.approx(per_device + scatter, rel=1e-9)
+  # int8 kernels: the gathered bytes drop by what int8 saves, the forward's matmuls stay.
+  quantized = adapted.replace(quantized=adapted.lora.targets)
+  saved = memory.stored_param_bytes(adapted, "lm") - memory.stored_param_bytes(quantized, "lm")
+  assert costs.matmul_bytes(quantized, "lm") == costs.matmul_bytes(adapted, "lm") - saved
+  assert 0.5 < costs.matmul_bytes(quantized, "lm") / costs.matmul_bytes(adapted, "lm") < 0.6
+  score = dict(sequences=64, seq_len=1024, micro_steps=8)
+  gathers = 8 * (
+    costs._ring(costs.matmul_bytes(adapted, "lm"), 8, bw)
+    - costs._ring(costs.matmul_bytes(quantized, "lm"), 8, bw)
+  )
+  assert costs.forward_time(hw, eff, adapted, "lm", eight, **score) - costs.forward_time(
+    hw, eff, quantized, "lm", eight, **score
+  ) == pytest.approx(gathers, rel=1e-9)
+
+
 def test_static_waves_of_an_engine_that_frees_finished_answers():
   hw = hardware.load_hardware("a800")
   config = get_model_config("7b").replace(param_dtype="bfloat16", dtype="bfloat16")

@@ -34,10 +34,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rlhfjax.config.model import ModelConfig
+from rlhfjax.config.model import ModelConfig, param_count
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import Hardware
-from rlhfjax.costmodel.memory import adapter_bytes
+from rlhfjax.costmodel.memory import adapter_bytes, stored_param_bytes
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -93,6 +93,25 @@ def matmul_params(config: ModelConfig, head: str) -> int:
   per_layer = 2 * d * h * n + 2 * d * k * n + 3 * d * f
   out = d * config.vocab_size if head == "lm" else d
   return config.num_layers * per_layer + out
+
+
+def matmul_bytes(config: ModelConfig, head: str) -> float:
+  """Bytes of the matmul weights as stored: `param_dtype`, less what int8 saves on the
+  projections in `config.quantized` (QLoRA's base; `memory.stored_param_bytes`), whose
+  gathers and reads move the int8 kernels and their scales."""
+  whole = matmul_params(config, head) * _BYTES[config.param_dtype]
+  if not config.quantized:
+    return whole
+  saved = param_count(config, head) * _BYTES[config.param_dtype] - stored_param_bytes(config, head)
+  return whole - saved
+
+
+def _trained(config: ModelConfig, head: str) -> tuple[float, int]:
+  """(parameters an update changes, bytes of each): all matmul weights in `param_dtype`, or
+  the LoRA adapters alone, in float32."""
+  if config.lora is None:
+    return matmul_params(config, head), _BYTES[config.param_dtype]
+  return adapter_bytes(config, head) / 4, 4
 
 
 def forward_flops_per_token(config: ModelConfig, head: str, context: float) -> float:
@@ -151,7 +170,7 @@ def forward_time(
   flops = tokens * forward_flops_per_token(config, head, seq_len / 2)
   compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.forward_mfu)
   fsdp = group.fsdp
-  param_bytes = matmul_params(config, head) * _BYTES[config.param_dtype] / group.tensor
+  param_bytes = matmul_bytes(config, head) / group.tensor
   gather = micro_steps * _ring(param_bytes, fsdp, _link(hw, group) * eff.collective_bw)
   if offload.params and fsdp > 1:  # each gather first copies the device's shard from the host
     gather += micro_steps * param_bytes / fsdp / (hw.host_bw * eff.host_bw)
@@ -178,20 +197,30 @@ def train_time(
   offload: Offload = Offload(),
   devices_per_node: int | None = None,
 ) -> float:
-  """`epochs` passes over `sequences` sequences in `optimizer_steps` updates per epoch."""
+  """`epochs` passes over `sequences` sequences in `optimizer_steps` updates per epoch.
+
+  With LoRA (`config.lora`) the base is frozen: the backward computes the activations'
+  gradients but no weight gradients of the base (one forward's matmuls less), and only the
+  adapters' gradients are reduced and updated."""
   tokens = sequences * seq_len * epochs
   passes = 4 if remat == "full" else 3
   flops = passes * tokens * forward_flops_per_token(config, head, seq_len / 2)
+  if config.lora is not None:  # no weight-gradient matmuls of the frozen base
+    flops -= tokens * 2 * matmul_params(config, head)
   compute = flops / (hw.parallel(group.devices) * hw.flops(config.dtype) * eff.train_mfu)
   fsdp = group.fsdp
-  pb = _BYTES[config.param_dtype]
-  param_bytes = matmul_params(config, head) * pb / group.tensor
+  param_bytes = matmul_bytes(config, head) / group.tensor
+  trained, tb = _trained(config, head)
+  grad_bytes = trained * tb / group.tensor
   bw = _link(hw, group) * eff.collective_bw
-  # Two gathers (forward, backward; three with full remat) and one reduce-scatter per micro-step.
-  gathers = (3 if remat == "full" else 2) + 1
-  collectives = epochs * micro_steps * gathers * _ring(param_bytes, fsdp, bw)
+  # Two gathers (forward, backward; three with full remat) and one reduce-scatter of the
+  # gradients per micro-step.
+  gathers = 3 if remat == "full" else 2
+  collectives = (
+    epochs * micro_steps * (gathers * _ring(param_bytes, fsdp, bw) + _ring(grad_bytes, fsdp, bw))
+  )
   # Data-parallel replicas all-reduce their gradient shard once per update (ring: 2x data).
-  shard_bytes = param_bytes / fsdp
+  shard_bytes = grad_bytes / fsdp
   collectives += epochs * optimizer_steps * 2 * _ring(shard_bytes, group.data, bw)
   tp = _tensor_allreduce(hw, eff, config, group, tokens / group.replicas, passes)
   tp += _context_gather(hw, eff, config, group, tokens, passes)
@@ -210,11 +239,11 @@ def train_time(
     )
     if offload.params and fsdp > 1:  # every gather copies the device's shard in first
       shard = param_bytes / fsdp
-      updates += epochs * micro_steps * (gathers - 1) * shard / (hw.host_bw * eff.host_bw)
+      updates += epochs * micro_steps * gathers * shard / (hw.host_bw * eff.host_bw)
   else:
-    ob = _BYTES[optimizer_dtype or config.param_dtype]
+    ob = 4 if config.lora is not None else _BYTES[optimizer_dtype or config.param_dtype]
     # The update reads parameters, moments and gradients and writes parameters and moments.
-    state = matmul_params(config, head) / hw.parallel(group.devices) * (2 * pb + 4 * ob + 4 + pb)
+    state = trained / hw.parallel(group.devices) * (2 * tb + 4 * ob + 4 + tb)
     updates = epochs * optimizer_steps * state / (hw.memory_bw * eff.optimizer_bw)
   overhead = (eff.stage_s + eff.update_s) * epochs * optimizer_steps + (
     epochs * micro_steps * passes * config.num_layers * eff.layer_s
