@@ -337,3 +337,22 @@ def test_auto_plans_pipeline_stages_where_nothing_fits_without():
   assert "the winner among them" in line
   packed = search.search(_long_rows(packed=True), H100, EFF, 8, devices_per_node=2)
   assert not any(any(s.stages > 1 for s in p.spec.roles.values()) for p in packed)
+
+
+def test_auto_plans_only_fusable_placements_for_a_fused_run():
+  """`fuse_actor_critic` (the config's `ppo.fuse_actor_critic`) runs only where the actor and
+  critic are pipelined on the same devices: the search plans every stage count of those and
+  nothing else, and prices them with the fused table, the critic's stages reversed."""
+  from rlhfjax.planner import search
+
+  b7 = resolve_model("7b")
+  work = Workload(actor=b7, critic=b7, reward=b7, prompts=512, remat="full")
+  plans = search.search(work.replace(fuse_actor_critic=True), H100, EFF, 16)
+  assert plans and all(evaluate.fused(p.spec, work.replace(fuse_actor_critic=True)) for p in plans)
+  winner = plans[0]
+  assert winner.fits and winner.label.endswith("fused")
+  actor, critic = winner.spec[Role.ACTOR], winner.spec[Role.CRITIC]
+  assert critic == strategies.reverse_stages(actor)
+  # The fused table, not two 1F1B's: the same placement priced unfused updates for longer.
+  unfused = evaluate.evaluate(winner.spec, work, H100, EFF, micro_batch=winner.micro_batch)
+  assert winner.stages["update"] < unfused.stages["update"]

@@ -314,11 +314,34 @@ def test_pipeline_config_defaults_and_choices():
       },
       r"^'ppo\.fuse_actor_critic' needs the actor and critic on the same devices",
     ),
+    (  # auto plans the stages, of placements that pipeline: not with packed updates
+      {"ppo": {"fuse_actor_critic": True}, "placement": {"strategy": "auto"}},
+      r"^'ppo\.fuse_actor_critic' with placement\.strategy=auto plans pipeline stages, which "
+      r"packed updates do not run through: set 'ppo\.packing=False'$",
+    ),
   ],
 )
 def test_bad_pipeline_config_raises_one_line_error(sections, message):
   with pytest.raises(ConfigError, match=message):
     from_config_dict({"model": {"size": "tiny"}, **sections})
+
+
+def test_a_fused_run_leaves_its_stages_to_auto():
+  """`strategy=auto` with `ppo.fuse_actor_critic` chooses a placement the fused step runs on:
+  actor and critic pipelined on the same devices, the critic's stages reversed."""
+  from rlhfjax.planner import auto
+
+  cfg = from_config_dict(
+    {
+      "model": {"size": "tiny", "overrides": {"num_layers": 4}},
+      "ppo": {"fuse_actor_critic": True, "packing": False},
+      "placement": {"strategy": "auto", "hardware": "h100"},
+    }
+  )
+  assert cfg.ppo.fuse_actor_critic and cfg.placement.pipeline_stages == 1
+  spec, plans = auto.choose(cfg, 8)
+  check_fusable(spec)
+  assert spec[Role.ACTOR].stages > 1 and plans[0].label.endswith("fused")
 
 
 def _shipped_experiments():

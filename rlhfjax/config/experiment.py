@@ -1395,6 +1395,13 @@ def _check_fusable(ppo: PPOSection, placement: PlacementSection) -> None:
   (`rlhfjax.placement.validate.check_fusable`)."""
   if not ppo.fuse_actor_critic:
     return
+  if placement.strategy == "auto":  # the planner chooses the stages, of fusable placements only
+    if ppo.packing:
+      raise ConfigError(
+        "'ppo.fuse_actor_critic' with placement.strategy=auto plans pipeline stages, which "
+        "packed updates do not run through: set 'ppo.packing=False'"
+      )
+    return
   if placement.strategy != "explicit" and placement.pipeline_stages == 1:
     raise ConfigError(
       "'ppo.fuse_actor_critic' fuses two pipelines: set 'placement.pipeline_stages' > 1"

@@ -61,6 +61,7 @@ def workload_of(config: ExperimentConfig) -> Workload:
     # A pool of `kv_cache_tokens` is the user's to size; the fraction sizes it from memory.
     kv_memory_fraction=0.0 if rollout.kv_cache_tokens else rollout.kv_memory_fraction,
     train_rows=train_rows(config),
+    fuse_actor_critic=config.ppo.fuse_actor_critic,
     **packing_of(config),
   )
 

@@ -188,8 +188,8 @@ def fused(spec: PlacementSpec, workload: Workload) -> bool:
   if not (workload.fuse_actor_critic and trains_both) or Role.CRITIC not in spec.roles:
     return False
   actor, critic = spec[Role.ACTOR], spec[Role.CRITIC]
-  return (
-    actor.devices == critic.devices
+  return (  # (the critic's stages may run over the devices in reverse: the same set)
+    set(actor.devices) == set(critic.devices)
     and stages_of(actor) == stages_of(critic)
     and stages_of(actor) > 1
   )

@@ -9,8 +9,9 @@ of them is tried with each row split over 2, 4, ... of its fsdp devices (context
 `CONTEXT_SIZES`), the smallest split that fits kept; one that still does not fit, or whose
 training roles span nodes, with its training roles' layers split into 2, 4 or 8 pipeline stages
 (`STAGE_SIZES`, over their fsdp devices; not for a packing run, whose updates do not run through
-stages), the fastest kept. Plans that do not fit memory stay in the result, last, with the
-reason.
+stages), the fastest kept. A run that fuses the actor's and critic's updates
+(`fuse_actor_critic`) gets only placements that pipeline both on the same devices, at every
+stage count. Plans that do not fit memory stay in the result, last, with the reason.
 
 Only the roles the workload has are placed (`present_roles`: no critic for critic-free
 algorithms, no reward model for a rule reward, no rollout for DPO); a candidate that then
@@ -27,6 +28,7 @@ from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement import strategies
 from rlhfjax.placement.spec import Layout, PlacementSpec
 from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
+from rlhfjax.planner.evaluate import fused as evaluate_fused
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -163,6 +165,9 @@ def search(
         break  # smaller micro-batches only add collectives and overhead
     return best
 
+  fuse = bool(
+    workload.fuse_actor_critic and workload.trained("actor") and workload.trained("critic")
+  )
   for label, spec in candidates(
     num_devices,
     workload,
@@ -170,6 +175,17 @@ def search(
     rollout_devices=rollout_devices,
     max_tensor=min(8, per_node),
   ):
+    if fuse:
+      # The run fuses the actor's and critic's updates: only a placement that pipelines both
+      # on the same devices can run it, so every stage count is tried and nothing else kept.
+      fused = [
+        best_of(f"{label} pp={size} fused", staged)
+        for size in stage_sizes(spec, workload)
+        if evaluate_fused(staged := strategies.with_stages(spec, size), workload)
+      ]
+      if fused:
+        plans.append(min(fused, key=_key))
+      continue
     best = best_of(label, spec)
     # Sequences too long for one device's share of the rows: split each row over the fewest
     # devices (context parallelism) that makes it fit.
