@@ -323,7 +323,9 @@ def _long_rows(packed=False):
 def test_auto_plans_pipeline_stages_where_nothing_fits_without():
   """On 8 H100 in pairs (tensor parallelism within a pair), a 13B PPO of 8191-token rows
   without remat fits no placement without stages; the search splits the layers and a plan
-  with stages wins. A packing run gets none (its updates do not run through stages)."""
+  with stages wins, padded or packed. A packing run of a flow whose packed updates do not
+  run through stages (`Pricing.packed_pipelines`) gets none."""
+  from rlhfjax.costmodel.pricing import ONLINE_DPO
   from rlhfjax.planner import search
 
   plans = search.search(_long_rows(), H100, EFF, 8, devices_per_node=2)
@@ -336,7 +338,10 @@ def test_auto_plans_pipeline_stages_where_nothing_fits_without():
   assert line.startswith("searched: ") and "stage 1/2/4/8" in line
   assert "the winner among them" in line
   packed = search.search(_long_rows(packed=True), H100, EFF, 8, devices_per_node=2)
-  assert not any(any(s.stages > 1 for s in p.spec.roles.values()) for p in packed)
+  assert packed[0].fits and "pp=" in packed[0].label
+  pairs = _long_rows(packed=True).replace(pricing=ONLINE_DPO, critic=None)
+  unstaged = search.search(pairs, H100, EFF, 8, devices_per_node=2)
+  assert not any(any(s.stages > 1 for s in p.spec.roles.values()) for p in unstaged)
 
 
 def test_auto_plans_only_fusable_placements_for_a_fused_run():

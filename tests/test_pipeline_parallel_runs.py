@@ -1,6 +1,6 @@
-"""PPO with a pipelined actor and critic (`placement.pipeline_stages`), separate and fused, and
-with LoRA adapters, gives the unpipelined run's numbers, and resumes; packed updates refuse
-pipeline stages.
+"""PPO with a pipelined actor and critic (`placement.pipeline_stages`), separate and fused, on
+packed micro-batches and with LoRA adapters, gives the unpipelined run's numbers, and resumes;
+a flow whose packed updates do not stack refuses pipeline stages.
 
 The runs are `Runner`s in this process, as `scripts/train_ppo.py` runs them (its flags, one-line
 errors and resume message: `test_front_door_e2e`, `test_resume_e2e`); the pipelined steps against
@@ -24,8 +24,9 @@ _PPO = {
   # `test_pipeline_parallel` covers stages of several devices.
   "model.overrides": {"num_layers": 4},
   "placement.num_devices": 4,
-  "ppo.packing": False,  # pipelines run padded micro-batches
-  "ppo.micro_batches": 4,  # 4 micro-batches of 2 rows through the stages
+  # Packed (the default): each mini-batch's packed micro-batches, padded to one row count,
+  # through the stages; padded micro-batches: the LoRA pair below.
+  "ppo.micro_batches": 4,
   "eval.num_prompts": 0,
   # A constant learning rate: a rerun that extends `total_steps` then repeats the longer run.
   "actor_optimizer.decay": "constant",
@@ -58,6 +59,8 @@ def _ppo(workdir, steps: int, changes: dict) -> tuple[list[dict], int]:
 
 @pytest.mark.slow
 def test_pipelined_and_fused_ppo_give_the_unpipelined_numbers(tmp_path):
+  """Packed updates: the flat packed run's numbers through 4 stages, separate and fused (both
+  models' micro-batches stacked alike in one schedule), and a fused resume."""
   plain, _ = _ppo(tmp_path / "plain", 3, {})
   staged, _ = _ppo(tmp_path / "staged", 2, _STAGED)
   _ppo(tmp_path / "fused", 2, _FUSED)
@@ -70,6 +73,7 @@ def test_pipelined_and_fused_ppo_give_the_unpipelined_numbers(tmp_path):
   assert_same_numbers(plain[:2], staged, _COMPARED)
   assert_same_numbers(plain, fused, _COMPARED)
   assert plain[0]["loss/policy"] != plain[1]["loss/policy"]  # training moved the numbers
+  assert all(r["packing/actor_micro_batches"] > 1 for r in plain + staged + fused)
   # Fused, the critic has no update stage of its own: it trains inside the actor's.
   assert _updating(tmp_path / "fused") == {"actor"}
   assert _updating(tmp_path / "staged") == {"actor", "critic"}
@@ -80,7 +84,7 @@ def test_lora_through_pipeline_stages_gives_the_unpipelined_numbers(tmp_path):
   """Adapters on the actor and the critic, each stage training its own layers' adapters, the
   reference scoring the actor's base as a forward-only pipeline: the unpipelined LoRA run's
   numbers (the gradients' tree, adapters alone: `test_pipeline_parallel`)."""
-  lora = {"model.lora.rank": 4}
+  lora = {"model.lora.rank": 4, "ppo.packing": False}
   cfg = shipped_config("ppo_tiny", {**_PPO, **_STAGED, **lora})
   assert set(cfg.model.adapted_roles) == {"actor", "critic"} and cfg.model.reference_from_base
   plain, _ = _ppo(tmp_path / "plain", 2, lora)
@@ -95,17 +99,17 @@ def _updating(workdir) -> set[str]:
   return {s["role"] for s in stages if s["stage"] == "update"}
 
 
-def test_packing_refuses_pipeline_stages(tmp_path):
-  """Refused where the flow declares its programs, before any compiles. `launch.run` prints
-  `errors.describe`'s line after 'error: ' and exits with its status, as for any failure in a
-  run's set-up (`test_front_door_e2e`: the missing prompts file)."""
-  cfg = shipped_config(
-    "ppo_tiny", {"model.overrides": {"num_layers": 4}, "placement.pipeline_stages": 2}
-  )
+def test_packing_refuses_pipeline_stages_where_its_updates_do_not_stack(tmp_path):
+  """DPO's packed updates run one program per row bucket, not one schedule: refused where the
+  flow declares its programs, before any compiles. `launch.run` prints `errors.describe`'s
+  line after 'error: ' and exits with its status, as for any failure in a run's set-up
+  (`test_front_door_e2e`: the missing prompts file)."""
+  stages = {"model.overrides": {"num_layers": 4}, "placement.pipeline_stages": 2}
+  cfg = shipped_config("dpo_tiny", {**stages, "dpo.packing": True})
   with pytest.raises(ConfigError) as refused:
     Runner(cfg, str(tmp_path), show_progress=False)
   assert errors.describe(refused.value) == (
-    "packed updates do not run through pipeline stages: set 'ppo.packing=False' with "
-    "'placement.pipeline_stages'=2",
+    "packed updates of this flow do not run through pipeline stages: set "
+    "'dpo.packing=False' with 'placement.pipeline_stages'=2",
     errors.USER_ERROR,
   )

@@ -314,11 +314,6 @@ def test_pipeline_config_defaults_and_choices():
       },
       r"^'ppo\.fuse_actor_critic' needs the actor and critic on the same devices",
     ),
-    (  # auto plans the stages, of placements that pipeline: not with packed updates
-      {"ppo": {"fuse_actor_critic": True}, "placement": {"strategy": "auto"}},
-      r"^'ppo\.fuse_actor_critic' with placement\.strategy=auto plans pipeline stages, which "
-      r"packed updates do not run through: set 'ppo\.packing=False'$",
-    ),
   ],
 )
 def test_bad_pipeline_config_raises_one_line_error(sections, message):
@@ -334,7 +329,7 @@ def test_a_fused_run_leaves_its_stages_to_auto():
   cfg = from_config_dict(
     {
       "model": {"size": "tiny", "overrides": {"num_layers": 4}},
-      "ppo": {"fuse_actor_critic": True, "packing": False},
+      "ppo": {"fuse_actor_critic": True},
       "placement": {"strategy": "auto", "hardware": "h100"},
     }
   )

@@ -474,8 +474,8 @@ class PlacementSection:
     if self.pipeline_stages > 1 and self.strategy in ("auto", "explicit"):
       instead = {
         "auto": "the planner splits the layers into stages itself where no placement fits "
-        "without them or training spans nodes (with ppo.packing=False); to fix the stages, pick "
-        "colocated, interleaved or disaggregated",
+        "without them or training spans nodes; to fix the stages, pick colocated, interleaved "
+        "or disaggregated",
         "explicit": "give each training role a 'stage' axis in placement.explicit.<role>.axes",
       }[self.strategy]
       raise ConfigError(
@@ -1396,11 +1396,6 @@ def _check_fusable(ppo: PPOSection, placement: PlacementSection) -> None:
   if not ppo.fuse_actor_critic:
     return
   if placement.strategy == "auto":  # the planner chooses the stages, of fusable placements only
-    if ppo.packing:
-      raise ConfigError(
-        "'ppo.fuse_actor_critic' with placement.strategy=auto plans pipeline stages, which "
-        "packed updates do not run through: set 'ppo.packing=False'"
-      )
     return
   if placement.strategy != "explicit" and placement.pipeline_stages == 1:
     raise ConfigError(

@@ -36,6 +36,10 @@ class Pricing:
   rewards), with the sequences per prompt each scores (0: every one)."""
   trained: Mapping[str, int]
   """Roles updated on the batch, with the sequences per prompt each trains on (0: every one)."""
+  packed_pipelines: bool = False
+  """The flow's packed updates run through pipeline stages (the PPO family's stack a
+  mini-batch's packed micro-batches into one schedule); False: a packing run of it cannot be
+  pipelined, so the planner plans no stages for one."""
 
   def __post_init__(self):
     for what in ("scored", "trained"):
@@ -61,6 +65,7 @@ PPO = Pricing(
   name="ppo",
   scored={"actor": 0, "reference": 0, "critic": 0, "reward": 0},
   trained={"actor": 0, "critic": 0},
+  packed_pipelines=True,
 )
 """PPO: every role scores every sample; actor and critic train on all of them. Without a
 critic (`Workload.critic` None, as the flow's roles say) it is priced as `CRITIC_FREE`."""
@@ -68,6 +73,7 @@ CRITIC_FREE = Pricing(
   name="critic_free",
   scored={"actor": 0, "reference": 0, "reward": 0},
   trained={"actor": 0},
+  packed_pipelines=True,
 )
 """GRPO, RLOO, REINFORCE++, DAPO: PPO without a critic."""
 DPO = Pricing(

@@ -309,9 +309,22 @@ class PackedUpdate:
   """One trained role's packed updates: `stages(fields, seqs, minis)` gives one optimizer
   update stage per mini-batch. Its packed micro-batches are gathered where the batch's `fields`
   are (`source`'s mesh: the actor's, where the advantages are) and moved to the role's mesh as
-  packed rows; their gradients are summed (`packed_update.PackedStep`)."""
+  packed rows; their gradients are summed (`packed_update.PackedStep`).
 
-  def __init__(self, ctx: FlowContext, role: Role, name: str, loss_fn: steps.LossFn, source: Role):
+  `fused` (the critic of `ppo.fuse_actor_critic`): its micro-batches go to the `source`'s mesh,
+  where the fused step runs, stacked as a pipelined mini-batch (`micro_batches`), and it
+  compiles no step of its own."""
+
+  def __init__(
+    self,
+    ctx: FlowContext,
+    role: Role,
+    name: str,
+    loss_fn: steps.LossFn,
+    source: Role,
+    *,
+    fused: bool = False,
+  ):
     self.ctx, self.role, self.source = ctx, role, source
     cfg, ppo, cluster = ctx.cfg, ctx.cfg.ppo, ctx.cluster
     self.width = cfg.rollout.max_seq_len
@@ -319,16 +332,24 @@ class PackedUpdate:
     self.max_rows = packed_update.max_rows(ppo.max_tokens_per_micro_batch, self.width, padded_rows)
     self.multiple = batch_shards(ctx, (role, source))
     self.aggregation = ppo.loss_agg if role == Role.ACTOR else "token_mean"
+    self.dest = source if fused else role
     self._gather = cluster.compile(f"{name}_gather", gather_micro_batch, role=source)
-    self._step = packed_update.PackedStep(
-      cluster, role, f"{name}_packed", loss_fn, field="ppo.packing"
+    self._step = (
+      None
+      if fused
+      else packed_update.PackedStep(
+        cluster, role, f"{name}_packed", loss_fn, field="ppo.packing", pipelines=True
+      )
+    )
+    self._stacker = (
+      packed_update.Stacker(cluster, source, f"{name}_packed") if fused else self._step
     )
 
-  def stages(
+  def micro_batches(
     self, fields: dict[str, jax.Array], seqs: Sequences, minis: list[np.ndarray]
-  ) -> list[tuple[dispatch.Stage, float, int]]:
-    """Per mini-batch `minis[k]` (rows of `seqs`; `fields` on the source's mesh): its update
-    stage, its micro-batches planned, gathered and moved now, with their fill and count."""
+  ) -> list[tuple[list[dict[str, jax.Array]], float, int]]:
+    """Per mini-batch `minis[k]` (rows of `seqs`; `fields` on the source's mesh): its packed
+    micro-batches, planned, gathered and moved now to `dest`'s mesh, with their fill and count."""
     cluster = self.ctx.cluster
     _, response_n = lengths(seqs)
     out = []
@@ -336,6 +357,17 @@ class PackedUpdate:
       parts = layouts(seqs, rows_n, self.width, self.max_rows, self.multiple)
       index = micro_batch_index(parts, rows_n, response_n, self.aggregation)
       index = cluster.upload(self.source, index, "packing index")
-      micros = [cluster.move(self.role, self._gather(fields, micro)) for micro in index]
-      out.append((cluster.update_stage(self.role, self._step, micros), fill(parts), len(parts)))
+      micros = [cluster.move(self.dest, self._gather(fields, micro)) for micro in index]
+      out.append((micros, fill(parts), len(parts)))
     return out
+
+  def stages(
+    self, fields: dict[str, jax.Array], seqs: Sequences, minis: list[np.ndarray]
+  ) -> list[tuple[dispatch.Stage, float, int]]:
+    """Per mini-batch `minis[k]`: its update stage (`micro_batches`), with its fill and count."""
+    update = functools.partial(self.ctx.cluster.update_stage, self.role, self._step)
+    return [(update(micros), f, n) for micros, f, n in self.micro_batches(fields, seqs, minis)]
+
+  def stacked(self, micros: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """`micros` as one pipelined mini-batch (`packed_update.stack_micro_batches`)."""
+    return self._stacker.stacked(micros)

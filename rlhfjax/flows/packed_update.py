@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlhfjax.cluster.cluster import Cluster
@@ -52,19 +53,37 @@ def upload(cluster: Cluster, role: Role, micros: Sequence[dict[str, np.ndarray]]
 class PackedStep:
   """`step(state, micros) -> (state, metrics)`: one optimizer update of trained `role` from
   packed micro-batches on its mesh (`loss_fn(params, micro)` gives each one's contribution),
-  for `Cluster.update_stage`. Programs are traced per row bucket, counted under `name`_*."""
+  for `Cluster.update_stage`. Programs are traced per row bucket, counted under `name`_*.
+
+  On a mesh with pipeline stages (`pipelines`: the PPO family's updates) the micro-batches of
+  an update run through the stages as one schedule (`Cluster.train_step`): each is padded with
+  empty rows to the largest one's row count and their number with empty micro-batches to a
+  power of two (one program per pair, a handful), and each contribution is scaled by that
+  number, since a pipelined step averages what the packed losses mean to be summed."""
 
   def __init__(
-    self, cluster: Cluster, role: Role, name: str, loss_fn: packed.LossFn, *, field: str
+    self,
+    cluster: Cluster,
+    role: Role,
+    name: str,
+    loss_fn: packed.LossFn,
+    *,
+    field: str,
+    pipelines: bool = False,
   ):
     rt, shardings = cluster.roles[role], cluster.state_shardings[role]
-    if (stages := rt.spec.stages) > 1:
-      # Packed micro-batches differ in rows and run as separate programs; a pipeline runs all
-      # of a mini-batch's micro-batches, of one shape, in one program.
-      raise ConfigError(
-        f"packed updates do not run through pipeline stages: set '{field}=False' with "
-        f"'placement.pipeline_stages'={stages}"
-      )
+    self.stages = rt.spec.stages
+    if self.stages > 1:
+      if not pipelines:
+        # Packed micro-batches differ in rows and run as separate programs; this flow's
+        # updates do not stack them into one schedule.
+        raise ConfigError(
+          f"packed updates of this flow do not run through pipeline stages: set '{field}=False' "
+          f"with 'placement.pipeline_stages'={self.stages}"
+        )
+      self._stacker = Stacker(cluster, role, name)
+      self._pipelined = cluster.train_step(f"{name}_pipelined", role, summed(loss_fn))
+      return
     acc = {"grads": rt.param_shardings, "metrics": rt.replicated}
     self._zeros = cluster.compile(
       f"{name}_zeros", functools.partial(packed.zeros, loss_fn), out_shardings=acc, role=role
@@ -86,10 +105,65 @@ class PackedStep:
     )
 
   def __call__(self, state: TrainState, micros: Sequence[dict[str, jax.Array]]):
+    if self.stages > 1:
+      return self._pipelined(state, self.stacked(micros))
     acc = self._zeros(state.params, micros[0])
     for micro in micros:
       acc = self._grad(state.params, acc, micro)
     return self._apply(state, acc)
+
+  def stacked(self, micros: Sequence[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """The micro-batches as one pipelined mini-batch (`stack_micro_batches`)."""
+    return self._stacker.stacked(micros)
+
+
+class Stacker:
+  """`stacked(micros)`: packed micro-batches on `role`'s mesh as one pipelined mini-batch
+  (`stack_micro_batches`), their count rounded up to a power of two; compiled per count."""
+
+  def __init__(self, cluster: Cluster, role: Role, name: str):
+    self._compile = functools.partial(cluster.compile, f"{name}_stack", role=role)
+    self._programs: dict[int, Callable] = {}
+
+  def stacked(self, micros: Sequence[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    count = 1 << (len(micros) - 1).bit_length()
+    if count not in self._programs:
+      self._programs[count] = self._compile(functools.partial(stack_micro_batches, count=count))
+    return self._programs[count](tuple(micros))
+
+
+def summed(loss_fn: packed.LossFn) -> packed.LossFn:
+  """`loss_fn` with its loss and metrics scaled by the micro-batch's `sum_scale` (the number
+  of micro-batches): a pipelined step's average of the scaled contributions is their sum."""
+
+  def scaled(params: Any, micro: dict[str, jax.Array]):
+    micro = dict(micro)
+    scale = micro.pop("sum_scale")
+    loss, metrics = loss_fn(params, micro)
+    return loss * scale, jax.tree.map(lambda x: x * scale.astype(x.dtype), metrics)
+
+  return scaled
+
+
+def stack_micro_batches(
+  micros: tuple[dict[str, jax.Array], ...], *, count: int
+) -> dict[str, jax.Array]:
+  """`[count, ...]` leaves of packed micro-batches: rows (`[r, w]` leaves) padded with empty
+  ones to the largest `r`, per-sequence leaves as they are, then empty micro-batches (all
+  zeros: no segment, weight 0, contributing nothing) up to `count`; `sum_scale` `[count]` is
+  `count` in each."""
+  rows = max(m["tokens"].shape[0] for m in micros)
+
+  def pad(x: jax.Array) -> jax.Array:
+    if x.ndim != 2:
+      return x
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+  padded = [jax.tree.map(pad, m) for m in micros]
+  empty = jax.tree.map(jnp.zeros_like, padded[0])
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *padded, *[empty] * (count - len(padded)))
+  stacked["sum_scale"] = jnp.full((count,), count, jnp.float32)
+  return stacked
 
 
 def sequence_scorer(

@@ -42,7 +42,7 @@ from rlhfjax.cluster.cluster import WeightSource, initial_rngs
 from rlhfjax.config import ConfigError
 from rlhfjax.costmodel import pricing
 from rlhfjax.data.records import PromptBatch
-from rlhfjax.flows import experience, packed, partial, scoring, stages
+from rlhfjax.flows import experience, packed, packed_update, partial, scoring, stages
 from rlhfjax.flows.experience import Experience, Sequences
 from rlhfjax.flows.registry import policy_roles, register
 from rlhfjax.flows.stages import FlowContext
@@ -299,14 +299,25 @@ class PPOFlow:
       kl_estimator=ppo.kl_estimator,
       policy_loss=ppo.policy_loss,
     )
-    self._actor_packed = packed.PackedUpdate(ctx, Role.ACTOR, "actor", actor_loss, Role.ACTOR)
+    fused = self.fused and self.use_critic
+    self._actor_packed = packed.PackedUpdate(
+      ctx, Role.ACTOR, "actor", actor_loss, Role.ACTOR, fused=fused
+    )
     if self.use_critic:
       critic_loss = functools.partial(
         steps.packed_critic_loss,
         config=cluster.roles[Role.CRITIC].model,
         clip_eps=ppo.value_clip_eps,
       )
-      self._critic_packed = packed.PackedUpdate(ctx, Role.CRITIC, "critic", critic_loss, Role.ACTOR)
+      self._critic_packed = packed.PackedUpdate(
+        ctx, Role.CRITIC, "critic", critic_loss, Role.ACTOR, fused=fused
+      )
+      if fused:  # one schedule of both models' packed micro-batches (`_update_packed`)
+        self._fused_packed_step = cluster.fused_train_step(
+          "actor_critic_packed",
+          (Role.ACTOR, Role.CRITIC),
+          (packed_update.summed(actor_loss), packed_update.summed(critic_loss)),
+        )
 
   # -------------------------------------------------------------------------------------------
   # Checkpointed state.
@@ -564,12 +575,15 @@ class PPOFlow:
     def mini_batches(epoch: int):
       per_role = []
       for role, u, batch in updates:
-        planned = u.stages(batch, seqs, packed.minibatch_rows(self.ctx, self._packed, role))
+        rows = packed.minibatch_rows(self.ctx, self._packed, role)
+        planned = u.micro_batches(batch, seqs, rows) if self.fused else u.stages(batch, seqs, rows)
         for _, fill, count in planned:
           stats[role][0].append(fill)
           stats[role][1].append(count)
         per_role.append([stage for stage, _, _ in planned])
       roles = [role for role, _, _ in updates]
+      if self.fused:
+        return [self._fused_packed_stage(*pair) for pair in zip(*per_role, strict=True)]
       return [dict(zip(roles, todo, strict=True)) for todo in zip(*per_role, strict=True)]
 
     out = self._run_updates(iteration, mini_batches)
@@ -577,6 +591,19 @@ class PPOFlow:
       out[f"packing/{role.value}_fill"] = float(np.mean(fills))
       out[f"packing/{role.value}_micro_batches"] = float(np.mean(counts))
     return out
+
+  def _fused_packed_stage(self, actor_micros: list, critic_micros: list) -> dict:
+    """One fused update of a mini-batch's packed micro-batches, both models' stacked alike:
+    the same samples, packed by the same plan, so the same micro-batch count and rows."""
+    batches = (self._actor_packed.stacked(actor_micros), self._critic_packed.stacked(critic_micros))
+    shapes = [b["tokens"].shape[:2] for b in batches]
+    if shapes[0] != shapes[1]:
+      raise ValueError(
+        f"the fused update needs the actor's and critic's packed micro-batches alike, got "
+        f"{shapes[0]} and {shapes[1]} (micro-batches, rows)"
+      )
+    roles = (Role.ACTOR, Role.CRITIC)
+    return {roles: self.ctx.cluster.fused_update_stage(roles, self._fused_packed_step, batches)}
 
   def _update(self, iteration: int, exp: Experience, seqs: Sequences) -> dict[str, float]:
     """Every epoch's optimizer updates of the actor (and critic) from the scored batch `exp`
@@ -737,16 +764,13 @@ def _check_policy_loss(name: str, estimator: str) -> None:
 
 
 def _check_fusion(cfg, use_critic: bool, cluster) -> None:
-  """`ppo.fuse_actor_critic` needs a critic, padded updates, and its parameters and optimizer
-  state in device memory (the fused stage is the actor's, whose prefetch knows nothing of the
-  critic's)."""
+  """`ppo.fuse_actor_critic` needs a critic, and its parameters and optimizer state in device
+  memory (the fused stage is the actor's, whose prefetch knows nothing of the critic's)."""
   if not use_critic:
     raise ConfigError(
       f"'ppo.fuse_actor_critic' fuses the actor's and the critic's updates; "
       f"{cfg.algorithm.name!r} trains no critic"
     )
-  if cfg.ppo.packing:
-    raise ConfigError("'ppo.fuse_actor_critic' runs padded micro-batches: set 'ppo.packing=False'")
   if Role.CRITIC.value in cfg.offload.optimizer:
     raise ConfigError("'ppo.fuse_actor_critic' keeps the critic's optimizer state on the devices")
   if Role.CRITIC.value in cfg.offload.params:

@@ -8,10 +8,11 @@ node), and each with the micro-batch sizes of `MICRO_BATCHES`; a candidate that 
 of them is tried with each row split over 2, 4, ... of its fsdp devices (context parallelism,
 `CONTEXT_SIZES`), the smallest split that fits kept; one that still does not fit, or whose
 training roles span nodes, with its training roles' layers split into 2, 4 or 8 pipeline stages
-(`STAGE_SIZES`, over their fsdp devices; not for a packing run, whose updates do not run through
-stages), the fastest kept. A run that fuses the actor's and critic's updates
-(`fuse_actor_critic`) gets only placements that pipeline both on the same devices, at every
-stage count. Plans that do not fit memory stay in the result, last, with the reason.
+(`STAGE_SIZES`, over their fsdp devices; not for a packing run of a flow whose packed updates do
+not run through stages, `Pricing.packed_pipelines`), the fastest kept. A run that fuses the
+actor's and critic's updates (`fuse_actor_critic`) gets only placements that pipeline both on
+the same devices, at every stage count. Plans that do not fit memory stay in the result,
+last, with the reason.
 
 Only the roles the workload has are placed (`present_roles`: no critic for critic-free
 algorithms, no reward model for a rule reward, no rollout for DPO); a candidate that then
@@ -99,10 +100,10 @@ def context_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
 
 def stage_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
   """The `STAGE_SIZES` that split every training-layout role's fsdp devices and every model's
-  layers, for a run that does not pack (packed updates do not run through pipeline stages)
-  and a placement without stages or a context axis."""
+  layers, for a run that does not pack or whose flow's packed updates run through stages
+  (`Pricing.packed_pipelines`), and a placement without stages or a context axis."""
   trained = [s for s in spec.roles.values() if s.layout == Layout.TRAINING]
-  if workload.packed or not trained:
+  if (workload.packed and not workload.pricing.packed_pipelines) or not trained:
     return ()
   if any(s.stages > 1 or s.axis_size("context") > 1 for s in trained):
     return ()
