@@ -177,37 +177,54 @@ def test_pipelined_gradients_match_unpipelined(stages, schedule, remat, referenc
   assert blocks == {(i * 4 // stages, (i + 1) * 4 // stages) for i in range(stages)}
 
 
-def test_fused_update_equals_two_pipelined_updates(config, actor_params, batch, pipelined):
+@pytest.mark.parametrize("critic_size", ["actor's", "smaller"])
+def test_fused_update_equals_two_pipelined_updates(
+  config, actor_params, batch, pipelined, critic_size
+):
   """Actor and critic in one fused schedule (the critic's stages in the reverse device order,
-  its state a view on the actor's mesh) give the parameters of two separate 1F1B updates."""
+  its state a view on the actor's mesh) give the parameters of two separate 1F1B updates; also
+  with a critic of another size (RLHFuse fuses a 7B actor with a smaller critic): narrower and
+  shallower, its activations padded to the actor's width between stages. That one runs one
+  device a stage: XLA's CPU runtime waits for every device at a collective, and the two
+  models' stages, running different ops in a tick, reach their own FSDP and tensor-parallel
+  collectives at different points (measured: the rendezvous timed out)."""
   stages = 2
   actor_mesh, critic_mesh = _mesh(stages), _mesh(stages, reverse=True)
+  critic_config = config
+  if critic_size == "smaller":
+    critic_config = config.replace(hidden_size=40, intermediate_size=88, num_layers=2)
+    one = np.array(jax.devices()[:stages]).reshape(stages, 1, 1)
+    actor_mesh = Mesh(one, ("stage", "fsdp", "tensor"))
+    critic_mesh = Mesh(np.flip(one, 0), ("stage", "fsdp", "tensor"))
   # Plain SGD: its step is the gradient times the rate, so the parameters compare the
   # gradients. Adam divides by the root of the second moment, which turns a rounding-sized
   # difference of a near-zero gradient into a visible step (measured: 4.8e-6 on one element
   # under the suite's -O0 code generation).
   tx = optax.sgd(1e-2)
-  critic_params = _init(config, "value", jax.random.key(1))
+  critic_params = _init(critic_config, "value", jax.random.key(1))
   actor = _state(_on_mesh(actor_params, config, "lm", actor_mesh), tx, actor_mesh)
-  critic = _state(_on_mesh(critic_params, config, "value", critic_mesh), tx, critic_mesh)
+  critic = _state(_on_mesh(critic_params, critic_config, "value", critic_mesh), tx, critic_mesh)
   actor_model = pipeline.Model(config, _actor_loss(config))
-  critic_model = pipeline.Model(config, _critic_loss(config))
+  critic_model = pipeline.Model(critic_config, _critic_loss(critic_config))
 
-  # The actor's separate update: the 1F1B gradients of the test above (the same program as
-  # `pipelined_update`'s, compiled once) and the update `pipelined_update` applies to them.
-  apply = jax.jit(functools.partial(steps.apply_gradients, tx))
-  want_actor, want_actor_metrics = apply(actor, *pipelined(stages, "1f1b", "none"))
+  # Each model's separate 1F1B update; the same-size actor's from the 1F1B gradients of the
+  # test above (the same program as `pipelined_update`'s, compiled once) and the update
+  # `pipelined_update` applies to them.
   table = schedules.single("1f1b", stages, M)
 
-  def separate_critic(state, batch):
-    (state,), (metrics,) = pipeline.pipelined_update(
-      [critic_model], [tx], table, critic_mesh, [state], [batch]
-    )
-    return state, metrics
+  def separate(model, mesh):
+    def update(state, batch):
+      (state,), (metrics,) = pipeline.pipelined_update([model], [tx], table, mesh, [state], [batch])
+      return state, metrics
 
-  want_critic, want_critic_metrics = jax.jit(
-    rules.constrained(separate_critic, Layout.TRAINING, critic_mesh)
-  )(critic, batch)
+    return jax.jit(rules.constrained(update, Layout.TRAINING, mesh))
+
+  if critic_size == "smaller":
+    want_actor, want_actor_metrics = separate(actor_model, actor_mesh)(actor, batch)
+  else:
+    apply = jax.jit(functools.partial(steps.apply_gradients, tx))
+    want_actor, want_actor_metrics = apply(actor, *pipelined(stages, "1f1b", "none"))
+  want_critic, want_critic_metrics = separate(critic_model, critic_mesh)(critic, batch)
 
   def fused(states, batches):
     return pipeline.fused_accumulate_and_apply(
