@@ -280,11 +280,11 @@ def _stack_gathers(hlo: str, layers) -> list[tuple[int, ...]]:
 
 
 def test_pipelined_scoring_equals_unpipelined_and_gathers_no_layer_stack(config, actor_params):
-  """Log-probs, values and sequence scores on `stage=2 x fsdp=2 x tensor=2` as a forward-only
-  pipeline (`pipeline.pipelined_forward`, 4 micro-batches of 2 rows) equal the unpipelined
-  ones within 1e-5 (fp32: the same per-row sums, each stage's reductions ordered by XLA), and
-  the compiled program gathers no stacked layer weights over the stages, which an unpipelined
-  call on the same staged mesh does at every layer."""
+  """Log-probs, values and sequence scores, padded and packed, on `stage=2 x fsdp=2 x tensor=2`
+  as a forward-only pipeline (`pipeline.pipelined_forward`, 4 micro-batches of 2 rows) equal
+  the unpipelined ones within 1e-5 (fp32: the same per-row sums, each stage's reductions
+  ordered by XLA), and the compiled program gathers no stacked layer weights over the stages,
+  which an unpipelined call on the same staged mesh does at every layer."""
   mesh = _mesh(2)
   params = _on_mesh(actor_params, config, "lm", mesh)
   value_params = _on_mesh(_init(config, "value", jax.random.key(1)), config, "value", mesh)
@@ -303,15 +303,29 @@ def test_pipelined_scoring_equals_unpipelined_and_gathers_no_layer_stack(config,
     "values": (functools.partial(steps.response_values, config, prompt_len=PROMPT), value_params),
     "scores": (functools.partial(steps.sequence_scores, config), value_params),
   }
+  # Packed rows (`ppo.packing`): two samples a row, positions restarting at each, attention
+  # within a segment; the packed scorers' functions, rows split into micro-batches alike.
+  segments = np.where(np.arange(tokens.shape[1]) < 9, 1, 2) * np.ones_like(tokens)
+  positions = np.where(segments == 1, np.arange(tokens.shape[1]), np.arange(tokens.shape[1]) - 9)
+  packed_inputs = (tokens, positions.astype(np.int32), segments.astype(np.int32))
+  scorers["packed logprobs"] = (
+    lambda prm, *rows: models.packed_token_stats(config, prm, *rows, 0.7).logp_bt,
+    params,
+  )
+  scorers["packed values"] = (
+    functools.partial(models.forward_packed, config, head="value"),
+    value_params,
+  )
   for name, (fn, prm) in scorers.items():
+    inputs = packed_inputs if name.startswith("packed") else (tokens, attention)
     staged = jax.jit(
       rules.constrained(
         functools.partial(pipeline.pipelined_forward, fn, config, mesh, 4), Layout.TRAINING, mesh
       )
     )
-    got = staged(prm, tokens, attention)
-    compiled = staged.lower(prm, tokens, attention).compile().as_text()
-    want = jax.jit(fn)(jax.device_get(prm), tokens, attention)
+    got = staged(prm, *inputs)
+    compiled = staged.lower(prm, *inputs).compile().as_text()
+    want = jax.jit(fn)(jax.device_get(prm), *inputs)
     assert got.shape == want.shape, name
     assert max(_relative_errors(got, want)) < 1e-5, name
     assert not _stack_gathers(compiled, actor_params["layers"]), name

@@ -209,8 +209,10 @@ def packed_value_scorer(ctx: FlowContext, role: Role, name: str) -> Any:
 
 
 def _packed_scorer(ctx: FlowContext, role: Role, name: str, fn: Any):
+  """`fn` on `role`'s mesh; with pipeline stages a forward-only pipeline over the packed rows
+  (`Cluster.scorer`: rows are independent, each attends within its own segments)."""
   rt = ctx.cluster.roles[role]
-  return ctx.cluster.compile(
+  return ctx.cluster.scorer(
     name, fn, in_shardings=(rt.param_shardings, None, None, None), role=role
   )
 
