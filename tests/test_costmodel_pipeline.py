@@ -361,3 +361,32 @@ def test_auto_plans_only_fusable_placements_for_a_fused_run():
   # The fused table, not two 1F1B's: the same placement priced unfused updates for longer.
   unfused = evaluate.evaluate(winner.spec, work, H100, EFF, micro_batch=winner.micro_batch)
   assert winner.stages["update"] < unfused.stages["update"]
+
+
+def test_with_role_mesh_gives_one_role_its_own_sizes():
+  spec = strategies.colocated(8, tensor=2)
+  narrow = strategies.with_role_mesh(spec, Role.REWARD, tensor=1)
+  assert narrow[Role.REWARD].axes == (("data", 1), ("fsdp", 8), ("tensor", 1))
+  assert narrow[Role.ACTOR] == spec[Role.ACTOR] and narrow[Role.REWARD].devices == tuple(range(8))
+  replicas = strategies.with_role_mesh(spec, Role.ACTOR, data=2)
+  assert replicas[Role.ACTOR].axes == (("data", 2), ("fsdp", 2), ("tensor", 2))
+  with pytest.raises(strategies.PlacementError, match="tensor=2 x data=8 does not divide"):
+    strategies.with_role_mesh(spec, Role.ACTOR, data=8)
+
+
+def test_the_search_gives_a_scoring_role_its_own_tensor_size_where_it_pays():
+  """70B PPO on 32 H100 with full remat: the reward model, which only scores, is faster
+  FSDP-sharded over all 32 devices than tensor-parallel like the actor (its forwards need no
+  per-layer all-reduces of the activations), so the winner gives it tensor 1 of its own."""
+  from rlhfjax.planner import search
+
+  work = WORK.replace(prompts=512, remat="full")
+  plans = search.search(work, H100, EFF, 32)
+  winner = plans[0]
+  assert winner.fits and "rwt=1" in winner.label
+  reward, actor = winner.spec[Role.REWARD], winner.spec[Role.ACTOR]
+  assert reward.axis_size("tensor") == 1 < actor.axis_size("tensor")
+  uniform = strategies.with_role_mesh(winner.spec, Role.REWARD, tensor=actor.axis_size("tensor"))
+  same = evaluate.evaluate(uniform, work, H100, EFF, micro_batch=winner.micro_batch)
+  assert winner.iteration_s < same.iteration_s
+  assert "per-role tensor and data sizes" in search.explain(plans)

@@ -416,6 +416,32 @@ def with_context(spec: PlacementSpec, context: int) -> PlacementSpec:
   return dataclasses.replace(spec, roles=roles)
 
 
+def with_role_mesh(
+  spec: PlacementSpec, role: Role, *, tensor: int | None = None, data: int | None = None
+) -> PlacementSpec:
+  """`spec` with one training-layout role's `tensor` or `data` size changed on its own devices
+  (fsdp takes what is left; its stages and context kept): one role's parallelism of its own,
+  as ChatLearn gives each model.
+
+  Raises:
+    PlacementError: the sizes do not divide the role's devices."""
+  role_spec = spec[role]
+  sizes = dict(role_spec.axes)
+  stage, context = sizes.get("stage", 1), sizes.get("context", 1)
+  tensor = sizes.get("tensor", 1) if tensor is None else tensor
+  data = sizes.get("data", 1) if data is None else data
+  rest = len(role_spec.devices) // (stage * context * tensor * data)
+  if rest < 1 or rest * stage * context * tensor * data != len(role_spec.devices):
+    raise PlacementError(
+      f"{role}: tensor={tensor} x data={data} does not divide its {len(role_spec.devices)} devices"
+    )
+  roles = dict(spec.roles)
+  roles[role] = RoleSpec.training(
+    role_spec.devices, stage=stage, data=data, fsdp=rest, context=context, tensor=tensor
+  )
+  return dataclasses.replace(spec, roles=roles)
+
+
 def with_stages(spec: PlacementSpec, stages: int) -> PlacementSpec:
   """`spec` with every training-layout role's fsdp axis split into stage x fsdp (the same
   devices in the same order: 'stage' is outermost, so stage j holds the j-th contiguous block),

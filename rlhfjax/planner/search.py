@@ -11,8 +11,10 @@ training roles span nodes, with its training roles' layers split into 2, 4 or 8 
 (`STAGE_SIZES`, over their fsdp devices; not for a packing run of a flow whose packed updates do
 not run through stages, `Pricing.packed_pipelines`), the fastest kept. A run that fuses the
 actor's and critic's updates (`fuse_actor_critic`) gets only placements that pipeline both on
-the same devices, at every stage count. Plans that do not fit memory stay in the result,
-last, with the reason.
+the same devices, at every stage count. The best `REFINED` placements are then tried with
+per-role parallelism (`per_role_variants`: a scoring role's own tensor size, the trained roles'
+data-parallel size), as ChatLearn sizes each model. Plans that do not fit memory stay in the
+result, last, with the reason.
 
 Only the roles the workload has are placed (`present_roles`: no critic for critic-free
 algorithms, no reward model for a rule reward, no rollout for DPO); a candidate that then
@@ -27,7 +29,7 @@ from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import Hardware
 from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement import strategies
-from rlhfjax.placement.spec import Layout, PlacementSpec
+from rlhfjax.placement.spec import Layout, PlacementSpec, Role
 from rlhfjax.planner.evaluate import Plan, evaluate, present_roles
 from rlhfjax.planner.evaluate import fused as evaluate_fused
 
@@ -204,7 +206,57 @@ def search(
           best = plan
     plans.append(best)
   plans.sort(key=_key)
+  # Each model its own parallelism (ChatLearn's per-model sizes): the best placements tried
+  # with a scoring role's tensor size, or the trained roles' data-parallel size, changed.
+  tensors = tensor_sizes(workload, min(8, per_node, num_devices))
+  for i, plan in enumerate(plans[:REFINED]):
+    if not plan.fits:
+      break
+    for label, spec in per_role_variants(plan, workload, tensors, fuse):
+      other = best_of(label, spec)
+      if _key(other) < _key(plans[i]):
+        plans[i] = other
+  plans.sort(key=_key)
   return plans
+
+
+REFINED = 8
+"""The best placements the search tries with per-role parallelism (`per_role_variants`)."""
+
+
+def per_role_variants(
+  plan: Plan, workload: Workload, tensors: Sequence[int], fused: bool
+) -> Iterator[tuple[str, PlacementSpec]]:
+  """`plan`'s placement with one scoring role's (reference, reward) tensor size changed, or
+  the trained roles' (actor and critic together, not when fused) data-parallel size: every
+  such spec whose sizes divide the roles' devices."""
+  spec = plan.spec
+  for role in (Role.REFERENCE, Role.REWARD):
+    if role not in spec.roles or spec[role].layout != Layout.TRAINING:
+      continue
+    if role == Role.REFERENCE and workload.reference_from_base:
+      continue  # it scores on the actor's devices and mesh
+    for t in tensors:
+      if t == spec[role].axis_size("tensor"):
+        continue
+      try:
+        yield f"{plan.label} {_SHORT[role]}t={t}", strategies.with_role_mesh(spec, role, tensor=t)
+      except strategies.PlacementError:
+        continue
+  if fused:
+    return
+  trained = [r for r in (Role.ACTOR, Role.CRITIC) if r in spec.roles]
+  for data in (2, 4, 8):
+    try:
+      varied = spec
+      for role in trained:
+        varied = strategies.with_role_mesh(varied, role, data=data)
+    except strategies.PlacementError:
+      continue
+    yield f"{plan.label} d={data}", varied
+
+
+_SHORT = {Role.REFERENCE: "ref", Role.REWARD: "rw"}
 
 
 def _key(plan: Plan) -> tuple:
@@ -250,7 +302,7 @@ def searched(plans: Sequence[Plan]) -> str:
   staged = [p for p in plans if any(s.stages > 1 for s in p.spec.roles.values())]
   line = (
     f"searched: {len(plans)} placements ({', '.join(sorted({p.spec.strategy for p in plans}))});"
-    f" {axes}; micro-batches {micro}"
+    f" {axes}; micro-batches {micro}; the best {REFINED} with per-role tensor and data sizes"
   )
   fitting = [p for p in plans if p.fits]
   best_staged = next((p for p in staged if p.fits), None)
