@@ -390,3 +390,18 @@ def test_the_search_gives_a_scoring_role_its_own_tensor_size_where_it_pays():
   same = evaluate.evaluate(uniform, work, H100, EFF, micro_batch=winner.micro_batch)
   assert winner.iteration_s < same.iteration_s
   assert "per-role tensor and data sizes" in search.explain(plans)
+
+
+def test_a_cpu_host_plans_stages_of_one_device():
+  """On a CPU host (`host_shared`: XLA's virtual devices), a collective inside a pipeline stage
+  can hang XLA's runtime, so the search plans only stages of one device each."""
+  from rlhfjax.planner import search
+
+  b7 = resolve_model("7b")
+  work = Workload(actor=b7, critic=b7, reward=b7, prompts=64, remat="full", fuse_actor_critic=True)
+  host = dataclasses.replace(H100, host_shared=True)
+  for hw, one in ((H100, False), (host, True)):
+    plans = search.search(work, hw, EFF, 8)
+    staged = [p.spec[Role.ACTOR] for p in plans]
+    assert staged and all(s.stages > 1 for s in staged)
+    assert all(len(s.devices) == s.stages for s in staged) == one

@@ -100,10 +100,15 @@ def context_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
   )
 
 
-def stage_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
+def stage_sizes(
+  spec: PlacementSpec, workload: Workload, *, one_device: bool = False
+) -> tuple[int, ...]:
   """The `STAGE_SIZES` that split every training-layout role's fsdp devices and every model's
   layers, for a run that does not pack or whose flow's packed updates run through stages
-  (`Pricing.packed_pipelines`), and a placement without stages or a context axis."""
+  (`Pricing.packed_pipelines`), and a placement without stages or a context axis.
+
+  `one_device`: only sizes that leave one device a stage (a CPU host, `Hardware.host_shared`,
+  where XLA's runtime can hang a collective inside a stage: `rlhfjax.cluster.cluster._alone`)."""
   trained = [s for s in spec.roles.values() if s.layout == Layout.TRAINING]
   if (workload.packed and not workload.pricing.packed_pipelines) or not trained:
     return ()
@@ -115,6 +120,7 @@ def stage_sizes(spec: PlacementSpec, workload: Workload) -> tuple[int, ...]:
     for size in STAGE_SIZES
     if all(m.num_layers % size == 0 for m in models)
     and all(s.axis_size("fsdp") % size == 0 for s in trained)
+    and (not one_device or all(len(s.devices) == size for s in trained))
   )
 
 
@@ -183,7 +189,7 @@ def search(
       # on the same devices can run it, so every stage count is tried and nothing else kept.
       fused = [
         best_of(f"{label} pp={size} fused", staged)
-        for size in stage_sizes(spec, workload)
+        for size in stage_sizes(spec, workload, one_device=hw.host_shared)
         if evaluate_fused(staged := strategies.with_stages(spec, size), workload)
       ]
       if fused:
@@ -200,7 +206,7 @@ def search(
     # Models too large for the devices' memory, or training that gathers across nodes: split
     # the layers into pipeline stages, keeping the fastest plan that fits.
     if not best.fits or _spans_nodes(spec, per_node):
-      for size in stage_sizes(spec, workload):
+      for size in stage_sizes(spec, workload, one_device=hw.host_shared):
         plan = best_of(f"{label} pp={size}", strategies.with_stages(spec, size))
         if _key(plan) < _key(best):
           best = plan
