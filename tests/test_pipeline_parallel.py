@@ -392,3 +392,49 @@ def _lora_reference_grads(loss_fn, params, batch):
 
   grads, metrics = jax.lax.scan(micro, steps.zero_gradients(params), batch)
   return jax.tree.map(lambda g: g / M, grads), jax.tree.map(jnp.mean, metrics)
+
+
+def test_packed_micro_batches_through_the_stages_sum_their_contributions(config, actor_params):
+  """Three packed micro-batches of 2, 4 and 2 rows (`packed_update.stack_micro_batches`: padded
+  to 4 rows and to 4 micro-batches, the last empty) through 2 stages of one device: the
+  pipelined step's average of the contributions scaled by 4 (`packed_update.summed`) is their
+  sum, the packed updates' gradient, and the empty micro-batch adds nothing."""
+  from rlhfjax.flows import packed_update
+
+  rng = np.random.default_rng(5)
+  width = PROMPT + RESPONSE
+
+  def micro(rows: int) -> dict[str, np.ndarray]:
+    segments = np.where(np.arange(width) < 6, 1, 2) * np.ones((rows, width), np.int32)
+    segments[0, 9:] = 0  # the end of a row left empty
+    positions = np.where(segments == 2, np.arange(width) - 6, np.arange(width)) * (segments > 0)
+    fields = {
+      "tokens": rng.integers(0, config.vocab_size, (rows, width)).astype(np.int32),
+      "positions": positions.astype(np.int32),
+      "segments": segments.astype(np.int32),
+      "old_logprobs": rng.normal(-3.0, 0.5, (rows, width)).astype(np.float32),
+      "advantages": rng.normal(0.0, 1.0, (rows, width)).astype(np.float32),
+    }
+    weights = (rng.random((rows, width)) * (segments > 0)).astype(np.float32) / 40
+    return {**fields, "weights": weights, "token_weights": weights}
+
+  micros = [micro(2), micro(4), micro(2)]
+  loss = functools.partial(steps.packed_actor_loss, config=config, clip_eps=0.2, entropy_coef=0.01)
+  stacked = jax.jit(functools.partial(packed_update.stack_micro_batches, count=4))(tuple(micros))
+  assert stacked["tokens"].shape == (4, 4, width)
+  assert not np.any(np.asarray(stacked["weights"][3])) and np.all(stacked["sum_scale"] == 4)
+
+  grad = jax.jit(jax.grad(lambda p, m: loss(p, m)[0]))
+  want = functools.reduce(
+    lambda a, b: jax.tree.map(jnp.add, a, b), [grad(actor_params, m) for m in micros]
+  )
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1, 1), ("stage", "fsdp", "tensor"))
+  params = _on_mesh(actor_params, config, "lm", mesh)
+  table = schedules.single("1f1b", 2, 4)
+  model = pipeline.Model(config, packed_update.summed(loss))
+  (got,), _ = jax.jit(
+    rules.constrained(
+      lambda p, b: pipeline.pipelined_grads([model], table, mesh, [p], [b]), Layout.TRAINING, mesh
+    )
+  )(params, stacked)
+  assert max(_relative_errors(got, want)) < 1e-5
