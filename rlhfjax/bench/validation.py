@@ -164,7 +164,8 @@ def calibration(table: Mapping) -> list[dict]:
   profile = load_efficiency(None)
   rows = []
   for m in table.get("measured", ()):
-    low, high = (m["value"], m["value"]) if isinstance(m["value"], float) else m["value"]
+    values = m["value"] if isinstance(m["value"], list) else [m["value"]]
+    low, high = min(values), max(values)
     assumed = getattr(profile, m["factor"])
     rows.append(
       {

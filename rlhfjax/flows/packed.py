@@ -341,9 +341,7 @@ class PackedUpdate:
         cluster, role, f"{name}_packed", loss_fn, field="ppo.packing", pipelines=True
       )
     )
-    self._stacker = (
-      packed_update.Stacker(cluster, source, f"{name}_packed") if fused else self._step
-    )
+    self._stacker = packed_update.Stacker(cluster, source, f"{name}_packed") if fused else None
 
   def micro_batches(
     self, fields: dict[str, jax.Array], seqs: Sequences, minis: list[np.ndarray]
@@ -369,5 +367,6 @@ class PackedUpdate:
     return [(update(micros), f, n) for micros, f, n in self.micro_batches(fields, seqs, minis)]
 
   def stacked(self, micros: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """`micros` as one pipelined mini-batch (`packed_update.stack_micro_batches`)."""
+    """`micros` (of `micro_batches`, `fused` only) as one pipelined mini-batch on the source's
+    mesh (`packed_update.stack_micro_batches`)."""
     return self._stacker.stacked(micros)

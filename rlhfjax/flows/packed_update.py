@@ -106,15 +106,11 @@ class PackedStep:
 
   def __call__(self, state: TrainState, micros: Sequence[dict[str, jax.Array]]):
     if self.stages > 1:
-      return self._pipelined(state, self.stacked(micros))
+      return self._pipelined(state, self._stacker.stacked(micros))
     acc = self._zeros(state.params, micros[0])
     for micro in micros:
       acc = self._grad(state.params, acc, micro)
     return self._apply(state, acc)
-
-  def stacked(self, micros: Sequence[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """The micro-batches as one pipelined mini-batch (`stack_micro_batches`)."""
-    return self._stacker.stacked(micros)
 
 
 class Stacker:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from rlhfjax.config import ExplicitPlacementSection, PlacementSection
@@ -404,16 +405,20 @@ def with_context(spec: PlacementSpec, context: int) -> PlacementSpec:
         f"{role}: placement.context={context} does not divide its {len(role_spec.devices)} "
         f"devices{groups}; set placement.context to one of {_divisors(fsdp)}"
       )
-    sizes = dict(role_spec.axes)
-    roles[role] = RoleSpec.training(
-      role_spec.devices,
-      stage=sizes.get("stage", 1),
-      data=sizes.get("data", 1),
-      fsdp=fsdp // context,
-      context=context,
-      tensor=sizes.get("tensor", 1),
-    )
+    roles[role] = _resized(role_spec, context=context)
   return dataclasses.replace(spec, roles=roles)
+
+
+def _resized(role_spec: RoleSpec, **sizes: int) -> RoleSpec | None:
+  """`role_spec` (training layout) with the given axis sizes (of 'stage', 'data', 'context',
+  'tensor') changed and fsdp taking the devices left, in the layout's axis order; None when
+  the sizes do not divide its devices."""
+  old = dict(role_spec.axes)
+  kept = {a: sizes.get(a, old.get(a, 1)) for a in ("stage", "data", "context", "tensor")}
+  fsdp, left = divmod(len(role_spec.devices), math.prod(kept.values()))
+  if fsdp < 1 or left:
+    return None
+  return RoleSpec.training(role_spec.devices, fsdp=fsdp, **kept)
 
 
 def with_role_mesh(
@@ -426,20 +431,16 @@ def with_role_mesh(
   Raises:
     PlacementError: the sizes do not divide the role's devices."""
   role_spec = spec[role]
-  sizes = dict(role_spec.axes)
-  stage, context = sizes.get("stage", 1), sizes.get("context", 1)
-  tensor = sizes.get("tensor", 1) if tensor is None else tensor
-  data = sizes.get("data", 1) if data is None else data
-  rest = len(role_spec.devices) // (stage * context * tensor * data)
-  if rest < 1 or rest * stage * context * tensor * data != len(role_spec.devices):
+  changes = {a: size for a, size in (("tensor", tensor), ("data", data)) if size is not None}
+  resized = _resized(role_spec, **changes)
+  if resized is None:
+    axes = dict(role_spec.axes)
     raise PlacementError(
-      f"{role}: tensor={tensor} x data={data} does not divide its {len(role_spec.devices)} devices"
+      f"{role}: tensor={changes.get('tensor', axes.get('tensor', 1))} x "
+      f"data={changes.get('data', axes.get('data', 1))} does not divide its "
+      f"{len(role_spec.devices)} devices"
     )
-  roles = dict(spec.roles)
-  roles[role] = RoleSpec.training(
-    role_spec.devices, stage=stage, data=data, fsdp=rest, context=context, tensor=tensor
-  )
-  return dataclasses.replace(spec, roles=roles)
+  return dataclasses.replace(spec, roles={**spec.roles, role: resized})
 
 
 def with_stages(spec: PlacementSpec, stages: int) -> PlacementSpec:
@@ -465,13 +466,7 @@ def with_stages(spec: PlacementSpec, stages: int) -> PlacementSpec:
         f"{role}: placement.pipeline_stages={stages} does not divide its {fsdp} fsdp "
         f"devices; set placement.pipeline_stages to one of {_divisors(fsdp)}"
       )
-    roles[role] = RoleSpec.training(
-      role_spec.devices,
-      stage=stages,
-      data=sizes.get("data", 1),
-      fsdp=fsdp // stages,
-      tensor=sizes.get("tensor", 1),
-    )
+    roles[role] = _resized(role_spec, stage=stages)
   if Role.ACTOR in roles and Role.CRITIC in roles:
     roles = _critic_reversed(roles)
   return dataclasses.replace(spec, roles=roles)
