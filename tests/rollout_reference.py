@@ -30,6 +30,7 @@ class Output:
   lengths: np.ndarray
   mask: np.ndarray
   stopped: np.ndarray
+  observed: np.ndarray
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -40,9 +41,9 @@ def _next(config, params, tokens_bt, mask_bt, at_b, keys_b, temperature_b, top_k
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _keys(seed, ids_b, step):
+def _keys(seed, ids_b, step_b):
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_b)
-  return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+  return jax.vmap(jax.random.fold_in)(keys, step_b)
 
 
 def generate(
@@ -54,11 +55,15 @@ def generate(
   max_new_tokens: int,
   seed: int = 0,
   pad_token_id: int = 0,
+  turn=None,
+  turn_tokens: int = 0,
 ) -> Output:
   """Responses to `prompts` as the engine would give them (request ids: input positions).
 
   `max_new_tokens`: the engine's capacity, the limit of settings that give none (and the
-  width of the outputs)."""
+  width of the outputs). `turn` as `rollout.RolloutStream`'s: its observations are appended
+  to the sequence, and the token after them is drawn with the key of its place in the
+  response."""
   n = len(prompts)
   settings = [sampling] * n if isinstance(sampling, rollout.SamplingParams) else list(sampling)
   limit = [s.max_new_tokens or max_new_tokens for s in settings]
@@ -73,32 +78,47 @@ def generate(
   responses: list[list[int]] = [[] for _ in range(n)]
   logprobs: list[list[float]] = [[] for _ in range(n)]
   stopped = np.zeros(n, bool)
+  observed: list[list[bool]] = [[] for _ in range(n)]
+  turn_start = [0] * n
   live = set(range(n))
-  for step in range(max(limit)):
+  while live:
     tokens = np.full((rows, length), pad_token_id, np.int32)
     mask = np.zeros((rows, length), np.int32)
     at = np.zeros(rows, np.int32)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
       seq = list(p) + r
       tokens[i, : len(seq)], mask[i, : len(seq)], at[i] = seq, 1, len(seq) - 1
+    steps = jnp.asarray([len(r) for r in responses] + [0] * (rows - n), jnp.int32)
     token, logprob = _next(
-      config, params, tokens, mask, jnp.asarray(at), _keys(seed, ids, step), temperature, top_k,
+      config, params, tokens, mask, jnp.asarray(at), _keys(seed, ids, steps), temperature, top_k,
       top_p,
     )  # fmt: skip
     token, logprob = np.asarray(token), np.asarray(logprob)
     for i in sorted(live):
       responses[i].append(int(token[i]))
       logprobs[i].append(float(logprob[i]))
+      observed[i].append(False)
       stopped[i] = int(token[i]) in stops[i]
-      if stopped[i] or len(responses[i]) == limit[i]:
-        live.discard(i)
-    if not live:
-      break
+      turn_full = turn is not None and len(responses[i]) - turn_start[i] == turn_tokens
+      if stopped[i] or len(responses[i]) == limit[i] or turn_full:
+        room = limit[i] - len(responses[i])
+        obs = None
+        if turn is not None:
+          obs = turn(i, np.asarray(responses[i][turn_start[i] :]), bool(stopped[i]), room)
+        if obs is None:
+          live.discard(i)
+          continue
+        responses[i] += list(map(int, obs))
+        logprobs[i] += [0.0] * len(obs)
+        observed[i] += [True] * len(obs)
+        turn_start[i], stopped[i] = len(responses[i]), False
   width = max(limit)
   out_tokens = np.full((n, width), pad_token_id, np.int32)
   out_logprobs = np.zeros((n, width), np.float32)
+  out_observed = np.zeros((n, width), bool)
   for i, (r, lp) in enumerate(zip(responses, logprobs, strict=True)):
     out_tokens[i, : len(r)], out_logprobs[i, : len(lp)] = r, lp
+    out_observed[i, : len(r)] = observed[i]
   lengths = np.asarray([len(r) for r in responses], np.int32)
   return Output(
     tokens=out_tokens,
@@ -106,4 +126,5 @@ def generate(
     lengths=lengths,
     mask=np.arange(width)[None, :] < lengths[:, None],
     stopped=stopped,
+    observed=out_observed,
   )

@@ -55,11 +55,11 @@ def params():
   return models.init_params(CONFIG, "lm", jax.random.key(1))
 
 
-def _reference(params, prompts, sampling=rollout.GREEDY, seed=0, max_new_tokens=None):
+def _reference(params, prompts, sampling=rollout.GREEDY, seed=0, max_new_tokens=None, turn=None):
   """What the engine must answer (`rollout_reference.generate`)."""
   return rollout_reference.generate(
     CONFIG, params, prompts, sampling, seed=seed,
-    max_new_tokens=max_new_tokens or PAGED.max_new_tokens,
+    max_new_tokens=max_new_tokens or PAGED.max_new_tokens, turn=turn,
   )  # fmt: skip
 
 
@@ -243,6 +243,87 @@ def test_group_samples_prefill_a_prompt_once_and_share_its_pages(params):
   assert (got.tokens[0] != got.tokens[4]).any()  # the samples of a group differ
   assert got.prefill_rows == len(unique) and ref.prefill_rows == len(prompts)
   assert got.max_pages_in_use < ref.max_pages_in_use
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversations: observations appended, the KV kept.
+
+# Turns end on a stop token; the greedy single-turn answers hold these early on. A pool of
+# every conversation's whole sequence in each replica: nothing is preempted.
+TURNS = dataclasses.replace(PAGED, max_new_tokens=20, decode_chunk=4, num_pages=2 * (6 * 9 + 1))
+
+
+class _Turns:
+  """A deterministic environment for every request: up to 3 turns, observations of 1 to 6
+  tokens (page boundaries crossed) derived from the turn the model just took."""
+
+  def __init__(self):
+    self.calls = []
+
+  def __call__(self, index, tokens, stopped, room):
+    self.calls.append((index, tokens.tolist(), stopped, room))
+    turns = sum(1 for c in self.calls if c[0] == index)
+    m = 1 + (index + 2 * turns) % 6
+    if turns >= 3 or m >= room:
+      return None
+    return [(int(tokens.sum()) + 17 * k + index) % CONFIG.vocab_size for k in range(m)]
+
+
+def _turn_settings(params, prompts, sample):
+  greedy = _reference(params, prompts, max_new_tokens=TURNS.max_new_tokens).tokens
+  return [
+    rollout.SamplingParams(**sample, stop_token_ids=tuple(int(t) for t in ref[[1, 3, 4]]))
+    for ref in greedy
+  ]
+
+
+@pytest.mark.parametrize(
+  "sample", [dict(temperature=0.0), dict(temperature=1.0, top_k=2)], ids=["greedy", "top_k"]
+)
+@pytest.mark.parametrize(
+  ("devices", "data", "tensor", "pages", "turn_tokens"),
+  [([1], 1, 1, None, 0), ([4, 5, 6, 7], 2, 2, None, 5), ([3], 1, 1, 11, 0)],
+  ids=["one_device", "data2_tensor2_turn_limit", "small_pool"],
+)
+def test_conversations_keep_their_kv_and_equal_no_cache_generation(
+  params, sample, devices, data, tensor, pages, turn_tokens
+):
+  """Each request's observations are appended and it decodes on from its own pages: tokens
+  and log-probs equal generation without a cache over prompt + response + observations; the
+  prompts are prefilled once and only the new tokens' KV is computed (no re-prefill of the
+  history), unless a small pool preempts (then prefilled again, with the same tokens). A turn
+  ends on a stop token or at its own token limit."""
+  config = TURNS if pages is None else dataclasses.replace(TURNS, num_pages=pages)
+  engine = rollout.Engine.for_role(CONFIG, config, _role(devices, data, tensor), params)
+  prompts = _prompts(7, (5, 9, 16, 3, 12, 7))
+  settings = _turn_settings(params, prompts, sample)
+  want_turns, got_turns = _Turns(), _Turns()
+  want = rollout_reference.generate(
+    CONFIG, params, prompts, settings, seed=3, max_new_tokens=config.max_new_tokens,
+    turn=want_turns, turn_tokens=turn_tokens,
+  )  # fmt: skip
+  got = engine.generate(prompts, sampling=settings, seed=3, turn=got_turns, turn_tokens=turn_tokens)
+  _assert_same(got, want)
+  np.testing.assert_array_equal(got.observed, want.observed)
+  assert sorted(got_turns.calls) == sorted(want_turns.calls)
+  turns = 1 + np.asarray([sum(1 for c in got_turns.calls if c[0] == i) - 1 for i in range(6)])
+  assert turns.max() == 3 and (turns > 1).sum() >= 3  # conversations, not one-turn answers
+  if turn_tokens:  # some turns ended at their limit, not on a stop token, and went on
+    assert any(not stop and len(t) == turn_tokens and room for _, t, stop, room in got_turns.calls)
+  # The trajectory is the sampled tokens and the observations, as they were given.
+  for index, tokens, _, _ in got_turns.calls:
+    row = got.tokens[index, : got.lengths[index]].tolist()
+    assert any(row[i : i + len(tokens)] == tokens for i in range(len(row)))
+  assert (got.versions[got.observed] == -1).all() and (got.logprobs[got.observed] == 0).all()
+  assert got.generated_tokens == int((got.mask & ~got.observed).sum())
+  observations = int(got.observed.sum())
+  if pages is None:
+    assert got.preemptions == 0
+    assert got.prefill_rows == len(prompts)  # each prompt once: the history never again
+    assert got.extended_tokens == observations  # the turn's last token + all but the last
+    assert 0 < got.extend_calls <= sum(turns - 1)
+  else:
+    assert got.preemptions > 0 or got.prefill_rows > len(prompts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,11 @@ class GenerateOutput:
   """[prompts] bool: the response ended with a stop token (else it hit `max_new_tokens`)."""
   versions: np.ndarray
   """[prompts, r] int32: `Engine.params_version` of the weights that sampled each token (the
-  version current at the decode call that produced it); -1 past each length."""
+  version current at the decode call that produced it); -1 past each length and on
+  observations."""
+  observed: np.ndarray
+  """[prompts, r] bool: True on observations a `turn` function appended (all False without
+  one); `mask & ~observed` are the sampled tokens."""
   inserts: np.ndarray
   """[prompts] int32: how many times each prompt was put into a slot (1, plus one per
   preemption)."""
@@ -52,6 +56,9 @@ class GenerateOutput:
   """Sequences prefilled (with shared prefixes, one per distinct prompt and replica)."""
   prefill_tokens: int
   """Tokens the prefill calls ran over (compiled rows times prompt bucket, padding included)."""
+  extend_calls: int
+  extended_tokens: int
+  """Observation tokens (and each turn's last) whose KV was written after the history's."""
   decode_calls: int
   """`generate_steps` calls: the host round trips between refills."""
   host_transfers: int
@@ -75,6 +82,8 @@ def generate(
   seed: int = 0,
   padding_side: str = "left",
   on_decode_call: Callable[[], None] | None = None,
+  turn: Any = None,
+  turn_tokens: int = 0,
 ) -> GenerateOutput:
   """Generates a response to every prompt, refilling decode slots as sequences finish.
 
@@ -95,6 +104,8 @@ def generate(
     padding_side=padding_side,
     min_yield=engine.config.num_slots,
     on_decode_call=on_decode_call,
+    turn=turn,
+    turn_tokens=turn_tokens,
   )
   num, width = stream.num_prompts, stream.width
   tokens = np.full((num, width), engine.config.pad_token_id, np.int32)
@@ -102,12 +113,15 @@ def generate(
   out_lengths = np.zeros(num, np.int32)
   stopped = np.zeros(num, bool)
   versions = np.full((num, width), -1, np.int32)
+  observed = np.zeros((num, width), bool)
   for done in stream:
     tokens[done.indices] = done.tokens
     logprobs[done.indices] = done.logprobs
     out_lengths[done.indices] = done.lengths
     stopped[done.indices] = done.stopped
     versions[done.indices] = done.versions
+    if done.observed is not None:
+      observed[done.indices] = done.observed
   mask = np.arange(width)[None, :] < out_lengths[:, None]
   stats = stream.stats
   return GenerateOutput(
@@ -117,10 +131,13 @@ def generate(
     mask=mask,
     stopped=stopped,
     versions=versions,
+    observed=observed,
     inserts=stats.inserts,
     prefill_calls=stats.prefill_calls,
     prefill_rows=stats.prefill_rows,
     prefill_tokens=stats.prefill_tokens,
+    extend_calls=stats.extend_calls,
+    extended_tokens=stats.extended_tokens,
     decode_calls=stats.decode_calls,
     host_transfers=stats.host_transfers,
     generated_tokens=stats.generated_tokens,

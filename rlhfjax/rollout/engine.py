@@ -493,10 +493,13 @@ class Engine:
     seed: int = 0,
     padding_side: str = "left",
     on_decode_call: Callable[[], None] | None = None,
+    turn: Any = None,
+    turn_tokens: int = 0,
   ) -> batching.GenerateOutput:
     """Generates a response to every prompt with continuous batching over the slots.
 
-    See `rlhfjax.rollout.batching.generate`; the output is in input order.
+    See `rlhfjax.rollout.batching.generate`; the output is in input order. `turn` makes
+    each request a conversation (`rlhfjax.rollout.streaming.RolloutStream`).
     """
     return batching.generate(
       self,
@@ -506,6 +509,8 @@ class Engine:
       seed=seed,
       padding_side=padding_side,
       on_decode_call=on_decode_call,
+      turn=turn,
+      turn_tokens=turn_tokens,
     )
 
 

@@ -15,9 +15,11 @@ and writes of inactive rows land there, never in a page someone else owns. A seq
 `table_bw[row, j // e]`; its position id is `j`.
 
 Prefill fills the KV of a prompt's first `L - 1` tokens (`prefill`, dense, right padded) and
-`insert` copies them into pages. The first response token is sampled by the first decode step,
-which feeds the last prompt token at index `L - 1`: every token, the first included, is drawn
-by `decode_step` with `fold_in(request key, step)` (`step_keys`).
+`insert` copies them into pages; `extend` writes more tokens' KV after a sequence's pages (a
+conversation's observation), each attending to the cached history, which is not recomputed.
+The first response token is sampled by the first decode step, which feeds the last prompt
+token at index `L - 1`: every token, the first included, is drawn by `decode_step` with
+`fold_in(request key, step)` (`step_keys`).
 
 A decode call (`generate_steps`) takes a `Plan` from the host: the page table of every slot,
 slots to evict (preempted), and a queue of prefilled requests per replica with their pages.
@@ -170,7 +172,23 @@ class Prefix:
     return self.tokens_b.shape[0]
 
 
-def logical_axes() -> tuple[PagedState, Queue, Plan, Requests, Prefix]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Extension:
+  """Tokens appended to sequences that already hold pages (a conversation's next turn: the
+  model's last token and an environment's observation), `b / d` rows per replica, replica-major.
+
+  Row `i` writes the KV of `tokens_bt[i, :t]` at logical indices `start_b[i] + [0, t)` of its
+  pages `table_bw[i]`; a row's padding writes past its sequence (read by nobody before the
+  decode step that reaches it writes it again) and inactive rows (table all 0) write to the
+  reserved page."""
+
+  tokens_bt: jax.Array
+  start_b: jax.Array
+  table_bw: jax.Array
+
+
+def logical_axes() -> tuple[PagedState, Queue, Plan, Requests, Prefix, Extension]:
   """Logical axis names of every field of the paged programs' pytrees (leaves are tuples)."""
   row, row2, scalar = ("batch",), ("batch", None), ()
   pool = ("batch", "layers", "kv_heads", None, None, "head_dim")
@@ -218,7 +236,8 @@ def logical_axes() -> tuple[PagedState, Queue, Plan, Requests, Prefix]:
     **{f.name: row for f in dataclasses.fields(Prefix)}
     | dict(cache={"k": cache, "v": cache}, stop_bm=row2, rng_bx=row2)
   )
-  return state, queue, plan, requests, prefix
+  extension = Extension(tokens_bt=row2, start_b=row, table_bw=row2)
+  return state, queue, plan, requests, prefix, extension
 
 
 def empty_state(
@@ -356,6 +375,27 @@ def _prefix(cache: Cache, requests: Requests) -> Prefix:
     top_p_b=requests.top_p_b,
     rng_bx=_request_keys(requests.seed_b, requests.request_id_b),
   )
+
+
+def extend(config: ModelConfig, params, state: PagedState, ext: Extension) -> PagedState:
+  """Writes the KV of `ext`'s tokens into their rows' pages, each token attending to its
+  sequence's KV so far and to the tokens before it: the history is never prefilled again.
+  Samples nothing (the next decode step feeds the sequence's last token)."""
+  b, t = ext.tokens_bt.shape
+  e = state.cache["k"].shape[4]
+  positions_bt = ext.start_b[:, None] + jnp.arange(t)[None, :]
+  slot_bs = jnp.broadcast_to(jnp.arange(ext.table_bw.shape[1] * e), (b, ext.table_bw.shape[1] * e))
+  # A key is there once written: the sequence so far and this call's tokens (padding too, so
+  # that a padding query always has a key: the causal mask keeps real queries off it).
+  written_bs = slot_bs < (ext.start_b + t)[:, None]
+  mask = models.Mask.over_keys(
+    jnp.ones((b, t)), positions_bt, written_bs, slot_bs, config.sliding_window
+  )
+  paged = PagedKV(k=state.cache["k"], v=state.cache["v"], table_bw=ext.table_bw, kernel="gather")
+  _, paged = models.apply(
+    config, params, ext.tokens_bt, positions_bt, mask, cache=paged, cache_index_b=ext.start_b
+  )
+  return dataclasses.replace(state, cache={"k": paged.k, "v": paged.v})
 
 
 def _by_replica(x: jax.Array, replicas: int) -> jax.Array:

@@ -122,7 +122,9 @@ class PagedPrograms:
     self.slot_table = paging.slot_pages(cfg.num_slots, self.replicas, self.pages, w)
     """The slot API's page tables: slot `j` of a replica owns a dense row's pages."""
 
-    state_axes, _, plan_axes, requests_axes, prefix_axes = paged_decode.logical_axes()
+    state_axes, _, plan_axes, requests_axes, prefix_axes, self._extension_axes = (
+      paged_decode.logical_axes()
+    )
     self._replicated = NamedSharding(mesh, PartitionSpec())
     # Of values only (not of this object): every engine of the same sizes shares the program.
     self._empty_state = functools.partial(
@@ -215,6 +217,8 @@ class PagedPrograms:
         donate_argnums=1,
       )
     self._slot_plan: Plan | None = None
+    self._extend: dict[tuple[int, int], Any] = {}
+    """The extension programs by (rows per replica, bucket), compiled on first use."""
 
   def _width_floor(self) -> int:
     """The narrowest page table compiled: the pages of a smallest-bucket prompt and one
@@ -387,6 +391,53 @@ class PagedPrograms:
     prefix = self._prefill[rows](params, requests)
     args = self._put((pages, replica, np.full(rows, -1, np.int32)), self._replicated)
     return self._insert[rows](prefix, state, *args)
+
+  def extend_pages(
+    self, params: Any, state: PagedState, items: Sequence[paging.ExtendItem]
+  ) -> PagedState:
+    """Writes the KV of `items` (each at most the largest prompt bucket long) after their
+    sequences' KV, in one call of rows per replica (a power of two) by the smallest prompt
+    bucket that holds the longest (`paged_decode.extend`)."""
+    cfg, engine = self._engine.config, self._engine
+    most = max(sum(it.replica == d for it in items) for d in range(self.replicas))
+    per = 1 << (most - 1).bit_length()
+    bucket = cfg.bucket(max(len(it.tokens) for it in items))
+    rows = per * self.replicas
+    tokens = np.full((rows, bucket), cfg.pad_token_id, np.int32)
+    start = np.zeros(rows, np.int32)
+    # As wide as a sequence and the bucket: a row's padding past its table writes to page 0.
+    table = np.zeros((rows, self.width + self._pages_of(bucket)), np.int32)
+    taken = [0] * self.replicas
+    for it in items:
+      i = it.replica * per + taken[it.replica]
+      taken[it.replica] += 1
+      tokens[i, : len(it.tokens)], start[i] = it.tokens, it.start
+      table[i, : len(it.pages)] = it.pages
+    key = (per, bucket)
+    if key not in self._extend:
+      host = paged_decode.Extension(tokens_bt=tokens, start_b=start, table_bw=table)
+      shardings = rules.named_shardings(
+        self._extension_axes, host, self._engine.mesh, Layout.GENERATION
+      )
+      self._extend[key] = (
+        engine.traces.jit(
+          f"extend[{rows}x{bucket}]",
+          rules.constrained(
+            functools.partial(paged_decode.extend, engine.model_config),
+            Layout.GENERATION,
+            engine.mesh,
+          ),
+          in_shardings=(engine.param_shardings, self.state_shardings, shardings),
+          out_shardings=self.state_shardings,
+          donate_argnums=1,
+        ),
+        shardings,
+      )
+    program, shardings = self._extend[key]
+    ext = self._put(
+      paged_decode.Extension(tokens_bt=tokens, start_b=start, table_bw=table), shardings
+    )
+    return program(params, state, ext)
 
   def decode(
     self, params: Any, state: PagedState, round_: paging.Round

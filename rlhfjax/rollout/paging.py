@@ -27,6 +27,13 @@ rounding of the recomputed KV). A pool of one full sequence per replica always p
 request alone in its replica needs at most a sequence's pages, plus one if it shares a prompt
 whose first user is gone (the entry keeps that user's last prompt page); short of it, it
 preempts itself, which frees the entry, and comes back as the prompt's first user.
+
+Conversations. With a `TurnFn`, a request that ends a turn (a stop token, or `turn_tokens`)
+is handed to it; an observation it returns is appended to the request's tokens and the request
+is queued again in its own pages, its history's KV kept: the next round carries an
+`ExtendItem` that writes the KV of the turn's last token and the observation but its last
+(which the next decode step feeds). Without queue room or pages it waits like a preempted
+request and is prefilled again.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -142,6 +149,14 @@ class Request:
   """Admission order (the largest is the youngest)."""
   admissions: int = 0
   """Times it was admitted (1, plus one per preemption)."""
+  turn_start: int = 0
+  """Where its current turn starts in `tokens` (a conversation: after the last observation)."""
+  observed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  """`[start, end)` of each observation in `tokens`: an environment's tokens, not sampled."""
+  unwritten: np.ndarray | None = None
+  """Tokens whose KV is still to be written after its pages' (the last turn's final token and
+  the observation but its last token), from logical index `unwritten_start` on."""
+  unwritten_start: int = 0
 
   @property
   def index_next(self) -> int:
@@ -165,10 +180,31 @@ class PrefillItem:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtendItem:
+  """Tokens whose KV goes after the KV a sequence's pages hold (`paged_decode.extend`)."""
+
+  tokens: np.ndarray
+  start: int
+  """Logical index of the first."""
+  pages: list[int]
+  """The sequence's pages in logical order (covering the new tokens)."""
+  replica: int
+
+
+TurnFn = Callable[[int, np.ndarray, bool, int], "np.ndarray | None"]
+"""`turn(index, tokens, stopped, room) -> observation or None`: called when request `index`
+ends a turn (`tokens`: the turn's sampled tokens, `stopped`: on a stop token, `room`: tokens
+left under its limit); token ids to append (fewer than `room`) continue the sequence, None ends
+it."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Round:
   """What the host does before one decode call."""
 
   prefills: list[PrefillItem]
+  extends: list[ExtendItem]
+  """Continued sequences' new tokens, written after the prefills and before the decode call."""
   table_bw: np.ndarray
   evict_b: np.ndarray
   count_d: np.ndarray
@@ -218,6 +254,8 @@ class Scheduler:
     batch_sizes: Sequence[int] | None = None,
     widths: Sequence[int] | None = None,
     tail_rows: int = 0,
+    turn: TurnFn | None = None,
+    turn_tokens: int = 0,
   ):
     """Args:
     prompts: Token ids of each request.
@@ -235,6 +273,12 @@ class Scheduler:
     widths: Page-table widths (`table_widths`); None: `width` only.
     tail_rows: Once nothing waits, a call returns when at most this many requests run (the
       stream then moves them to a tail engine, `rlhfjax.rollout.compaction`); 0: never.
+    turn: Called as each request ends a turn (`TurnFn`); an observation it returns continues
+      the request in its own pages: queued again (its KV kept, the new tokens' KV written by
+      an `ExtendItem`), or, without queue room or pages, back to the waiting line like a
+      preempted request. None: one turn.
+    turn_tokens: With `turn`, a turn also ends after this many tokens (0: at the request's
+      limit only).
     """
     self._settings = settings
     self._seed = seed
@@ -248,6 +292,7 @@ class Scheduler:
     self._sizes = sorted(batch_sizes or [replicas * slots])
     self._widths = sorted(widths or [width])
     self._tail_rows = tail_rows
+    self._turn, self._turn_tokens = turn, turn_tokens
     self.requests = [
       Request(index=i, prompt=np.asarray(p, np.int32), max_new=int(settings["max_new_b"][i]))
       for i, p in enumerate(prompts)
@@ -293,6 +338,7 @@ class Scheduler:
         del self.cache[r.replica][r.key]
     self._free_rows[r.replica].append(r.row)
     r.own, r.shared, r.key, r.row, r.copy = [], [], None, -1, (0, 0)
+    r.unwritten = None  # (readmitted, it prefills prompt + tokens again)
 
   def _preempt(self, r: Request) -> None:
     """Evicts `r` (queued or running) back to the front of the waiting line."""
@@ -438,9 +484,15 @@ class Scheduler:
     self.counters.max_pages_in_use = max(
       self.counters.max_pages_in_use, sum(p.in_use for p in self.pools)
     )
-    return self._round(prefills, horizon)
+    extends = []
+    for r in (r for queued in self.queued for r in queued if r.unwritten is not None):
+      extends.append(
+        ExtendItem(tokens=r.unwritten, start=r.unwritten_start, pages=r.table, replica=r.replica)
+      )
+      r.unwritten = None
+    return self._round(prefills, extends, horizon)
 
-  def _round(self, prefills: list[PrefillItem], horizon: int) -> Round:
+  def _round(self, prefills: list[PrefillItem], extends: list[ExtendItem], horizon: int) -> Round:
     b, w, d_all = self.replicas * self.slots, self.width, self.replicas
     table = np.zeros((b, w), np.int32)
     for d in range(d_all):
@@ -479,6 +531,8 @@ class Scheduler:
         for name in ("max_new", "stop", "temperature", "top_k", "top_p"):
           field = "stop_bm" if name == "stop" else f"{name}_b"
           queue["stop_qm" if name == "stop" else f"{name}_q"][i] = s[field][r.index]
+        if self._turn is not None and self._turn_tokens:  # the turn ends at its own limit
+          queue["max_new_q"][i] = min(r.max_new, r.turn_start + self._turn_tokens)
         queue["request_id_q"][i], queue["row_q"][i] = r.index, r.row
     idle = sum(
       max(0, sum(r is None for r in self.slot_of[d]) - len(self.queued[d])) for d in range(d_all)
@@ -491,6 +545,7 @@ class Scheduler:
     slots_s, width = self._live_batch()
     return Round(
       prefills=prefills,
+      extends=extends,
       table_bw=table,
       evict_b=evict,
       count_d=count,
@@ -561,8 +616,12 @@ class Scheduler:
         r.stopped, r.status = bool(out_stopped_o[o]), "done"
         if r.slot >= 0 and self.slot_of[d][r.slot] is r:
           self.slot_of[d][r.slot] = None
-        self._release(r)
         r.slot = -1
+        observation = self._next_turn(r)
+        if observation is not None:
+          self._continue(r, observation)
+          continue
+        self._release(r)
         finished.append(r)
       elif r.status == "running":  # give back the pages past its last write
         keep = math.ceil(r.index_next / self.page_size) - len(r.shared)
@@ -571,6 +630,49 @@ class Scheduler:
       else:
         raise RuntimeError(f"request {r.index} left its queue but runs in no slot")
     return finished
+
+  def _next_turn(self, r: Request) -> np.ndarray | None:
+    """The observation that continues `r` after the turn it just ended, or None."""
+    if self._turn is None:
+      return None
+    room = r.max_new - len(r.tokens)
+    turn = np.asarray(r.tokens[r.turn_start :], np.int32)
+    observation = self._turn(r.index, turn, r.stopped, room)
+    if observation is None:
+      return None
+    observation = np.asarray(observation, np.int32).reshape(-1)
+    if not 0 < len(observation) < room:
+      raise ValueError(
+        f"request {r.index}: an observation must have 1 to {room - 1} tokens (its limit leaves "
+        f"{room}), got {len(observation)}"
+      )
+    return observation
+
+  def _continue(self, r: Request, observation: np.ndarray) -> None:
+    """Appends `observation` to finished-turn `r` and queues it again in its own pages, the
+    new tokens' KV to be written after theirs; without queue room or pages, it waits to be
+    prefilled again (prompt and every token) as a preempted request does."""
+    n, m = len(r.tokens), len(observation)
+    start, last = r.index_next, r.tokens[-1]  # the turn's last token: its KV is not written
+    r.tokens += observation.tolist()
+    r.logprobs += [0.0] * m
+    r.versions += [-1] * m
+    r.observed.append((n, n + m))
+    r.turn_start, r.stopped = n + m, False
+    d, pool = r.replica, self.pools[r.replica]
+    need = self._pages_to_cover(r, self._chunk)
+    if self._room(d) > 0 and pool.num_free >= need:
+      r.own += pool.alloc(need)
+      r.unwritten = np.asarray([last, *observation[:-1].tolist()], np.int32)
+      r.unwritten_start, r.copy = start, (0, 0)
+      r.status, r.admitted = "queued", self._admissions
+      self._admissions += 1
+      self.queued[d].append(r)
+      return
+    self._release(r)
+    r.status, r.replica = "pending", -1
+    self.pending.appendleft(r)
+    self.counters.recomputed_tokens += len(r.tokens)
 
   @property
   def all_pages_free(self) -> bool:

@@ -59,7 +59,11 @@ class Finished:
   """[k] bool: the response ended with a stop token (else it hit its token limit)."""
   versions: np.ndarray | None = None
   """[k, r] int32 `Engine.params_version` of the weights that sampled each token, -1 past each
-  length (a `RolloutStream` always sets it; None from producers that do not track it)."""
+  length and on observations (a `RolloutStream` always sets it; None from producers that do
+  not track it)."""
+  observed: np.ndarray | None = None
+  """[k, r] bool: the token is an observation a `turn` function appended, not sampled (its
+  log-prob 0); None for one-turn streams."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -90,6 +94,10 @@ class StreamStats:
   recomputed_tokens: int = 0
   """Generated tokens prefilled again: of preempted requests, and of those moved to the tail
   engine."""
+  extend_calls: int = 0
+  """Device calls writing observations' KV after their sequences' (conversations)."""
+  extended_tokens: int = 0
+  """Tokens those calls wrote: each observation and the turn's last token before it."""
   decode_steps_by_batch: dict[int, int] = dataclasses.field(default_factory=dict)
   """Decode steps run at each live-batch size (the tail engine's included)."""
   compactions: list[int] = dataclasses.field(default_factory=list)
@@ -138,6 +146,19 @@ def _chunks(items: list[int], sizes: Sequence[int]) -> list[list[int]]:
   return out
 
 
+def _waves(items: Sequence[paging.ExtendItem], most: int) -> list[list[paging.ExtendItem]]:
+  """Extensions as calls of at most `most` tokens a row: wave `k` holds the `k`-th piece of
+  every item longer than `k * most` (a piece's KV attends to the pieces before it)."""
+  waves: list[list[paging.ExtendItem]] = []
+  for it in items:
+    for k, at in enumerate(range(0, len(it.tokens), most)):
+      if k == len(waves):
+        waves.append([])
+      piece = it.tokens[at : at + most]
+      waves[k].append(dataclasses.replace(it, tokens=piece, start=it.start + at))
+  return waves
+
+
 class RolloutStream:
   """An iterator of `Finished` groups, each request exactly once, in the order they finish.
 
@@ -156,6 +177,8 @@ class RolloutStream:
     min_yield: int = 1,
     tail_threshold: float | None = None,
     on_decode_call: Callable[[], None] | None = None,
+    turn: paging.TurnFn | None = None,
+    turn_tokens: int = 0,
   ):
     """Checks the requests; nothing runs until iteration.
 
@@ -179,6 +202,13 @@ class RolloutStream:
         token's `Finished.versions` entry says which weights produced it. With it, decode calls
         stay `EngineConfig.decode_chunk` steps long to the end, so a swap never waits for more
         than one chunk.
+      turn: Called as each request ends a turn (`paging.TurnFn`: its index, the turn's tokens,
+        whether it stopped on a stop token, the tokens left under its limit); token ids it
+        returns are appended as an observation and the request decodes on from them, its KV
+        cache kept (only the new tokens' KV is computed); None ends the request. Its
+        `max_new_tokens` limits the whole conversation's response, observations included.
+      turn_tokens: With `turn`, a turn also ends after this many tokens, not on a stop token
+        (0: at the request's limit only).
     """
     cfg = engine.config
     self._prompts = as_prompt_list(prompts, lengths, padding_side)
@@ -212,6 +242,7 @@ class RolloutStream:
     self._min_yield = min_yield
     self._threshold = threshold
     self._on_decode_call = on_decode_call
+    self._turn, self._turn_tokens = turn, turn_tokens
     self._started = False
     self.num_prompts = num
     self.width = max(limits)
@@ -227,24 +258,29 @@ class RolloutStream:
     self._started = True
     return self._run()
 
-  def _finished(self, rows: list[tuple[int, list, list, list, bool]]) -> Finished:
-    """`Finished` of `(index, tokens, logprobs, versions, stopped)` rows."""
+  def _finished(self, done: list[paging.Request]) -> Finished:
+    """`Finished` of finished requests."""
     width, pad = self.width, self._engine.config.pad_token_id
-    k = len(rows)
+    k = len(done)
     tokens = np.full((k, width), pad, np.int32)
     logprobs = np.zeros((k, width), np.float32)
     versions = np.full((k, width), -1, np.int32)
-    for i, (_, t, lp, v, _) in enumerate(rows):
-      tokens[i, : len(t)], logprobs[i, : len(lp)], versions[i, : len(v)] = t, lp, v
-    lengths = np.asarray([len(r[1]) for r in rows], np.int32)
-    self.stats.generated_tokens += int(lengths.sum())
+    observed = np.zeros((k, width), bool)
+    for i, r in enumerate(done):
+      n = len(r.tokens)
+      tokens[i, :n], logprobs[i, :n], versions[i, :n] = r.tokens, r.logprobs, r.versions
+      for start, end in r.observed:
+        observed[i, start:end] = True
+    lengths = np.asarray([len(r.tokens) for r in done], np.int32)
+    self.stats.generated_tokens += int(lengths.sum() - observed.sum())
     return Finished(
-      indices=np.asarray([r[0] for r in rows]),
+      indices=np.asarray([r.index for r in done]),
       tokens=tokens,
       logprobs=logprobs,
       lengths=lengths,
-      stopped=np.asarray([r[4] for r in rows], bool),
+      stopped=np.asarray([r.stopped for r in done], bool),
       versions=versions,
+      observed=observed if self._turn is not None else None,
     )
 
   def _scheduler(self, engine: Engine, tail_rows: int | None = None) -> paging.Scheduler:
@@ -265,6 +301,8 @@ class RolloutStream:
       batch_sizes=paged.batch_sizes,
       widths=paged.widths,
       tail_rows=tail_rows or 0,
+      turn=self._turn,
+      turn_tokens=self._turn_tokens,
     )
 
   def _run(self) -> Iterator[Finished]:
@@ -299,6 +337,10 @@ class RolloutStream:
           state = paged.prefill_pages(params, state, chunk)
           stats.prefill_calls += 1
           stats.prefill_tokens += bucket * len(chunk)  # a chunk is a compiled batch size
+      for wave in _waves(round_.extends, cfg.prompt_buckets[-1]):
+        state = paged.extend_pages(params, state, wave)
+        stats.extend_calls += 1
+        stats.extended_tokens += sum(len(it.tokens) for it in wave)
       version = self._engine.params_version
       state, steps = paged.decode(params, state, round_)
       got = paged.read_round(state, steps)
@@ -317,7 +359,7 @@ class RolloutStream:
       stats.inserts[:] = [r.admissions for r in sched.requests]
       stats.host_transfers = base.host_transfers + engine.host_transfers - transfers
       if done:
-        yield self._finished([(r.index, r.tokens, r.logprobs, r.versions, r.stopped) for r in done])
+        yield self._finished(done)
       running = sched.running()
       waiting = sched.pending or any(sched.queued)
       if tail_rows and not waiting and 0 < len(running) <= tail_rows < size:
