@@ -112,6 +112,34 @@ def test_gae(batch, gamma, lam):
   _close(ret, exp_ret)
 
 
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_gae_and_shaped_rewards_step_over_observations(batch, gamma, lam):
+  """A conversation's observations (0 in the mask mid-response) are stepped over: advantages,
+  returns and shaped rewards equal those of the sequence of its sampled tokens alone (NumPy),
+  scattered back; the score lands on the last sampled token."""
+  rng = np.random.default_rng(3)
+  observed = (rng.random((B, T)) < 0.3) & (batch["mask"] > 0)
+  observed[:, 0] = False  # (a response starts with the model's turn)
+  mask = (batch["mask"] > 0) & ~observed
+  kl = batch["logp"] - batch["ref"]
+  want_rewards, want_adv = np.zeros((B, T)), np.zeros((B, T))
+  for i in range(B):
+    cols = np.flatnonzero(mask[i])
+    n = np.array([len(cols)])
+    r = -0.05 * kl[i, cols]
+    r[-1] += batch["scores"][i]
+    want_rewards[i, cols] = r
+    adv, _ = _numpy_gae(r[None], batch["values"][i, cols][None], n, gamma, lam)
+    want_adv[i, cols] = adv[0]
+  m = jnp.asarray(mask, jnp.float32)
+  rewards = alg.shape_rewards(jnp.asarray(batch["scores"]), jnp.asarray(kl) * m, m, 0.05)
+  _close(rewards, want_rewards)
+  values = np.where(mask, batch["values"], -77.0)  # garbage on observations must not leak in
+  adv, ret = alg.gae(rewards, jnp.asarray(values), m, gamma=gamma, lam=lam)
+  _close(adv, want_adv)
+  _close(ret, np.where(mask, want_adv + batch["values"], 0.0))
+
+
 def test_group_relative(batch):
   scores = np.array([1.0, 2.0, 4.0, 0.0, 0.0, 3.0], np.float32)
   mask = np.ones((6, 4), np.float32)

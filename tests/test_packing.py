@@ -33,13 +33,17 @@ W = P + T
 B = 8
 
 
-def _seqs(seed: int = 0) -> experience.Sequences:
-  """B samples of very different prompt and response lengths (1 to the capacity)."""
+def _seqs(seed: int = 0, conversations: bool = False) -> experience.Sequences:
+  """B samples of very different prompt and response lengths (1 to the capacity);
+  `conversations`: some responses hold observations (out of the response mask)."""
   rng = np.random.default_rng(seed)
   prompt_n = np.array([1, P, 3, 2, P, 4, 1, 5])
   response_n = np.array([T, 1, 4, T, 2, 7, 1, 3])
   prompts = [rng.integers(3, CONFIG.vocab_size, n) for n in prompt_n]
   responses = rng.integers(3, CONFIG.vocab_size, (B, T)).astype(np.int32)
+  observed = np.zeros((B, T), bool)
+  if conversations:  # observations mid-response, at the start and at the end of a sample
+    observed[0, 3:6], observed[3, 1:4], observed[3, 7:9], observed[5, 2] = True, True, True, True
   return experience.assemble(
     prompts,
     responses,
@@ -48,6 +52,7 @@ def _seqs(seed: int = 0) -> experience.Sequences:
     prompt_len=P,
     response_len=T,
     pad_id=0,
+    observed=observed if conversations else None,
   )
 
 
@@ -85,8 +90,7 @@ def _padded_fields(params, seqs, seed=1):
 
 def _packed_micro_batches(fields, seqs, aggregation, max_rows):
   parts = packed.layouts(seqs, np.arange(B), W, max_rows, 1)
-  _, response_n = packed.lengths(seqs)
-  index = packed.micro_batch_index(parts, np.arange(B), response_n, aggregation)
+  index = packed.micro_batch_index(parts, np.arange(B), seqs.response_mask_bt, aggregation)
   per_token = {k: v for k, v in fields.items() if k not in ("attention_mask", "response_mask")}
   return [packed.gather_micro_batch(per_token, jax.tree.map(jnp.asarray, i)) for i in index]
 
@@ -144,18 +148,23 @@ def test_packed_scores_unpack_to_the_padded_ones():
 
 
 @pytest.mark.parametrize(
-  ("aggregation", "policy_loss"),
+  ("aggregation", "policy_loss", "conversations"),
   [
-    ("token_mean", "ppo"),
-    ("seq_mean_token_mean", "ppo"),
-    ("seq_mean_token_sum_norm", "ppo"),
+    ("token_mean", "ppo", False),
+    ("seq_mean_token_mean", "ppo", False),
+    ("seq_mean_token_sum_norm", "ppo", False),
     # GSPO reads each sequence's mean log-ratio: over packed segments as over padded rows.
-    ("seq_mean_token_mean", "gspo"),
-    ("token_mean", "cispo"),
+    ("seq_mean_token_mean", "gspo", False),
+    ("token_mean", "cispo", False),
+    # Observations are out of the loss, packed as padded (weights 0 where the mask is).
+    ("token_mean", "ppo", True),
+    ("seq_mean_token_mean", "gspo", True),
   ],
 )
-def test_packed_actor_loss_and_gradients_equal_the_padded_ones(aggregation, policy_loss):
-  seqs, params = _seqs(), _params()
+def test_packed_actor_loss_and_gradients_equal_the_padded_ones(
+  aggregation, policy_loss, conversations
+):
+  seqs, params = _seqs(conversations=conversations), _params()
   fields = _padded_fields(params, seqs)
   options = dict(
     clip_eps=0.2,
@@ -181,8 +190,9 @@ def test_packed_actor_loss_and_gradients_equal_the_padded_ones(aggregation, poli
   _assert_trees_close(p_grads, grads, _grad_atol(grads))
 
 
-def test_packed_critic_loss_and_gradients_equal_the_padded_ones():
-  seqs, params = _seqs(), _params("value", 2)
+@pytest.mark.parametrize("conversations", [False, True])
+def test_packed_critic_loss_and_gradients_equal_the_padded_ones(conversations):
+  seqs, params = _seqs(conversations=conversations), _params("value", 2)
   fields = _padded_fields(_params(), seqs)
   padded_loss = functools.partial(steps.critic_loss, config=CONFIG, prompt_len=P, clip_eps=0.2)
   (loss, metrics), grads = jax.jit(jax.value_and_grad(padded_loss, has_aux=True))(params, fields)

@@ -4,7 +4,8 @@ tests/test_resume_algorithms_runs.py).
 
 `scripts/train.py` runs DPO's shipped config in a subprocess, as a user would: the flow furthest
 from PPO's (no rollout; its own preference-data stream, whose position the checkpoint's meta
-carries beside the prompts'). It is killed with SIGKILL as soon as its first checkpoint is
+carries beside the prompts'); and GRPO with conversations (an environment per trajectory,
+observations in the rollout). It is killed with SIGKILL as soon as its first checkpoint is
 complete, while the run goes on, so the kill lands anywhere in the iterations or saves after
 it. A rerun in this process resumes from the latest complete checkpoint and must repeat the
 uninterrupted run exactly: every metrics row, the timeline, and the final checkpoint's
@@ -27,7 +28,7 @@ from rlhfjax.runner import Runner
 pytestmark = pytest.mark.e2e
 
 _ROOT = pathlib.Path(__file__).parent.parent
-_NAME = "dpo"
+_NAMES = ("dpo", "grpo_conversations")
 
 
 def _start(name: str, workdir: pathlib.Path) -> subprocess.Popen:
@@ -64,12 +65,15 @@ def _kill_after_first_checkpoint(proc: subprocess.Popen, workdir: pathlib.Path) 
 
 
 @pytest.mark.slow
-def test_killed_with_sigkill_and_rerun_repeats_the_uninterrupted_run(tmp_path_factory, tmp_path):
-  whole, workdir = uninterrupted_run(_NAME, tmp_path_factory), tmp_path / "run"
-  proc = _start(_NAME, workdir)
+@pytest.mark.parametrize("name", _NAMES)
+def test_killed_with_sigkill_and_rerun_repeats_the_uninterrupted_run(
+  name, tmp_path_factory, tmp_path
+):
+  whole, workdir = uninterrupted_run(name, tmp_path_factory), tmp_path / "run"
+  proc = _start(name, workdir)
   complete = _kill_after_first_checkpoint(proc, workdir)
   assert complete and complete[-1] < STEPS, complete
-  resumed = Runner(config(_NAME), str(workdir), show_progress=False)
+  resumed = Runner(config(name), str(workdir), show_progress=False)
   assert resumed.start_step == complete[-1]
   resumed.run()
-  assert_same_run(workdir, whole, _NAME, complete[-1])
+  assert_same_run(workdir, whole, name, complete[-1])

@@ -41,6 +41,20 @@ RUNS = {
   # Checkpoints of the adapters and their moments alone: the resume reloads the base.
   "grpo_lora": ("grpo_lora", {}),
   "rloo": ("rloo", {}),
+  # Conversations: the calculator's observations, a turn limit; the environments are made
+  # again from the records and the iteration's seed.
+  "grpo_conversations": (
+    "grpo",
+    {
+      "data.task": "arithmetic",
+      "reward.fn": "",
+      "rollout.environment": "examples.calculator:Calculator",
+      "rollout.max_turns": 3,
+      "rollout.max_turn_tokens": 4,
+      "rollout.max_prompt_len": 8,
+      "rollout.max_new_tokens": 16,
+    },
+  ),
   "reinforce_pp": ("reinforce_pp", {}),
   "dapo": ("dapo", {}),
   "dpo": ("dpo", {"rollout.max_prompt_len": 40, "rollout.max_new_tokens": 40}),

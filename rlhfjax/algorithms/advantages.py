@@ -2,7 +2,9 @@
 REINFORCE++.
 
 Letters: b batch, t response length. Responses are right-aligned to position 0: token t of a
-response sits at column t and `mask_bt` is 1 on the first `length` columns.
+response sits at column t and `mask_bt` is 1 on its tokens the policy sampled: the first
+`length` columns, less a conversation's observations (`rlhfjax.flows.environments`), which
+the estimators step over as if absent.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from rlhfjax.algorithms.masked import masked_whiten
 
 
 def last_token_onehot(mask_bt: jax.Array) -> jax.Array:
-  """1.0 at each row's last response token (all zeros for an empty response)."""
-  lengths_b = jnp.sum(mask_bt, axis=-1).astype(jnp.int32)
+  """1.0 at each row's last masked token (all zeros for an empty response)."""
   columns_t = jnp.arange(mask_bt.shape[-1])
-  return (columns_t[None, :] == (lengths_b[:, None] - 1)).astype(mask_bt.dtype)
+  last_b = jnp.max(jnp.where(mask_bt > 0, columns_t[None, :], -1), axis=-1)
+  return (columns_t[None, :] == last_b[:, None]).astype(mask_bt.dtype)
 
 
 def shape_rewards(
@@ -39,23 +41,25 @@ def gae(
     A_t     = delta_t + gamma * lam * A_{t+1}
     R_t     = A_t + V_t
 
-  Returns `(advantages_bt, returns_bt)`, zero outside the mask.
+  `t + 1` is the next masked token: unmasked ones (a conversation's observations) are stepped
+  over, as if the sequence were the masked tokens alone. Returns `(advantages_bt, returns_bt)`,
+  zero outside the mask.
   """
-  rewards_bt = rewards_bt * mask_bt
   values_bt = values_bt * mask_bt
-  next_values_bt = jnp.pad(values_bt[:, 1:], ((0, 0), (0, 1)))
-  next_mask_bt = jnp.pad(mask_bt[:, 1:], ((0, 0), (0, 1)))
-  deltas_bt = rewards_bt + gamma * next_values_bt * next_mask_bt - values_bt
 
-  def step(next_adv_b, xs):
-    delta_b, next_m_b = xs
-    adv_b = delta_b + gamma * lam * next_adv_b * next_m_b
-    return adv_b, adv_b
+  def step(carry, xs):
+    next_adv_b, next_value_b = carry
+    reward_b, value_b, m_b = xs
+    adv_b = reward_b + gamma * next_value_b - value_b + gamma * lam * next_adv_b
+    on_b = m_b > 0
+    carry = (jnp.where(on_b, adv_b, next_adv_b), jnp.where(on_b, value_b, next_value_b))
+    return carry, adv_b * m_b
 
+  zeros_b = jnp.zeros_like(values_bt[:, 0])
   _, adv_tb = jax.lax.scan(
-    step, jnp.zeros_like(deltas_bt[:, 0]), (deltas_bt.T, next_mask_bt.T), reverse=True
+    step, (zeros_b, zeros_b), (rewards_bt.T * mask_bt.T, values_bt.T, mask_bt.T), reverse=True
   )
-  advantages_bt = adv_tb.T * mask_bt
+  advantages_bt = adv_tb.T
   return advantages_bt, (advantages_bt + values_bt) * mask_bt
 
 

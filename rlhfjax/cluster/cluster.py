@@ -90,6 +90,8 @@ def engine_config(rollout: RolloutSection, pad_id: int, replicas: int) -> Engine
     share_prefixes=rollout.share_prefixes,
     decode_chunk=rollout.decode_chunk,
     paged_attention=rollout.attention,
+    # The tokenizer's EOS, a checkpoint's own (Llama 3 has up to 3) and the run's.
+    max_stop_tokens=4 + len(rollout.stop_token_ids),
   )
 
 

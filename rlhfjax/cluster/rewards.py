@@ -1,9 +1,12 @@
-"""The sequence score: `reward.model_coef` x the reward model + `reward.fn_coef` x a rule.
+"""The sequence score: `reward.model_coef` x the reward model + `reward.fn_coef` x a rule +
+`reward.environment_coef` x a conversation's environment rewards.
 
 The reward model scores on its own mesh; a rule (`reward.fn`, 'module:function') runs on the
 host with the token ids of the prompts and responses, the one host round trip of scoring. Its
 `metadata` holds 'step', 'tokenizer' and 'records': each response's prompt record (the extra
-fields of its prompt line, `rlhfjax.data.records.Record`), aligned with the responses.
+fields of its prompt line, `rlhfjax.data.records.Record`), aligned with the responses. The
+environment's rewards (`rollout.environment`) were given during the rollout
+(`Sequences.environment_rewards`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Rewards:
     if not self.use_model and cfg.init.reward:
       raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
     self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
+    self.use_environment = bool(cfg.rollout.environment)
     self.task_fn = task_rule(cfg)
     b = cfg.rollout.batch_size
     self._packed = None
@@ -41,13 +45,19 @@ class Rewards:
       cluster.freeze(Role.REWARD, source)
       self._model_scores = self._model_program(b)
       self._micro_scores: dict[int, Any] = {b: self._model_scores}
-    mc, fc = reward.model_coef, reward.fn_coef
-    parts = (self.use_model, self.fn is not None)
-    combine = {
-      (True, True): lambda m, f: mc * m + fc * f,
-      (True, False): lambda m: mc * m,
-      (False, True): lambda f: fc * f,
-    }[parts]
+    coefs = [
+      coef
+      for coef, used in (
+        (reward.model_coef, self.use_model),
+        (reward.fn_coef, self.fn is not None),
+        (reward.environment_coef, self.use_environment),
+      )
+      if used
+    ]
+
+    def combine(*parts):
+      return sum(c * p for c, p in zip(coefs, parts, strict=True))
+
     actor = cluster.roles[Role.ACTOR]
     self._combine = cluster.compile(
       "combine_scores", combine, out_shardings=actor.batch_sharding((b,))
@@ -102,6 +112,8 @@ class Rewards:
       out.append(
         self.cluster.stage("reward_fn", "score", lambda: self._rule(self.fn, seqs, metadata))
       )
+    if self.use_environment:
+      out.append(self.cluster.stage("environment", "score", lambda: self._environment(seqs)))
     return out
 
   def score(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
@@ -117,6 +129,8 @@ class Rewards:
       parts.append(self.cluster.move(Role.ACTOR, results["reward"]))
     if self.fn is not None:
       parts.append(self.cluster.upload(Role.ACTOR, results["reward_fn"], "reward_fn scores"))
+    if self.use_environment:
+      parts.append(self.cluster.upload(Role.ACTOR, results["environment"], "environment rewards"))
     return self._combine(*parts)
 
   def metadata(self, step: int, seqs: Any) -> dict[str, Any]:
@@ -132,6 +146,11 @@ class Rewards:
         f"{scores.shape}, expected {(len(seqs.prompts),)}"
       )
     return scores
+
+  def _environment(self, seqs: Any) -> np.ndarray:
+    if seqs.environment_rewards is None:
+      raise ValueError("rollout.environment is set but the batch holds no environment rewards")
+    return seqs.environment_rewards
 
   def evaluate(self, seqs: Any) -> dict[str, np.ndarray]:
     """Every part of the reward, their combination and the task's own rule, on the host."""
@@ -150,6 +169,9 @@ class Rewards:
     if self.fn is not None:
       scores["reward_fn"] = self._rule(self.fn, seqs, meta)
       combined += self.cfg.reward.fn_coef * scores["reward_fn"]
+    if self.use_environment:
+      scores["environment"] = self._environment(seqs)
+      combined += self.cfg.reward.environment_coef * scores["environment"]
     scores["reward"] = combined
     if self.task_fn is not None:
       scores["task_reward"] = np.asarray(

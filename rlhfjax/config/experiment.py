@@ -558,6 +558,25 @@ class RolloutSection:
   """With `ppo.packing`: tokens (rows x `max_seq_len`) per packed scoring call, the samples of
   a call packed end to end (`rlhfjax.data.packing`). 0: `scoring_rows` x `max_seq_len`, the
   padded call's size."""
+  environment: str = ""
+  """Multi-turn rollouts: 'module:name' of a class or factory called once per trajectory,
+  whose `reset(record)` gives the prompt and `step(turn token ids) -> (observation, reward,
+  done)` answers each of the model's turns (`rlhfjax.flows.environments`); the KV cache is kept
+  across turns, observations are masked out of the policy loss and the KL, and the rewards are
+  a part of the score (`reward.environment_coef`). Empty: one answer per prompt."""
+  max_turns: int = 8
+  """With an environment: most turns of the model in one trajectory (`max_new_tokens` limits
+  its whole response, observations included)."""
+  stop_token_ids: tuple[int, ...] = ()
+  """Token ids that end an answer (or, with an environment, a turn) besides the tokenizer's EOS
+  and the checkpoint's own stop tokens: a tool call's closing token, for example."""
+  max_turn_tokens: int = 0
+  """With an environment: a turn of the model also ends after this many tokens (0: on a stop
+  token or at `max_new_tokens` only); the environment answers it like any turn."""
+  on_environment_error: str = "error"
+  """An environment that raises or breaks its protocol: 'error' stops the run with one line
+  naming it and the record; 'end' ends that trajectory there (its rewards so far kept) and
+  counts it (`rollout/environment_errors`)."""
 
   def __post_init__(self):
     ranges.check(
@@ -578,7 +597,16 @@ class RolloutSection:
       decode_chunk=ranges.COUNT,
       score_micro_batch=ranges.NON_NEGATIVE,
       max_tokens_per_score_batch=ranges.NON_NEGATIVE,
+      max_turns=ranges.COUNT,
+      max_turn_tokens=ranges.NON_NEGATIVE,
     )
+    if self.environment and ":" not in self.environment:
+      raise ConfigError(f"'rollout.environment' must be 'module:name', got {self.environment!r}")
+    _check_choice("rollout.on_environment_error", self.on_environment_error, _ON_ENV_ERROR)
+    if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+      raise ConfigError(
+        f"'rollout.stop_token_ids' must be token ids (ints >= 0), got {self.stop_token_ids!r}"
+      )
     if 0 < self.max_tokens_per_score_batch < self.max_seq_len:
       raise ConfigError(
         f"'rollout.max_tokens_per_score_batch'={self.max_tokens_per_score_batch} is below one "
@@ -931,7 +959,8 @@ class OnlineDPOSection(_packing(True)):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSection:
-  """Where the sequence score comes from: `model_coef * reward model + fn_coef * fn`."""
+  """Where the sequence score comes from: `model_coef * reward model + fn_coef * fn` (+
+  `environment_coef * the environment's rewards` with `rollout.environment`)."""
 
   fn: str = ""
   """Rule-based reward 'module:function', called as fn(prompts, responses, metadata) ->
@@ -939,15 +968,16 @@ class RewardSection:
   fn_coef: float = 1.0
   model_coef: float = 0.0
   """Weight of the reward model's score; 0 skips the reward model."""
+  environment_coef: float = 1.0
+  """Weight of a trajectory's summed environment rewards (`rollout.environment`)."""
 
   def __post_init__(self):
     if self.fn and ":" not in self.fn:
       raise ConfigError(f"'reward.fn' must be 'module:function', got {self.fn!r}")
-    if not self.fn and self.model_coef == 0:
-      raise ConfigError("no reward: set 'reward.fn' or a non-zero 'reward.model_coef'")
 
 
 _ROLLOUT_ATTENTION = ("auto", "pallas", "gather")
+_ON_ENV_ERROR = ("error", "end")
 _ON_BAD_RECORD = ("error", "skip")
 _ON_LONG_PROMPT = ("truncate", "skip", "error")
 
@@ -1335,6 +1365,10 @@ class ExperimentConfig:
           "weights on the actor's devices ('model.lora.reference'='base'): leave "
           f"{'them' if len(parked) > 1 else 'it'} out, or set 'model.lora.reference'='placed'"
         )
+    if not self.reward.fn and self.reward.model_coef == 0 and not self.rollout.environment:
+      raise ConfigError(
+        "no reward: set 'reward.fn', a non-zero 'reward.model_coef' or 'rollout.environment'"
+      )
     _checkpoint_tokenizer(self)
     _check_template_fields(self.data)
     _check_positions(self)

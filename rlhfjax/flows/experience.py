@@ -31,11 +31,18 @@ class Sequences:
   attention_mask_bs: np.ndarray
   """int32, 1 on real tokens."""
   response_mask_bt: np.ndarray
-  """float32, 1 on response tokens."""
+  """float32, 1 on the response tokens the policy sampled (not on a conversation's
+  observations: they are out of the policy loss and the KL)."""
   rollout_logprobs_bt: np.ndarray
   """float32 log-probs of the sampled tokens under the rollout policy's sampling distribution."""
   records: list[Record] = dataclasses.field(default_factory=list)
   """Each row's prompt record (its extra fields, for a rule reward): `metadata["records"]`."""
+  environment_rewards: np.ndarray | None = None
+  """[b] float32: each conversation's summed environment rewards (`rlhfjax.flows.environments`);
+  None without an environment."""
+  conversation_stats: dict[str, float] = dataclasses.field(default_factory=dict)
+  """The batch's turns, limits and environment errors (`Conversations.stats`) and its
+  observation share, for the iteration's row; empty without an environment."""
 
   @property
   def prompt_len(self) -> int:
@@ -57,9 +64,13 @@ def assemble(
   response_len: int,
   pad_id: int,
   records: Sequence[Record] | None = None,
+  observed: np.ndarray | None = None,
+  environment_rewards: np.ndarray | None = None,
 ) -> Sequences:
   """Lays prompts (left padded) and responses (right padded) out as `[b, p + t]` sequences;
-  `records` (one per prompt; None: empty ones) ride along."""
+  `records` (one per prompt; None: empty ones) ride along. `observed` (`[b, >= t]` bool, like
+  the response tokens) marks a conversation's observations: real tokens, out of the response
+  mask."""
   b = len(prompts)
   records = list(records) if records is not None else PromptBatch.of(prompts).records
   if len(records) != b:
@@ -77,7 +88,7 @@ def assemble(
     tokens[i, prompt_len - len(prompt) : prompt_len] = prompt
     attention[i, prompt_len - len(prompt) : prompt_len + n] = 1
     tokens[i, prompt_len : prompt_len + n] = response_tokens[i, :n]
-    response_mask[i, :n] = 1.0
+    response_mask[i, :n] = 1.0 if observed is None else ~observed[i, :n]
     logprobs[i, :n] = response_logprobs[i, :n]
     prompt_arrays.append(prompt)
     response_arrays.append(np.asarray(response_tokens[i, :n], np.int32))
@@ -89,6 +100,9 @@ def assemble(
     response_mask_bt=response_mask,
     rollout_logprobs_bt=logprobs,
     records=records,
+    environment_rewards=(
+      None if environment_rewards is None else np.asarray(environment_rewards, np.float32)
+    ),
   )
 
 
@@ -103,6 +117,9 @@ def take_rows(parts: Sequence[tuple[Sequences, Sequence[int]]]) -> Sequences:
     response_mask_bt=pick("response_mask_bt"),
     rollout_logprobs_bt=pick("rollout_logprobs_bt"),
     records=[s.records[i] for s, rows in parts for i in rows],
+    environment_rewards=(
+      None if parts[0][0].environment_rewards is None else pick("environment_rewards")
+    ),
   )
 
 

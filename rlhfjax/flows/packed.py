@@ -276,22 +276,26 @@ def minibatch_rows(ctx: FlowContext, programs: Programs, role: Role) -> list[np.
 def micro_batch_index(
   parts: list[tuple[np.ndarray, packing.PackedLayout]],
   rows_n: np.ndarray,
-  response_n: np.ndarray,
+  response_mask_nt: np.ndarray,
   aggregation: str,
 ) -> list[dict[str, np.ndarray]]:
   """The index arrays of the packed micro-batches `parts` of one mini-batch (batch rows
-  `rows_n`; every sample's response length `response_n`), with the loss weights of
-  `aggregation` over the mini-batch (`alg.aggregation_weights`) and the token-mean weights:
-  what `gather_micro_batch` reads."""
+  `rows_n`; every sample's response mask `response_mask_nt`, 0 on a conversation's
+  observations), with the loss weights of `aggregation` over the mini-batch
+  (`alg.aggregation_weights`) and the token-mean weights, 0 off the mask: what
+  `gather_micro_batch` reads."""
   t = parts[0][1].response_slot.shape[1]
-  weight_n = alg.aggregation_weights(aggregation, response_n[rows_n], t)
-  token_weight = np.float32(1.0 / max(int(response_n[rows_n].sum()), 1))
-  place_b = np.zeros(len(response_n), np.int64)
+  mask_flat = (np.asarray(response_mask_nt) > 0).reshape(-1)
+  policy_n = mask_flat.reshape(-1, t).sum(-1)
+  weight_n = alg.aggregation_weights(aggregation, policy_n[rows_n], t)
+  token_weight = np.float32(1.0 / max(int(policy_n[rows_n].sum()), 1))
+  place_b = np.zeros(len(policy_n), np.int64)
   place_b[rows_n] = np.arange(len(rows_n))  # a sample's place in the mini-batch
   out = []
   for _, lay in parts:
-    valid = lay.pred_src >= 0
-    weights = np.where(valid, weight_n[place_b[np.maximum(lay.pred_src, 0) // t]], 0.0)
+    src = np.maximum(lay.pred_src, 0)
+    valid = (lay.pred_src >= 0) & mask_flat[src]
+    weights = np.where(valid, weight_n[place_b[src // t]], 0.0)
     out.append(
       {
         "tokens_src": lay.tokens_src,
@@ -349,11 +353,10 @@ class PackedUpdate:
     """Per mini-batch `minis[k]` (rows of `seqs`; `fields` on the source's mesh): its packed
     micro-batches, planned, gathered and moved now to `dest`'s mesh, with their fill and count."""
     cluster = self.ctx.cluster
-    _, response_n = lengths(seqs)
     out = []
     for rows_n in minis:
       parts = layouts(seqs, rows_n, self.width, self.max_rows, self.multiple)
-      index = micro_batch_index(parts, rows_n, response_n, self.aggregation)
+      index = micro_batch_index(parts, rows_n, seqs.response_mask_bt, self.aggregation)
       index = cluster.upload(self.source, index, "packing index")
       micros = [cluster.move(self.dest, self._gather(fields, micro)) for micro in index]
       out.append((micros, fill(parts), len(parts)))

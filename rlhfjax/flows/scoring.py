@@ -188,22 +188,31 @@ def generate_and_score(
   `stages.generate_stage` does) and `scorer.result()`. The 'generate' record spans the
   stream."""
   cfg, cluster = ctx.cfg, ctx.cluster
-  batch = PromptBatch.of(prompts)
+  seed = stages.rollout_seed(cfg, iteration)
+  batch, convs = stages.start_conversations(ctx, PromptBatch.of(prompts), seed)
   r = cfg.rollout
   layout = dict(prompt_len=r.max_prompt_len, response_len=r.max_new_tokens)
   stream = RolloutStream(
     cluster.engine,
     batch.tokens,
     sampling=stages.sampling(cfg, ctx.tokenizer),
-    seed=stages.rollout_seed(cfg, iteration),
+    seed=seed,
     min_yield=scorer.rows,
+    turn=None if convs is None else convs.turn,
+    turn_tokens=r.max_turn_tokens,
   )
   num, width = stream.num_prompts, stream.width
   tokens = np.full((num, width), ctx.tokenizer.pad_id, np.int32)
   logprobs = np.zeros((num, width), np.float32)
+  observed = np.zeros((num, width), bool)
   lengths = np.zeros(num, np.int32)
   prompt_lengths = np.asarray([len(x) for x in batch.tokens], np.int32)
   waiting: list[int] = []
+
+  def fields(idx) -> dict[str, Any]:  # (a finished conversation's rewards are final)
+    if convs is None:
+      return {}
+    return {"observed": observed[idx], "environment_rewards": convs.rewards()[idx]}
 
   def flush(idx: list[int]) -> None:
     sub = experience.assemble(
@@ -213,6 +222,7 @@ def generate_and_score(
       logprobs[idx],
       pad_id=ctx.tokenizer.pad_id,
       records=batch.rows(idx).records,
+      **fields(idx),
       **layout,
     )
     scorer.add(np.asarray(idx), sub)
@@ -229,6 +239,8 @@ def generate_and_score(
       tokens[done.indices] = done.tokens
       logprobs[done.indices] = done.logprobs
       lengths[done.indices] = done.lengths
+      if done.observed is not None:
+        observed[done.indices] = done.observed
       waiting += done.indices.tolist()
       while k := ready(prompt_lengths[waiting] + lengths[waiting]):
         flush(waiting[:k])
@@ -242,6 +254,7 @@ def generate_and_score(
     logprobs,
     pad_id=ctx.tokenizer.pad_id,
     records=batch.records,
+    **fields(np.arange(num)),
     **layout,
   )
-  return seqs, scorer.result()
+  return stages.conversation_stats(convs, seqs), scorer.result()

@@ -18,8 +18,10 @@ from rlhfjax import models
 from rlhfjax.cluster.cluster import Cluster
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ExperimentConfig
+from rlhfjax.data.chat_template import data_template
 from rlhfjax.data.records import PromptBatch
 from rlhfjax.flows import experience
+from rlhfjax.flows.environments import Conversations
 from rlhfjax.flows.experience import Sequences
 from rlhfjax.placement.spec import Role
 from rlhfjax.rollout.sampling import SamplingParams
@@ -51,10 +53,57 @@ def sampling(cfg: ExperimentConfig, tokenizer: Any, **changes: Any) -> SamplingP
     max_new_tokens=r.max_new_tokens,
     # A checkpoint's own stop tokens too (Llama 3 Instruct ends a turn with <|eot_id|>).
     stop_token_ids=tuple(
-      dict.fromkeys((tokenizer.eos_id, *cfg.model.for_role("actor").eos_token_ids))
+      dict.fromkeys(
+        (tokenizer.eos_id, *cfg.model.for_role("actor").eos_token_ids, *r.stop_token_ids)
+      )
     ),
   )
   return dataclasses.replace(params, **changes)
+
+
+def conversations(ctx: FlowContext) -> Conversations | None:
+  """The environments of one rollout batch (`rollout.environment`), or None for one answer
+  per prompt."""
+  cfg = ctx.cfg
+  if not cfg.rollout.environment:
+    return None
+  return Conversations(
+    cfg.rollout.environment,
+    tokenizer=ctx.tokenizer,
+    vocab_size=ctx.cluster.roles[Role.ROLLOUT].model.vocab_size,
+    chat_template=data_template(cfg.data),
+    max_turns=cfg.rollout.max_turns,
+    on_error=cfg.rollout.on_environment_error,
+  )
+
+
+def start_conversations(
+  ctx: FlowContext, prompts: PromptBatch, seed: int
+) -> tuple[PromptBatch, Conversations | None]:
+  """The batch's prompts and environments: each environment's `reset` makes its row's prompt
+  (the batch as it is without an environment)."""
+  convs = conversations(ctx)
+  if convs is None:
+    return prompts, None
+  return convs.start(prompts, seed, ctx.cfg.rollout.max_prompt_len), convs
+
+
+def conversation_fields(convs: Conversations | None, observed: np.ndarray) -> dict[str, Any]:
+  """`experience.assemble`'s conversation arguments: the observations and rewards."""
+  if convs is None:
+    return {}
+  return {"observed": observed, "environment_rewards": convs.rewards()}
+
+
+def conversation_stats(convs: Conversations | None, seqs: Sequences) -> Sequences:
+  """`seqs` with the batch's conversation stats and observation share."""
+  if convs is None:
+    return seqs
+  real = seqs.attention_mask_bs[:, seqs.prompt_len :].sum()
+  stats = convs.stats() | {
+    "rollout/observation_share": float(1.0 - seqs.response_mask_bt.sum() / max(real, 1))
+  }
+  return dataclasses.replace(seqs, conversation_stats=stats)
 
 
 def rollout_seed(cfg: ExperimentConfig, iteration: int) -> int:
@@ -91,10 +140,15 @@ def generate_with_versions(
   laid out as `Sequences.response_mask_bt` (-1 off the responses): which weights sampled it
   when `on_decode_call` swaps weights in while rows are mid-answer."""
   cfg = ctx.cfg
-  prompts = PromptBatch.of(prompts)
+  prompts, convs = start_conversations(ctx, PromptBatch.of(prompts), seed)
   with ctx.cluster.host("generate"), ctx.cluster.generating():
     out = ctx.cluster.engine.generate(
-      prompts.tokens, sampling=params, seed=seed, on_decode_call=on_decode_call
+      prompts.tokens,
+      sampling=params,
+      seed=seed,
+      on_decode_call=on_decode_call,
+      turn=None if convs is None else convs.turn,
+      turn_tokens=cfg.rollout.max_turn_tokens,
     )
   seqs = experience.assemble(
     prompts.tokens,
@@ -105,7 +159,9 @@ def generate_with_versions(
     response_len=cfg.rollout.max_new_tokens,
     pad_id=ctx.tokenizer.pad_id,
     records=prompts.records,
+    **conversation_fields(convs, out.observed),
   )
+  seqs = conversation_stats(convs, seqs)
   versions_bt = np.full(seqs.response_mask_bt.shape, -1, np.int32)  # -1 past each length
   width = min(versions_bt.shape[1], out.versions.shape[1])
   versions_bt[:, :width] = out.versions[:, :width]

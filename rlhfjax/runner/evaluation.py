@@ -79,7 +79,14 @@ def format_evaluation(evaluation: dict[str, Any]) -> str:
   phases = [p for p in ("before", "after") if p in evaluation]
   keys = [
     k
-    for k in ("task_reward", "reward", "reward_model", "reward_fn", "response_length")
+    for k in (
+      "task_reward",
+      "reward",
+      "reward_model",
+      "reward_fn",
+      "environment",
+      "response_length",
+    )
     if any(k in evaluation[p] for p in phases)
   ]
   lines = ["| metric | " + " | ".join(phases) + " |", "| --- |" + " --- |" * len(phases)]
