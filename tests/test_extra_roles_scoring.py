@@ -2,12 +2,13 @@
 own, sharing the reward's, or interleaved with it scores as the built-in reward model does with
 the same weights, and the combined reward is the configured weighted sum."""
 
+import json
 import types
 
 import jax
 import numpy as np
 import pytest
-from runs_testing import shipped_config
+from runs_testing import rows, shipped_config
 
 from rlhfjax import tasks
 from rlhfjax.cluster.cluster import Cluster
@@ -15,6 +16,7 @@ from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.mesh import transfer
 from rlhfjax.placement.spec import Role
 from rlhfjax.planner import place
+from rlhfjax.runner import Runner
 
 pytestmark = pytest.mark.integration
 
@@ -105,3 +107,30 @@ def test_an_extra_reward_role_scores_as_the_built_in_reward_with_the_same_weight
   )
   np.testing.assert_allclose(evaluated["reward2_model"], reward2, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(evaluated["reward"], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_run_with_an_extra_reward_role_trains_and_resumes(tmp_path):
+  """One small run, packed scoring (the tiny configs' default), the second reward model
+  interleaved with the reward: it scores on its own devices, and a resume of the workdir with
+  the role configured (a frozen role: nothing of it in the checkpoint) continues."""
+  small = {
+    "total_steps": 1,
+    "rollout.batch_size": 8,
+    "rollout.max_new_tokens": 8,
+    "eval.num_prompts": 0,  # `Rewards.evaluate` is checked above
+    "checkpoint.async_save": False,
+    "model.extra_roles": {"reward2": {"size": "tiny"}},
+    "reward.model_coef": 0.5,
+    "reward.role_coefs": {"reward2": 0.25},
+    "placement.extra_roles": {"reward2": {"mode": "interleaved", "with_role": "reward"}},
+  }
+  Runner(shipped_config("grpo_tiny", small), str(tmp_path), show_progress=False).run()
+  entries = {
+    (r["role"], r["stage"]): r for r in json.loads((tmp_path / "timeline.json").read_text())
+  }
+  assert entries[("reward2", "score")]["devices"] == [4, 5, 6, 7]
+  cfg = shipped_config("grpo_tiny", {**small, "total_steps": 2})
+  again = Runner(cfg, str(tmp_path), show_progress=False)
+  assert again.start_step == 1
+  again.run()
+  assert [row["step"] for row in rows(str(tmp_path))] == [0, 1]
