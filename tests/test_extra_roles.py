@@ -143,6 +143,14 @@ def test_every_strategy_places_an_extra_role_shared_interleaved_or_on_its_own_de
   assert spec["rollout"].devices == (2, 3) and spec["actor"].devices == (0, 1)
   assert {("actor", "reward2"), ("rollout", "reward2")} <= set(spec.disjoint)
 
+  # A hand-written spec: the extra role placed after it, as any strategy's.
+  explicit = {r: {"devices": list(range(8)), "axes": {"fsdp": 8}} for r in ("actor", "reward")}
+  explicit |= {"critic": explicit["actor"], "reference": explicit["actor"]}
+  explicit |= {"rollout": {"devices": list(range(8)), "axes": {"data": 8}}}
+  explicit["colocate"] = [["actor", "critic", "reference", "reward", "rollout"]]
+  hand = _config({"mode": "interleaved"}, strategy="explicit", placement={"explicit": explicit})
+  assert build_placement(hand.placement, 8)["reward2"].devices == (4, 5, 6, 7)
+
   # Pipeline stages and context parallelism split an extra role's devices as the others'.
   staged = _config({"mode": "own", "devices": 4}, placement={"pipeline_stages": 2})
   assert build_placement(staged.placement, 8)["reward2"].stages == 2

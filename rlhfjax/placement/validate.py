@@ -54,10 +54,14 @@ def check_spec(spec: PlacementSpec, num_devices: int, roles: Iterable[str] = tup
   for a, b in spec.disjoint:
     shared = sorted(set(spec[a].devices) & set(spec[b].devices))
     if shared:
-      hint = " (list them in one placement.explicit.colocate group to allow it)"
+      hint = ""
+      if {a, b} <= set(Role) and spec.strategy == "explicit":
+        hint = " (list them in one placement.explicit.colocate group to allow it)"
+      elif extra := next((r for r in (a, b) if r not in tuple(Role)), None):
+        hint = f" (placement.extra_roles.{extra} places it; 'own' devices are the job's last)"
       raise PlacementError(
         f"{spec.strategy}: {a} and {b} must not share devices but both use "
-        f"{format_devices(shared)}{hint if spec.strategy == 'explicit' else ''}"
+        f"{format_devices(shared)}{hint}"
       )
 
 
