@@ -237,6 +237,9 @@ def _schema_paths(cls, prefix=""):
     if section is not None:
       yield from _schema_paths(section, f"{path}.")
     elif typing.get_origin(tp) is dict and args and dataclasses.is_dataclass(args[1]):
+      if field.name == "extra_roles":  # keyed by the user's own role names
+        yield path
+        continue
       for role in ("actor", "critic", "reference", "reward", "rollout"):
         yield from _schema_paths(args[1], f"{path}.{role}.")
     else:

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from rlhfjax.cluster import dispatch, residency
 from rlhfjax.cluster.adapter_sync import AdapterSync
 from rlhfjax.cluster.residency import Key
 from rlhfjax.cluster.role import RoleRuntime
-from rlhfjax.config import ConfigError, ExperimentConfig, RolloutSection
+from rlhfjax.config import ROLE_HEADS, ConfigError, ExperimentConfig, RolloutSection
 from rlhfjax.mesh import offload, rules, sharing, transfer
 from rlhfjax.models import lora
 from rlhfjax.observe.timeline import Timeline
@@ -46,15 +47,8 @@ from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.training import pipeline, steps, weights
 from rlhfjax.training.state import TrainState
 
-HEADS: dict[Role, str] = {
-  Role.ACTOR: "lm",
-  Role.REFERENCE: "lm",
-  Role.CRITIC: "value",
-  Role.REWARD: "value",
-  Role.ROLLOUT: "lm",
-}
-"""The head each role's model carries: language-model roles score tokens, value roles score
-states or sequences."""
+HEADS = ROLE_HEADS
+"""The head each built-in role's model carries (an extra role's: `ModelSection.head`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +68,12 @@ def initial_rngs(seed: int) -> dict[Role, jax.Array]:
   the critic's and the reward model's, all from `seed`."""
   actor, critic, reward = jax.random.split(jax.random.key(seed), 3)
   return {Role.ACTOR: actor, Role.REFERENCE: actor, Role.CRITIC: critic, Role.REWARD: reward}
+
+
+def extra_rng(seed: int, role: str) -> jax.Array:
+  """The key of an extra role's random initialisation: from `seed` and the role's name (stable
+  across processes and runs, unlike `hash`), apart from the built-in roles' keys."""
+  return jax.random.fold_in(jax.random.key(seed), zlib.crc32(role.encode()) & 0x7FFFFFFF)
 
 
 def engine_config(rollout: RolloutSection, pad_id: int, replicas: int) -> EngineConfig:
@@ -133,15 +133,14 @@ class Cluster:
     self.host_transfers: collections.Counter[str] = collections.Counter()
     """How often each named host transfer happened (see `host`)."""
     mesh_cache: dict[Any, Any] = {}
-    self.roles: dict[Role, RoleRuntime] = {}
-    for role, head in HEADS.items():
-      if role not in placement.roles:
-        continue  # a role the flow does not use (`rlhfjax.flows.registry.roles_of`): no mesh
-      spec = placement[role]
+    self.roles: dict[str, RoleRuntime] = {}
+    """Every placed role's runtime (a role the flow does not use,
+    `rlhfjax.flows.registry.roles_of`, has no mesh), extra roles (`model.extra_roles`) by
+    name."""
+    for role, spec in placement.roles.items():
       key = (spec.devices, spec.axes)
-      runtime = RoleRuntime.create(
-        role, spec, cfg.model.for_role(role.value), head, mesh_cache.get(key)
-      )
+      model, head = cfg.model.for_role(role), cfg.model.head(role)
+      runtime = RoleRuntime.create(role, spec, model, head, mesh_cache.get(key))
       mesh_cache[key] = runtime.mesh
       self.roles[role] = runtime
     self.tx: dict[Role, optax.GradientTransformation] = {}
@@ -553,11 +552,11 @@ class Cluster:
 
     return self.stage(first, name, update)
 
-  def stage(self, role: Role | str, name: str, fn: Callable[[], Any]) -> dispatch.Stage:
-    """A stage of `role`'s work on its devices (a plain name runs on the host)."""
-    if isinstance(role, Role):
-      return dispatch.Stage(role=role.value, name=name, devices=self.roles[role].devices, fn=fn)
-    return dispatch.Stage(role=role, name=name, devices=(), fn=fn)
+  def stage(self, role: str, name: str, fn: Callable[[], Any]) -> dispatch.Stage:
+    """A stage of `role`'s work on its devices (a name that is no placed role runs on the
+    host: 'reward_fn')."""
+    devices = self.roles[role].devices if role in self.roles else ()
+    return dispatch.Stage(role=str(role), name=name, devices=devices, fn=fn)
 
   def run(
     self, stages: Sequence[dispatch.Stage], iteration: int, *, then: Sequence[Key] = ()

@@ -1,12 +1,13 @@
 """The sequence score: `reward.model_coef` x the reward model + `reward.fn_coef` x a rule +
+`reward.role_coefs[r]` x each extra reward role r (`model.extra_roles` of kind 'reward') +
 `reward.environment_coef` x a conversation's environment rewards.
 
-The reward model scores on its own mesh; a rule (`reward.fn`, 'module:function') runs on the
-host with the token ids of the prompts and responses, the one host round trip of scoring. Its
-`metadata` holds 'step', 'tokenizer' and 'records': each response's prompt record (the extra
-fields of its prompt line, `rlhfjax.data.records.Record`), aligned with the responses. The
-environment's rewards (`rollout.environment`) were given during the rollout
-(`Sequences.environment_rewards`).
+Every reward model (the built-in one, the extra ones) scores on its own mesh, wherever the
+placement puts it; a rule (`reward.fn`, 'module:function') runs on the host with the token ids
+of the prompts and responses, the one host round trip of scoring. Its `metadata` holds 'step',
+'tokenizer' and 'records': each response's prompt record (the extra fields of its prompt line,
+`rlhfjax.data.records.Record`), aligned with the responses. The environment's rewards
+(`rollout.environment`) were given during the rollout (`Sequences.environment_rewards`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,34 @@ import jax
 import numpy as np
 
 from rlhfjax import models, tasks
-from rlhfjax.cluster.cluster import Cluster, WeightSource, initial_rngs
+from rlhfjax.cluster.cluster import Cluster, WeightSource, extra_rng, initial_rngs
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
+
+RULE = "reward_fn"
+"""The rule's stage and result name (it runs on the host)."""
+ENVIRONMENT = "environment"
+"""The environment rewards' stage and result name (read on the host)."""
+HOST_PARTS = (RULE, ENVIRONMENT)
+
+
+def reward_models(cfg: ExperimentConfig) -> dict[str, float]:
+  """The roles whose model scores join the reward, with their weights: the reward model (when
+  `reward.model_coef` is not 0), then the extra reward roles in `reward.role_coefs`."""
+  roles = {Role.REWARD: cfg.reward.model_coef} if cfg.reward.model_coef != 0.0 else {}
+  return {**roles, **cfg.reward.role_coefs}
+
+
+def weight_source(cfg: ExperimentConfig, role: str) -> WeightSource:
+  """Where a reward model's weights come from: `init.reward` for the built-in one, an extra
+  role's `init` (else its `hf`) for the others; random from `seed` when empty."""
+  if role == Role.REWARD:
+    rng = initial_rngs(cfg.seed)[Role.REWARD]
+    return WeightSource(source=cfg.init.reward, what="init.reward", rng=rng)
+  section = cfg.model.extra_roles[role]
+  what = f"model.extra_roles.{role}." + ("init" if section.init or not section.hf else "hf")
+  return WeightSource(source=section.init or section.hf, what=what, rng=extra_rng(cfg.seed, role))
 
 
 class Rewards:
@@ -30,90 +55,95 @@ class Rewards:
   def __init__(self, cfg: ExperimentConfig, cluster: Cluster, tokenizer: Any):
     self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
     reward = cfg.reward
-    self.use_model = reward.model_coef != 0.0
-    if not self.use_model and cfg.init.reward:
+    self.models = reward_models(cfg)
+    """The reward models by role, with their weights (`reward_models`)."""
+    if Role.REWARD not in self.models and cfg.init.reward:
       raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
     self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
     self.use_environment = bool(cfg.rollout.environment)
     self.task_fn = task_rule(cfg)
     b = cfg.rollout.batch_size
-    self._packed = None
-    if self.use_model:
-      source = WeightSource(
-        source=cfg.init.reward, what="init.reward", rng=initial_rngs(cfg.seed)[Role.REWARD]
-      )
-      cluster.freeze(Role.REWARD, source)
-      self._model_scores = self._model_program(b)
-      self._micro_scores: dict[int, Any] = {b: self._model_scores}
-    coefs = [
-      coef
-      for coef, used in (
-        (reward.model_coef, self.use_model),
-        (reward.fn_coef, self.fn is not None),
-        (reward.environment_coef, self.use_environment),
-      )
-      if used
-    ]
+    self._packed: dict[str, Any] = {}
+    self._micro_scores: dict[str, dict[int, Any]] = {}
+    for role in self.models:
+      cluster.freeze(role, weight_source(cfg, role))
+      self._micro_scores[role] = {b: self._model_program(role, b)}
+    # In the order of the module docstring's sum: the reward model, the rule, the extra roles,
+    # the environment.
+    self._parts = [*self.models][:1] if Role.REWARD in self.models else []
+    self._parts += [RULE] if self.fn is not None else []
+    self._parts += [role for role in self.models if role != Role.REWARD]
+    self._parts += [ENVIRONMENT] if self.use_environment else []
+    host_coefs = {RULE: reward.fn_coef, ENVIRONMENT: reward.environment_coef}
+    coefs = [host_coefs[part] if part in host_coefs else self.models[part] for part in self._parts]
 
     def combine(*parts):
-      return sum(c * p for c, p in zip(coefs, parts, strict=True))
+      # Left to right, c0 * p0 + c1 * p1 + ...: with the reward model and a rule alone, the
+      # expression it always was.
+      return functools.reduce(
+        lambda total, term: total + term, (c * p for c, p in zip(coefs, parts, strict=True))
+      )
 
     actor = cluster.roles[Role.ACTOR]
     self._combine = cluster.compile(
       "combine_scores", combine, out_shardings=actor.batch_sharding((b,))
     )
 
-  def _model_program(self, rows: int) -> Any:
-    """The reward model's `fn(params, tokens_bs, attention_bs) -> scores_b` for `rows` rows."""
-    rt, s = self.cluster.roles[Role.REWARD], self.cfg.rollout.max_seq_len
+  def _model_program(self, role: str, rows: int) -> Any:
+    """Reward model `role`'s `fn(params, tokens_bs, attention_bs) -> scores_b` for `rows`
+    rows."""
+    rt, s = self.cluster.roles[role], self.cfg.rollout.max_seq_len
     batch = (rt.batch_sharding((rows, s)), rt.batch_sharding((rows, s)))
     tag = "" if rows == self.cfg.rollout.batch_size else f"_{rows}rows"
+    prefix = "reward" if role == Role.REWARD else str(role)
     return self.cluster.scorer(
-      "reward_scores" + tag,
+      f"{prefix}_scores{tag}",
       functools.partial(steps.sequence_scores, rt.model),
       in_shardings=(rt.param_shardings, *batch),
       out_shardings=rt.batch_sharding((rows,)),
-      role=Role.REWARD,
+      role=role,
     )
 
+  def _program(self, role: str, inputs: tuple[jax.Array, ...]) -> Any:
+    """Reward model `role`'s program for `inputs`: packed rows or padded ones of their count."""
+    if len(inputs) == 3:
+      if role not in self._packed:
+        rt = self.cluster.roles[role]
+        prefix = "reward" if role == Role.REWARD else str(role)
+        self._packed[role] = self.cluster.compile(
+          f"{prefix}_values_packed",
+          functools.partial(models.forward_packed, rt.model, head="value"),
+          in_shardings=(rt.param_shardings, None, None, None),
+          role=role,
+        )
+      return self._packed[role]
+    rows, programs = inputs[0].shape[0], self._micro_scores[role]
+    if rows not in programs:
+      programs[rows] = self._model_program(role, rows)
+    return programs[rows]
+
   def stages(self, inputs: tuple[jax.Array, ...], seqs: Any, iteration: int):
-    """Scoring stages of some rows (the batch, or a micro-batch of fused scoring): the reward
+    """Scoring stages of some rows (the batch, or a micro-batch of fused scoring): each reward
     model on its mesh (from the inputs on any mesh), the rule on the host (from the rollout's
     token ids).
 
-    `inputs`: `(tokens_bs, attention_bs)`, the model's result the scores `[b]`; or packed rows
+    `inputs`: `(tokens_bs, attention_bs)`, a model's result the scores `[b]`; or packed rows
     `(tokens, positions, segments)` (`rlhfjax.flows.packed`), its result the values `[r, w]`,
     read at each sample's last token by the caller."""
     out = []
-    if self.use_model:
-      if len(inputs) == 3:
-        if self._packed is None:
-          rt = self.cluster.roles[Role.REWARD]
-          self._packed = self.cluster.compile(
-            "reward_values_packed",
-            functools.partial(models.forward_packed, rt.model, head="value"),
-            in_shardings=(rt.param_shardings, None, None, None),
-            role=Role.REWARD,
-          )
-        program = self._packed
-      else:
-        rows = inputs[0].shape[0]
-        if rows not in self._micro_scores:
-          self._micro_scores[rows] = self._model_program(rows)
-        program = self._micro_scores[rows]
+    for role in self.models:
+      program = self._program(role, inputs)
 
-      def model():
+      def model(role=role, program=program):
         # The weights as they are when the stage runs (offload may have moved them since).
-        return program(self.cluster.params[Role.REWARD], *self.cluster.move(Role.REWARD, inputs))
+        return program(self.cluster.params[role], *self.cluster.move(role, inputs))
 
-      out.append(self.cluster.stage(Role.REWARD, "score", model))
+      out.append(self.cluster.stage(role, "score", model))
     if self.fn is not None:
       metadata = self.metadata(iteration, seqs)
-      out.append(
-        self.cluster.stage("reward_fn", "score", lambda: self._rule(self.fn, seqs, metadata))
-      )
+      out.append(self.cluster.stage(RULE, "score", lambda: self._rule(self.fn, seqs, metadata)))
     if self.use_environment:
-      out.append(self.cluster.stage("environment", "score", lambda: self._environment(seqs)))
+      out.append(self.cluster.stage(ENVIRONMENT, "score", lambda: self._environment(seqs)))
     return out
 
   def score(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
@@ -124,13 +154,12 @@ class Rewards:
 
   def combine(self, results: dict[str, Any]) -> jax.Array:
     """The combined score `[b]` on the actor's mesh, from the results of `stages` by role."""
-    parts = []
-    if self.use_model:
-      parts.append(self.cluster.move(Role.ACTOR, results["reward"]))
-    if self.fn is not None:
-      parts.append(self.cluster.upload(Role.ACTOR, results["reward_fn"], "reward_fn scores"))
-    if self.use_environment:
-      parts.append(self.cluster.upload(Role.ACTOR, results["environment"], "environment rewards"))
+    parts = [
+      self.cluster.upload(Role.ACTOR, results[part], f"{part} scores")
+      if part in HOST_PARTS
+      else self.cluster.move(Role.ACTOR, results[part])
+      for part in self._parts
+    ]
     return self._combine(*parts)
 
   def metadata(self, step: int, seqs: Any) -> dict[str, Any]:
@@ -153,25 +182,29 @@ class Rewards:
     return seqs.environment_rewards
 
   def evaluate(self, seqs: Any) -> dict[str, np.ndarray]:
-    """Every part of the reward, their combination and the task's own rule, on the host."""
+    """Every part of the reward ('reward_model', 'reward_fn', '<role>_model' of an extra
+    role, 'environment'), their combination and the task's own rule, on the host."""
     meta = self.metadata(-1, seqs)
     scores: dict[str, np.ndarray] = {}
     n = len(seqs.prompts)
     combined = np.zeros(n, np.float32)
-    if self.use_model:
-      rt = self.cluster.roles[Role.REWARD]
+    for part in self._parts:
+      if part == RULE:
+        scores[RULE] = self._rule(self.fn, seqs, meta)
+        combined += self.cfg.reward.fn_coef * scores[RULE]
+        continue
+      if part == ENVIRONMENT:
+        scores[ENVIRONMENT] = self._environment(seqs)
+        combined += self.cfg.reward.environment_coef * scores[ENVIRONMENT]
+        continue
+      rt = self.cluster.roles[part]
       with self.cluster.host("evaluation"):
         batch = rt.put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
-        scores["reward_model"] = self.cluster.fetch(
-          self._model_scores(self.cluster.params[Role.REWARD], *batch), "evaluation"
-        )
-      combined += self.cfg.reward.model_coef * scores["reward_model"]
-    if self.fn is not None:
-      scores["reward_fn"] = self._rule(self.fn, seqs, meta)
-      combined += self.cfg.reward.fn_coef * scores["reward_fn"]
-    if self.use_environment:
-      scores["environment"] = self._environment(seqs)
-      combined += self.cfg.reward.environment_coef * scores["environment"]
+        program = self._micro_scores[part][self.cfg.rollout.batch_size]
+        score = self.cluster.fetch(program(self.cluster.params[part], *batch), "evaluation")
+      # The reward model's score as it always was; an extra role's by its name.
+      scores["reward_model" if part == Role.REWARD else f"{part}_model"] = score
+      combined += self.models[part] * score
     scores["reward"] = combined
     if self.task_fn is not None:
       scores["task_reward"] = np.asarray(

@@ -6,6 +6,8 @@
 """
 
 from rlhfjax.config.experiment import (
+  EXTRA_ROLE_KINDS,
+  ROLE_HEADS,
   WANDB_MISSING,
   WANDB_MODES,
   AlgorithmSection,
@@ -19,6 +21,8 @@ from rlhfjax.config.experiment import (
   ExperimentConfig,
   ExplicitPlacementSection,
   ExplicitRoleSection,
+  ExtraPlacementSection,
+  ExtraRoleSection,
   LoggingSection,
   ModelSection,
   OffloadSection,
@@ -50,8 +54,11 @@ __all__ = [
   "DPOSection",
   "EvalSection",
   "ExperimentConfig",
+  "EXTRA_ROLE_KINDS",
   "ExplicitPlacementSection",
   "ExplicitRoleSection",
+  "ExtraPlacementSection",
+  "ExtraRoleSection",
   "LoggingSection",
   "ModelSection",
   "OffloadSection",
@@ -59,6 +66,7 @@ __all__ = [
   "OptimizerConfig",
   "PlacementSection",
   "PPOSection",
+  "ROLE_HEADS",
   "RewardSection",
   "RoleInitSection",
   "RoleModelSection",

@@ -79,13 +79,59 @@ class RoleModelSection:
   def overrides(self) -> dict[str, Any]:
     """The `ModelConfig` fields this section sets."""
     return {
-      f.name: getattr(self, f.name)
-      for f in dataclasses.fields(self)
-      if getattr(self, f.name) is not None and f.name not in ("hf", "lora_rank")
+      name: getattr(self, name)
+      for name in model_config.NUMERICS_FIELDS
+      if getattr(self, name) is not None
     }
 
 
 _ROLES = ("actor", "critic", "reference", "reward", "rollout")
+ROLE_HEADS: dict[str, model_config.HeadKind] = {
+  "actor": "lm",
+  "critic": "value",
+  "reference": "lm",
+  "reward": "value",
+  "rollout": "lm",
+}
+"""The head each built-in role's model carries: policies score tokens, value models states or
+sequences."""
+EXTRA_ROLE_KINDS: dict[str, model_config.HeadKind] = {"reward": "value"}
+"""What an extra role (`ExtraRoleSection.kind`) may do, with the head its model carries:
+'reward', a frozen reward model (a value head read at each sequence's last token, as the
+built-in reward's) whose score joins the reward with its weight in `reward.role_coefs`."""
+_RESERVED_ROLE_NAMES = (*_ROLES, "reward_fn")
+"""Names an extra role may not take: the built-in roles, and the rule reward's host stage."""
+_ROLE_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtraRoleSection(RoleModelSection):
+  """A role beyond the built-in five (`model.extra_roles.<name>`, e.g. 'reward2'): its model,
+  numerics and what it does. It is placed like any role (`placement.extra_roles.<name>`),
+  counted by the memory check and `show_placement`, and priced by the planner. Extra roles are
+  frozen: a checkpoint holds nothing of them (a resume loads them from `init` or `hf` again)."""
+
+  kind: str = "reward"
+  """What it does: one of `EXTRA_ROLE_KINDS` ('reward': a reward model whose score joins the
+  reward, weighted by `reward.role_coefs.<name>`)."""
+  size: str | None = None
+  """A registered size; None: `hf`'s architecture, or else the actor's model."""
+  init: str = ""
+  """Its weights: a reward-model run (item 'reward') or a Hugging Face sequence-classification
+  checkpoint; empty: `hf`'s weights when set, else a random initialisation (seeded by `seed`
+  and the role's name)."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_choice("kind", self.kind, tuple(EXTRA_ROLE_KINDS))
+    if self.size is not None and self.size not in model_config.model_sizes():
+      raise ConfigError(
+        f"unknown model size {self.size!r}; known sizes: {', '.join(model_config.model_sizes())}"
+      )
+    if self.lora_rank is not None:
+      raise ConfigError("'lora_rank': an extra role is frozen, it trains no adapters")
+
+
 _LORA_REFERENCES = ("base", "placed")
 _LORA_QUANTIZE = ("", "int8")
 
@@ -172,6 +218,10 @@ class ModelSection:
   roles: dict[str, RoleModelSection] = dataclasses.field(default_factory=dict)
   """Per-role settings over the above, e.g. {'reference': {'param_dtype': 'bfloat16'},
   'actor': {'remat': 'dots_with_no_batch_dims_saveable', 'logprob_chunk_size': 1024}}."""
+  extra_roles: dict[str, ExtraRoleSection] = dataclasses.field(default_factory=dict)
+  """Roles beyond the built-in five, by name (`ExtraRoleSection`), e.g. {'reward2': {'kind':
+  'reward', 'size': 'tiny', 'init': '/runs/rm2/checkpoints'}}; `dtype`, `param_dtype` and
+  `overrides` above apply to them too."""
   fp32_masters: bool = True
   """A checkpoint saved in bf16 (`hf`'s config.json says so; every public Llama and Qwen does)
   trains with fp32 master weights and so fp32 optimizer moments in the trained roles
@@ -219,7 +269,21 @@ class ModelSection:
 
     for role in self.roles:
       if role not in _ROLES:
-        raise ConfigError(f"unknown role {role!r} in 'model.roles'; roles: {', '.join(_ROLES)}")
+        extra = " (an extra role is set in 'model.extra_roles')" if role in self.extra_roles else ""
+        raise ConfigError(
+          f"unknown role {role!r} in 'model.roles'; roles: {', '.join(_ROLES)}{extra}"
+        )
+    for name in self.extra_roles:
+      if name in _RESERVED_ROLE_NAMES:
+        raise ConfigError(
+          f"'model.extra_roles.{name}': {name!r} is a built-in role or stage name "
+          f"({', '.join(_RESERVED_ROLE_NAMES)}); name the extra role otherwise, e.g. '{name}2'"
+        )
+      if not _ROLE_NAME.fullmatch(name):
+        raise ConfigError(
+          f"'model.extra_roles.{name}': a role's name is lower-case letters, digits and '_', "
+          "starting with a letter"
+        )
     # The sync casts the actor's parameters to the rollout's dtype on the actor's mesh
     # (`rlhfjax.mesh.transfer.cast_program`); widening them would only add bytes.
     actor, rollout = (self.for_role(r).param_dtype for r in ("actor", "rollout"))
@@ -262,23 +326,45 @@ class ModelSection:
     """The trained roles that train LoRA adapters."""
     return tuple(role for role in self.trained_roles if self.lora_rank(role))
 
+  @property
+  def role_names(self) -> tuple[str, ...]:
+    """Every role a model may be asked for: the built-in five, then the extra ones."""
+    return (*_ROLES, *self.extra_roles)
+
+  def head(self, role: str) -> model_config.HeadKind:
+    """The head `role`'s model carries ('lm' or 'value')."""
+    if role in self.extra_roles:
+      return EXTRA_ROLE_KINDS[self.extra_roles[role].kind]
+    return ROLE_HEADS[role]
+
+  def _section(self, role: str) -> RoleModelSection:
+    """`role`'s own settings: its `extra_roles` section, or its `roles` one (empty if none)."""
+    return self.extra_roles.get(role) or self.roles.get(role, RoleModelSection())
+
+  def _own_size(self, role: str) -> str | None:
+    """The size given to `role` itself (`critic_size`, `reward_size`, an extra role's `size`)."""
+    if role in self.extra_roles:
+      return self.extra_roles[role].size
+    return {"critic": self.critic_size, "reward": self.reward_size}.get(role)
+
   def size_for(self, role: str) -> str | None:
-    """The model size `role` ('actor', 'critic', 'reference', 'reward', 'rollout') runs; None
-    when only a checkpoint's config.json says (`hf_for`)."""
-    if role not in _ROLES:
+    """The model size `role` (a built-in role or an extra one) runs; None when only a
+    checkpoint's config.json says (`hf_for`)."""
+    if role not in self.role_names:
       raise ValueError(f"unknown role {role!r}")
-    own = {"critic": self.critic_size, "reward": self.reward_size}.get(role)
+    own = self._own_size(role)
     if own is not None:
       return own
-    return None if self.roles.get(role, RoleModelSection()).hf else self.size
+    return None if self._section(role).hf else self.size
 
   def hf_for(self, role: str) -> str:
     """The Hugging Face directory whose config.json `role` runs; '' for a registered size."""
-    own = self.roles.get(role, RoleModelSection()).hf
+    own = self._section(role).hf
     if own:
       return own
-    # A critic or reward model given its own size does not run the actor's checkpoint.
-    if {"critic": self.critic_size, "reward": self.reward_size}.get(role) is not None:
+    # A role given its own size (critic, reward, an extra role) does not run the actor's
+    # checkpoint.
+    if self._own_size(role) is not None:
       return ""
     return self.hf
 
@@ -293,8 +379,7 @@ class ModelSection:
       for name in ("dtype", "param_dtype")
       if getattr(self, name) is not None
     }
-    role_section = self.roles.get(role, RoleModelSection())
-    changes = {**overrides, **self.overrides, **role_section.overrides()}
+    changes = {**overrides, **self.overrides, **self._section(role).overrides()}
     if rank := self.lora_rank(role):
       changes["lora"] = self.lora.for_model(rank)
     if self.lora.quantize and (self.lora_rank(role) or self._scores_quantized_base(role)):
@@ -320,7 +405,8 @@ class ModelSection:
     numerics = {k: v for k, v in changes.items() if k in kept}
     size = self.size_for(role)
     given = model_config.get_model_config(size, **changes) if size else found.replace(**changes)
-    what = f"model.roles.{role}.hf" if self.roles.get(role, RoleModelSection()).hf else "model.hf"
+    section = "extra_roles" if role in self.extra_roles else "roles"
+    what = f"model.{section}.{role}.hf" if self._section(role).hf else "model.hf"
     try:
       model_config.check_same_architecture(
         found, given, f"{what}: {os.path.join(directory, 'config.json')}"
@@ -394,6 +480,34 @@ class ExplicitPlacementSection:
   """Groups of roles allowed to share devices, e.g. (('actor', 'rollout'),)."""
 
 
+_EXTRA_MODES = ("shared", "interleaved", "own")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtraPlacementSection:
+  """Where an extra role (`model.extra_roles`) runs: `placement.extra_roles.<name>`, for every
+  strategy (the strategy places the built-in roles, then this places the extra one)."""
+
+  mode: str = "shared"
+  """'shared': on `with_role`'s devices and mesh (co-located: the two take turns); 'interleaved':
+  `with_role`'s devices split into halves, `with_role` keeping the first and this role taking
+  the second, so the two score at the same time; 'own': the last `devices` devices of the job,
+  which no other role uses (the strategy places the others on the rest)."""
+  with_role: str = "reward"
+  """'shared', 'interleaved': the role whose devices it shares or splits (a built-in role or
+  an extra one placed before it; 'interleaved' takes a scoring role: the reference, the reward
+  or an extra role)."""
+  devices: int = 1
+  """'own': how many devices it takes."""
+  tensor: int = 1
+  """'own': its tensor-parallel size (fsdp over the rest); 'shared' and 'interleaved' keep
+  `with_role`'s mesh axes."""
+
+  def __post_init__(self):
+    _check_choice("mode", self.mode, _EXTRA_MODES)
+    ranges.check("", self, devices=ranges.COUNT, tensor=ranges.COUNT)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlacementSection:
   """How the roles are placed on devices; see `rlhfjax.placement.strategies`."""
@@ -441,6 +555,10 @@ class PlacementSection:
   """How a pipelined role runs its micro-batches: 'gpipe' (all forwards, then all backwards) or
   '1f1b' (one forward, one backward in the steady state; fewer activations in flight). See
   `rlhfjax.schedules`."""
+  extra_roles: dict[str, ExtraPlacementSection] = dataclasses.field(default_factory=dict)
+  """Where each extra role (`model.extra_roles`) runs, by name, in their order (one not named
+  here shares the reward's devices: `ExtraPlacementSection`'s defaults), e.g. {'reward2':
+  {'mode': 'interleaved', 'with_role': 'reward'}}."""
 
   def __post_init__(self):
     # num_devices and rollout_fraction are checked where the placement is planned
@@ -970,6 +1088,9 @@ class RewardSection:
   """Weight of the reward model's score; 0 skips the reward model."""
   environment_coef: float = 1.0
   """Weight of a trajectory's summed environment rewards (`rollout.environment`)."""
+  role_coefs: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Weight of each extra reward role's score (`model.extra_roles` of kind 'reward'), by name:
+  the score is `model_coef * reward + fn_coef * fn + sum of role_coefs[r] * r`."""
 
   def __post_init__(self):
     if self.fn and ":" not in self.fn:
@@ -1352,6 +1473,7 @@ class ExperimentConfig:
     if changes:
       object.__setattr__(self, "init", dataclasses.replace(init, **changes))
     _check_pure_bf16(self)
+    _check_extra_roles(self)
     if self.model.lora.quantize and not self.model.adapted_roles:
       raise ConfigError(
         f"'model.lora.quantize'={self.model.lora.quantize!r} quantizes the frozen base under "
@@ -1365,9 +1487,11 @@ class ExperimentConfig:
           "weights on the actor's devices ('model.lora.reference'='base'): leave "
           f"{'them' if len(parked) > 1 else 'it'} out, or set 'model.lora.reference'='placed'"
         )
-    if not self.reward.fn and self.reward.model_coef == 0 and not self.rollout.environment:
+    reward, environment = self.reward, self.rollout.environment
+    if not any((reward.fn, reward.model_coef, any(reward.role_coefs.values()), environment)):
       raise ConfigError(
-        "no reward: set 'reward.fn', a non-zero 'reward.model_coef' or 'rollout.environment'"
+        "no reward: set 'reward.fn', a non-zero 'reward.model_coef', 'reward.role_coefs' or "
+        "'rollout.environment'"
       )
     _checkpoint_tokenizer(self)
     _check_template_fields(self.data)
@@ -1408,6 +1532,49 @@ def _check_pure_bf16(cfg: ExperimentConfig) -> None:
         f"in pure bf16, where an update below {_BF16_HALF_SPACING:.2g} leaves a weight of 0.02 "
         "unchanged, so most updates would round away; keep fp32 masters (the default)"
       )
+
+
+def _check_extra_roles(cfg: ExperimentConfig) -> None:
+  """Each extra role's weight and place: a reward role has a non-zero `reward.role_coefs`
+  entry and no other name has one; `placement.extra_roles` names extra roles only, each placed
+  against a role that exists before it; every extra role gets a placement entry (the default,
+  shared with the reward, where none is given), in `model.extra_roles`' order."""
+  extras = cfg.model.extra_roles
+  for name in cfg.reward.role_coefs:
+    if name not in extras or extras[name].kind != "reward":
+      raise ConfigError(
+        f"'reward.role_coefs.{name}': no extra reward role {name!r} in 'model.extra_roles' "
+        f"(extra roles: {', '.join(extras) or 'none'})"
+      )
+  for name, section in extras.items():
+    if section.kind == "reward" and not cfg.reward.role_coefs.get(name):
+      raise ConfigError(
+        f"'model.extra_roles.{name}' is a reward role but 'reward.role_coefs.{name}' gives it "
+        "no weight: set a non-zero weight, or drop the role"
+      )
+  placed = cfg.placement.extra_roles
+  for name in placed:
+    if name not in extras:
+      raise ConfigError(
+        f"'placement.extra_roles.{name}': no extra role {name!r} in 'model.extra_roles' "
+        f"(extra roles: {', '.join(extras) or 'none'})"
+      )
+  sections = {name: placed.get(name, ExtraPlacementSection()) for name in extras}
+  before = list(_ROLES)
+  for name, section in sections.items():
+    if section.mode != "own" and section.with_role not in before:
+      raise ConfigError(
+        f"'placement.extra_roles.{name}.with_role'={section.with_role!r} is not a role placed "
+        f"before it; choose one of {', '.join(before)}"
+      )
+    if section.mode == "interleaved" and section.with_role in ("actor", "critic", "rollout"):
+      raise ConfigError(
+        f"'placement.extra_roles.{name}': 'interleaved' splits a scoring role's devices "
+        f"(reference, reward or an extra role), not the {section.with_role}'s"
+      )
+    before.append(name)
+  placement = dataclasses.replace(cfg.placement, extra_roles=sections)
+  object.__setattr__(cfg, "placement", placement)
 
 
 def _check_positions(cfg: ExperimentConfig) -> None:
@@ -1641,16 +1808,19 @@ def complete(config_dict: Any, cls: type) -> Any:
 
 def field_paths(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
   """Every dotted field of the typed config `cls`: sections recursed, a dict of role sections
-  under each role (`model.roles.actor.remat`)."""
+  under each role (`model.roles.actor.remat`), a dict of sections by the user's names (the
+  extra roles, `model.extra_roles`) as itself."""
   hints = _type_hints(cls)
   paths = []
   for field in dataclasses.fields(cls):
     tp, path = _optional_inner(hints[field.name]), f"{prefix}{field.name}"
     if dataclasses.is_dataclass(tp):
       paths += field_paths(tp, f"{path}.")
-    elif _is_section_dict(tp):
-      for key in _COMPLETED_KEYS.get(field.name, ()):
+    elif _is_section_dict(tp) and field.name in _COMPLETED_KEYS:
+      for key in _COMPLETED_KEYS[field.name]:
         paths += field_paths(typing.get_args(tp)[1], f"{path}.{key}.")
+    elif _is_section_dict(tp):
+      paths.append(path)  # its keys are the user's (extra roles): the dict itself
     else:
       paths.append(path)
   return paths

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 
 from rlhfjax import schedules
 from rlhfjax.config import OffloadSection
@@ -34,6 +35,9 @@ class Workload:
   reward: ModelConfig | None = None
   reference: ModelConfig | None = None
   """Defaults to the actor's shape."""
+  extra_rewards: Mapping[str, ModelConfig] = dataclasses.field(default_factory=dict)
+  """Extra reward models by role name (`model.extra_roles` of kind 'reward'): each scores the
+  sequences the reward model scores (`scored('reward')`), a forward like the reward's."""
   reference_from_base: bool = False
   """The reference scores with the actor's frozen base weights on the actor's devices (an actor
   that trains LoRA adapters): placed as the actor, with no weights of its own."""
@@ -146,8 +150,9 @@ class Workload:
     return self.prompts * self.samples_per_prompt
 
   def scored(self, role: str) -> int:
-    """Sequences `role`'s forward scores in one iteration (0: it scores nothing)."""
-    return self._stage(self.pricing.scored, role)
+    """Sequences `role`'s forward scores in one iteration (0: it scores nothing); an extra
+    reward model scores what the reward model does."""
+    return self._stage(self.pricing.scored, "reward" if role in self.extra_rewards else role)
 
   def trained(self, role: str) -> int:
     """Sequences `role` trains on in one epoch (0: it is not trained)."""
@@ -202,6 +207,8 @@ class Workload:
     return self.reference or self.actor
 
   def model(self, role: str) -> ModelConfig | None:
+    if role in self.extra_rewards:
+      return self.extra_rewards[role]
     return self.reference_model if role == "reference" else getattr(self, role)
 
   def replace(self, **changes) -> Workload:

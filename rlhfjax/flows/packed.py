@@ -44,9 +44,12 @@ from rlhfjax.flows.stages import FlowContext
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
 
-PER_SEQUENCE = frozenset({"reward"})
-"""Roles whose packed output is read at each sample's last token (a score `[b]`); the others'
-at every response token's prediction slot (`[b, t]`)."""
+
+def per_sequence(ctx: FlowContext, role: str) -> bool:
+  """Whether `role`'s packed output is read at each sample's last token (a reward model's score
+  `[b]`: the reward and the extra reward roles, `rlhfjax.cluster.rewards.reward_models`);
+  the others' are read at every response token's prediction slot (`[b, t]`)."""
+  return role == Role.REWARD or role in ctx.cfg.reward.role_coefs
 
 
 def lengths(seqs: Sequences) -> tuple[np.ndarray, np.ndarray]:
@@ -178,11 +181,11 @@ class PackedScoring(scoring.MicroBatchScoring):
       if isinstance(parts[0], np.ndarray):
         out[role] = np.concatenate(parts)[np.argsort(order, kind="stable")]
         continue
-      per_sequence = role in PER_SEQUENCE
-      acc = programs.zeros_b() if per_sequence else programs.zeros_bt()
+      scalar = per_sequence(self.ctx, role)
+      acc = programs.zeros_b() if scalar else programs.zeros_bt()
       for part, (base_b, length_b, last_b) in zip(parts, index, strict=True):
         part = cluster.move(Role.ACTOR, part)
-        if per_sequence:
+        if scalar:
           acc = programs.last(acc, part, last_b)
         else:
           acc = programs.response(acc, part, base_b, length_b)

@@ -38,11 +38,11 @@ from typing import Any
 from rlhfjax.config import BatchShape, ConfigError
 from rlhfjax.costmodel.pricing import PPO, Pricing
 from rlhfjax.flows import user
-from rlhfjax.placement.spec import Role
+from rlhfjax.placement.spec import Role, ordered
 
 
-def _every_role(config: Any) -> frozenset[Role]:
-  return frozenset(Role)
+def _every_role(config: Any) -> frozenset[str]:
+  return frozenset(Role) | frozenset(config.model.extra_roles)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +53,10 @@ class FlowSpec:
   """`algorithm.name` (a built-in flow), or the 'module:function' of a user's own."""
   factory: Callable[..., Any] | None = None
   """`make_flow(ctx) -> flow`; None on a user's declaration (`declare`), which decorates it."""
-  roles: Callable[[Any], frozenset[Role]] = _every_role
-  """The roles it places, as a function of the experiment config (default: every one)."""
+  roles: Callable[[Any], frozenset[str]] = _every_role
+  """The roles it places, as a function of the experiment config (default: every one, the
+  config's extra roles (`model.extra_roles`) included); an extra role is one of them by its
+  name."""
   trains: tuple[Role, ...] = (Role.ACTOR, Role.CRITIC)
   """The roles it may train: they keep fp32 master weights (`ModelSection.trained_roles`)."""
   pricing: Pricing = PPO
@@ -201,10 +203,11 @@ def _check_context(config: Any, spec: FlowSpec) -> None:
     )
 
 
-def roles_of(config: Any) -> tuple[Role, ...]:
-  """The roles the configured flow uses, in `Role` order."""
+def roles_of(config: Any) -> tuple[str, ...]:
+  """The roles the configured flow uses: the built-in ones in `Role` order, then the extra
+  ones (`model.extra_roles`) in the config's order."""
   used = spec_of(config).roles(config)
-  return tuple(role for role in Role if role in used)
+  return ordered(role for role in config.model.role_names if role in used)
 
 
 def reference_from_base(config: Any) -> bool:
@@ -266,10 +269,11 @@ def fused_scoring_flows() -> tuple[str, ...]:
   return tuple(name for name, spec in builtin().items() if spec.fused_scoring)
 
 
-def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[Role]:
-  """Actor and reference, the rollout if the flow generates, the critic if asked, and the
-  reward model unless the reward is a rule alone (`reward.model_coef` = 0; the runner loads a
-  reward model whenever it is not)."""
+def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[str]:
+  """Actor and reference, the rollout if the flow generates, the critic if asked, the reward
+  model unless the reward is a rule alone (`reward.model_coef` = 0; the runner loads a reward
+  model whenever it is not), and the extra reward roles (`reward.role_coefs`), which score
+  with it (`rlhfjax.cluster.rewards`)."""
   roles = {Role.ACTOR, Role.REFERENCE}
   if rollout:
     roles.add(Role.ROLLOUT)
@@ -277,4 +281,4 @@ def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozense
     roles.add(Role.CRITIC)
   if config.reward.model_coef != 0.0:
     roles.add(Role.REWARD)
-  return frozenset(roles)
+  return frozenset(roles) | frozenset(config.reward.role_coefs)

@@ -141,7 +141,7 @@ class MicroBatchScoring:
       else:
         with self.ctx.cluster.host("scoring order"):  # `rows_n` goes to the devices
           ordered = fused.in_order(tuple(parts), rows_n)
-        out[role] = self.ctx.cluster.move(Role(role), ordered)
+        out[role] = self.ctx.cluster.move(role, ordered)
     return out
 
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Hashable, Sequence
 
 from rlhfjax.placement.report import format_devices
-from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
+from rlhfjax.placement.spec import PlacementSpec, RoleSpec, ordered
 
 
 def nodes_of(num_devices: int, devices_per_node: int) -> tuple[int, ...]:
@@ -60,7 +60,7 @@ def tensor_across_hosts(
   """One warning line per role whose `tensor` axis spans hosts (`hosts[i]`: the host of device
   index i; `unit`: what a host is called in the message, 'host' or 'node')."""
   warnings = []
-  for role in (r for r in Role if r in spec.roles):
+  for role in ordered(spec.roles):
     role_spec = spec[role]
     spanned = tensor_spans_hosts(role_spec, hosts)
     if not spanned:

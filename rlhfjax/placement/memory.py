@@ -29,7 +29,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from rlhfjax.config import ModelSection, OffloadSection, RolloutSection
+from rlhfjax.config import ROLE_HEADS, ModelSection, OffloadSection, RolloutSection
 from rlhfjax.config.model import LoraConfig, ModelConfig
 from rlhfjax.costmodel.memory import (
   MemoryEstimate,
@@ -46,14 +46,9 @@ from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 GIB = 2**30
 
 TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)
-HEADS: Mapping[Role, str] = {
-  Role.ACTOR: "lm",
-  Role.CRITIC: "value",
-  Role.REFERENCE: "lm",
-  Role.REWARD: "value",
-  Role.ROLLOUT: "lm",
-}
-"""Output head of each role's model: policies predict tokens, critics and rewards a scalar."""
+HEADS = ROLE_HEADS
+"""Output head of each built-in role's model: policies predict tokens, critics and rewards a
+scalar (an extra role's is its kind's: `rlhfjax.config.ModelSection.head`)."""
 
 PARAM_SHARDING_AXES: Mapping[Layout, tuple[str, ...]] = {
   Layout.TRAINING: ("stage", "fsdp", "context", "tensor"),
@@ -103,11 +98,13 @@ def estimate_memory(
   sync_adapters: LoraConfig | None = None,
   options: Options | None = None,
   offload: OffloadSection | None = None,
+  head: str | None = None,
 ) -> MemoryEstimate:
   """Estimates the bytes one device of `role` needs when placed as `spec`.
 
   Args:
-    role: the role: trained (actor, critic), scoring (reference, reward) or the rollout.
+    role: the role: trained (actor, critic), scoring (reference, reward, an extra role) or
+      the rollout.
     spec: the role's devices, mesh axes and layout.
     model: the role's model.
     rollout: the rollout batch shape (sequence length; slots of the rollout).
@@ -121,8 +118,9 @@ def estimate_memory(
       role's model's own, and the offload flags are `role`'s own in `offload`.
     offload: the roles whose parameters or moments wait in host memory while idle (none when
       None); `role`'s offloaded parts count in its stage only (`MemoryEstimate.parked`).
+    head: the head of `role`'s model; None: a built-in role's (`HEADS`). An extra role's is
+      its kind's (`rlhfjax.config.ModelSection.head`).
   """
-  role = Role(role)
   options = offload_options(model_options(model, options), role, offload)
   sharding = sharding_of(spec)
   seq_len = rollout.max_seq_len
@@ -143,7 +141,8 @@ def estimate_memory(
   rows = (train_rows if trained else score_rows) or rollout.batch_size
   micro_batch = math.ceil(rows / sharding.batch_shards)
   fn = train_memory if trained else forward_memory
-  return fn(model, HEADS[role], sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
+  head = head or HEADS[role]
+  return fn(model, head, sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
 
 
 def adapters_synced(actor: ModelConfig, actor_spec: RoleSpec, rollout_spec: RoleSpec):
@@ -175,7 +174,7 @@ def model_options(model: ModelConfig, options: Options | None = None) -> Options
 def offload_options(options: Options, role: Role | str, offload: OffloadSection | None) -> Options:
   """`options` with the offload flags of `role` in `offload` (none when None): the memory model
   takes offload one role at a time."""
-  name = Role(role).value
+  name = str(role)
   off = offload or OffloadSection()
   return dataclasses.replace(
     options, offload_params=name in off.params, offload_optimizer=name in off.optimizer
@@ -208,6 +207,7 @@ def estimate_placement_memory(
       sync_adapters=adapters_synced(actor, placement[Role.ACTOR], spec),
       options=options,
       offload=offload,
+      head=model.head(role),
     )
     for role, spec in placement.roles.items()
   }
@@ -401,7 +401,7 @@ def option_effects(
   actor_devices = set(placement[Role.ACTOR].devices)
   out = {}
   for role, spec in placement.roles.items():
-    config = model.for_role(role.value)
+    config = model.for_role(role)
 
     def total(cfg: ModelConfig, role=role, spec=spec) -> MemoryEstimate:
       return estimate_memory(
@@ -413,6 +413,7 @@ def option_effects(
         score_rows=score_rows,
         receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
         offload=offload,
+        head=model.head(role),
       )
 
     plain = total(config.replace(remat="none", logprob_chunk_size=None)).total

@@ -15,7 +15,7 @@ from rlhfjax.placement.memory import (
   option_effects,
   option_peaks,
 )
-from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec
+from rlhfjax.placement.spec import PlacementSpec, Role, RoleSpec, ordered
 
 _HEADER = (
   "role",
@@ -72,11 +72,11 @@ def format_placement_table(
   totals = device_totals(spec, estimates)
   unit, scale = _unit(max(totals.values()))
   rows = [_HEADER]
-  for role in (r for r in Role if r in spec.roles):
+  for role in ordered(spec.roles):
     role_spec, estimate = spec[role], estimates[role]
     rows.append(
       (
-        role.value,
+        str(role),
         format_devices(role_spec.devices),
         format_mesh(role_spec),
         role_spec.layout.value,
@@ -120,11 +120,11 @@ def format_option_table(
   """
   unit, scale = _unit(max(max(e.plain, e.configured) for e in effects.values()))
   rows = [_OPTION_HEADER]
-  for role in (r for r in Role if r in effects):  # the roles the flow places
+  for role in ordered(effects):  # the roles the flow places
     e = effects[role]
     rows.append(
       (
-        role.value,
+        str(role),
         *settings[role],
         _amount(e.plain, scale),
         _amount(-e.remat, scale),
@@ -160,11 +160,9 @@ def option_report(
   )
   settings = {}
   for role in effects:
-    model = config.model.for_role(role.value)
+    model = config.model.for_role(role)
     parked = [
-      k
-      for k, names in (("params", off.params), ("optimizer", off.optimizer))
-      if role.value in names
+      k for k, names in (("params", off.params), ("optimizer", off.optimizer)) if role in names
     ]
     settings[role] = (model.remat, str(model.logprob_chunk_size or "-"), "+".join(parked) or "-")
   return format_option_table(effects, settings, option_peaks(spec, effects))
@@ -203,7 +201,7 @@ def format_adapters(
   """The LoRA line: which placed roles train adapters over frozen weights (`model.lora`), and
   whether the reference runs the actor's base (`reference_from_base`), or None without
   adapters."""
-  ranks = {role.value: config.model.lora_rank(role.value) for role in spec.roles}
+  ranks = {str(role): config.model.lora_rank(role) for role in spec.roles}
   adapted = {role: rank for role, rank in ranks.items() if rank}
   if not adapted:
     return None
@@ -252,7 +250,7 @@ def _summary(
   memory_per_device_gb: float | None,
 ) -> str:
   peak_device = max(totals, key=lambda d: (totals[d], -d))
-  peak_roles = "+".join(role.value for role, s in spec.roles.items() if peak_device in s.devices)
+  peak_roles = "+".join(str(role) for role, s in spec.roles.items() if peak_device in s.devices)
   budget = f" of a {memory_per_device_gb:g} GiB budget" if memory_per_device_gb is not None else ""
   disjoint = ", ".join(f"{a}|{b}" for a, b in spec.disjoint) or "none"
   return (

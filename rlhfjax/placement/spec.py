@@ -1,8 +1,12 @@
 """Placement as data: which devices and which mesh each RLHF role gets.
 
-A `PlacementSpec` maps every `Role` to a `RoleSpec`: indices into `jax.devices()`, named mesh
+A `PlacementSpec` maps every role to a `RoleSpec`: indices into `jax.devices()`, named mesh
 axes with sizes, and the layout (training or generation) that decides how parameters are laid
 out on that mesh. Co-location is simply two roles with the same devices.
+
+A role is a name. `Role` lists the built-in five; a config's extra roles
+(`model.extra_roles`: a second reward model, ...) are roles by their own names, placed,
+checked and shown like the built-in ones (a `Role` is a `str`, so both key the same dicts).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 
 class Role(enum.StrEnum):
@@ -19,6 +23,13 @@ class Role(enum.StrEnum):
   REFERENCE = "reference"
   REWARD = "reward"
   ROLLOUT = "rollout"
+
+
+def ordered(roles: Iterable[str]) -> tuple[str, ...]:
+  """`roles` in the order tables and logs show them: the built-in ones in `Role` order, then
+  the extra ones as given."""
+  roles = list(roles)
+  return (*(role for role in Role if role in roles), *(r for r in roles if r not in tuple(Role)))
 
 
 class Layout(enum.StrEnum):
@@ -107,12 +118,13 @@ class PlacementSpec:
   """A `RoleSpec` for every role, plus the name of the strategy that built it."""
 
   strategy: str
-  roles: Mapping[Role, RoleSpec]
-  disjoint: tuple[tuple[Role, Role], ...] = ()
+  roles: Mapping[str, RoleSpec]
+  """By role: a `Role`, or an extra role's name."""
+  disjoint: tuple[tuple[str, str], ...] = ()
   """Pairs of roles meant to run at the same time, so they must not share any device."""
 
-  def __getitem__(self, role: Role | str) -> RoleSpec:
-    return self.roles[Role(role)]
+  def __getitem__(self, role: str) -> RoleSpec:
+    return self.roles[role]
 
   def colocated(self, a: Role | str, b: Role | str) -> bool:
     """True when two roles share any device (so they cannot run at the same time). Devices

@@ -15,6 +15,11 @@ A critic on exactly the actor's devices runs its stages in the reverse device or
   roles share the rest (optionally split into halves like `interleaved`).
 - `explicit`: a hand-written spec from the config.
 
+Extra roles (`model.extra_roles`, placed by `placement.extra_roles`) are added to whatever a
+strategy builds, by `with_extra_roles`: on another role's devices and mesh ('shared'), on half
+of another scoring role's devices so the two run at the same time ('interleaved'), or on
+devices of their own that the strategy leaves out ('own').
+
 `build_placement` picks a strategy by name from the config and checks the result;
 `rlhfjax.planner.place.plan_placement` resolves an experiment's placement (`auto` included)
 and also checks its models (tensor sizes, rollout batch, memory).
@@ -26,9 +31,9 @@ import dataclasses
 import difflib
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
-from rlhfjax.config import ExplicitPlacementSection, PlacementSection
+from rlhfjax.config import ExplicitPlacementSection, ExtraPlacementSection, PlacementSection
 from rlhfjax.placement.spec import (
   LAYOUT_AXES,
   OPTIONAL_AXES,
@@ -379,11 +384,95 @@ def build_placement(placement_cfg: PlacementSection, available_devices: int) -> 
       f"unknown placement strategy {name!r}; {hint}known strategies: {', '.join(known)}"
     )
   num_devices = resolve_num_devices(placement_cfg.num_devices, available_devices)
-  spec = _STRATEGIES[name].build(placement_cfg, num_devices)
+  extras = placement_cfg.extra_roles
+  spec = _STRATEGIES[name].build(placement_cfg, num_devices - own_devices(extras, num_devices))
+  spec = with_extra_roles(spec, extras, num_devices, placement_cfg.pipeline_stages)
   if placement_cfg.context > 1:
     spec = with_context(spec, placement_cfg.context)
   check_spec(spec, num_devices)
   return spec
+
+
+def own_devices(extras: Mapping[str, ExtraPlacementSection], num_devices: int) -> int:
+  """Devices the extra roles of `extras` take for their own ('own'), the last ones of the job.
+
+  Raises:
+    PlacementError: naming the first extra role for which no device is left (the built-in
+      roles keep at least one)."""
+  taken = 0
+  for name, section in extras.items():
+    if section.mode != "own":
+      continue
+    taken += section.devices
+    if taken >= num_devices:
+      raise PlacementError(
+        f"placement.extra_roles.{name}: no devices left for its {section.devices} device(s) "
+        f"of its own: the job has {num_devices} devices, {taken - section.devices} taken by "
+        "extra roles before it, and the other roles need at least one; lower its 'devices' or "
+        "raise placement.num_devices"
+      )
+  return taken
+
+
+def with_extra_roles(
+  spec: PlacementSpec,
+  extras: Mapping[str, ExtraPlacementSection],
+  num_devices: int,
+  stages: int = 1,
+) -> PlacementSpec:
+  """`spec` (the built-in roles, on the first `num_devices - own_devices(...)` devices) with
+  every extra role of `extras` placed as its section says, in order (`ExtraPlacementSection`):
+
+  - 'shared': `with_role`'s devices and mesh axes (a generation-layout role's devices in the
+    training layout, fsdp over them);
+  - 'interleaved': `with_role`'s devices split into halves, each half with its axes resized
+    (fsdp takes what `with_role`'s tensor and stages leave); `with_role` keeps the first, the
+    extra role takes the second, and the two are a disjoint pair;
+  - 'own': the next devices of its own from the end of the job (`stages` pipeline stages over
+    them, its `tensor`), disjoint from every other role.
+
+  Raises:
+    PlacementError: one line naming the extra role with no devices left (an 'own' role past
+      the job's devices, an 'interleaved' one whose `with_role` has one device or an odd
+      number), or whose sizes do not divide its devices.
+  """
+  roles, disjoint = dict(spec.roles), list(spec.disjoint)
+  end = num_devices
+  for name, section in extras.items():
+    where = f"placement.extra_roles.{name}"
+    if section.mode == "own":
+      start = end - section.devices
+      if start < 1:
+        own_devices(extras, num_devices)  # raises, naming the role
+      devices, end = tuple(range(start, end)), start
+      try:
+        roles[name] = _training_spec(name, devices, section.tensor, stages)
+      except PlacementError as e:
+        raise PlacementError(f"{where}: {e}") from None
+      disjoint += [(other, name) for other in roles if other != name]
+      continue
+    host = roles[section.with_role]
+    if host.layout != Layout.TRAINING:
+      host = RoleSpec.training(host.devices, fsdp=len(host.devices))
+    if section.mode == "shared":
+      roles[name] = host
+      continue
+    if len(host.devices) < 2 or len(host.devices) % 2:
+      raise PlacementError(
+        f"{where}: no devices left to interleave with {section.with_role}, which has "
+        f"{len(host.devices)} device(s); 'interleaved' splits them into two equal halves"
+      )
+    first, second = _halves(host.devices, where)
+    sizes = {a: host.axis_size(a) for a in ("stage", "context", "tensor")}
+    kept, mine = (_resized(dataclasses.replace(host, devices=d), **sizes) for d in (first, second))
+    if kept is None or mine is None:
+      raise PlacementError(
+        f"{where}: half of {section.with_role}'s {len(host.devices)} devices does not hold its "
+        f"mesh {dict(host.axes)}"
+      )
+    roles[section.with_role], roles[name] = kept, mine
+    disjoint.append((section.with_role, name))
+  return dataclasses.replace(spec, roles=roles, disjoint=tuple(disjoint))
 
 
 def with_context(spec: PlacementSpec, context: int) -> PlacementSpec:

@@ -37,7 +37,7 @@ def resolve_num_devices(num_devices: int | None, available_devices: int) -> int:
   return num_devices
 
 
-def check_spec(spec: PlacementSpec, num_devices: int, roles: Iterable[Role] = tuple(Role)) -> None:
+def check_spec(spec: PlacementSpec, num_devices: int, roles: Iterable[str] = tuple(Role)) -> None:
   """Checks the structure of `spec` for a job of `num_devices` devices whose flow uses `roles`.
 
   Raises:
@@ -45,7 +45,7 @@ def check_spec(spec: PlacementSpec, num_devices: int, roles: Iterable[Role] = tu
       repeated, the mesh axes are not those of the layout or do not multiply to the number of
       devices, or two roles of `spec.disjoint` share devices.
   """
-  missing = [role.value for role in roles if role not in spec.roles]
+  missing = [str(role) for role in roles if role not in spec.roles]
   if missing:
     raise PlacementError(f"{spec.strategy}: no placement for role(s) {', '.join(missing)}")
   for role, role_spec in spec.roles.items():
@@ -54,10 +54,14 @@ def check_spec(spec: PlacementSpec, num_devices: int, roles: Iterable[Role] = tu
   for a, b in spec.disjoint:
     shared = sorted(set(spec[a].devices) & set(spec[b].devices))
     if shared:
-      hint = " (list them in one placement.explicit.colocate group to allow it)"
+      hint = ""
+      if {a, b} <= set(Role) and spec.strategy == "explicit":
+        hint = " (list them in one placement.explicit.colocate group to allow it)"
+      elif extra := next((r for r in (a, b) if r not in tuple(Role)), None):
+        hint = f" (placement.extra_roles.{extra} places it; 'own' devices are the job's last)"
       raise PlacementError(
         f"{spec.strategy}: {a} and {b} must not share devices but both use "
-        f"{format_devices(shared)}{hint if spec.strategy == 'explicit' else ''}"
+        f"{format_devices(shared)}{hint}"
       )
 
 

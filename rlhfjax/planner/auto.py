@@ -48,6 +48,9 @@ def workload_of(config: ExperimentConfig) -> Workload:
     critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
     reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
     reference=model.for_role(Role.REFERENCE),
+    extra_rewards={
+      role: model.for_role(role) for role in roles if role in config.reward.role_coefs
+    },
     reference_from_base=reference_from_base(config),
     pricing=pricing,
     prompt_len=rollout.max_prompt_len,
@@ -136,7 +139,12 @@ def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, l
   """
   hw, eff = load_planner_inputs(config.placement)
   plans = search.search(
-    workload_of(config), hw, eff, num_devices, async_rollout=config.ppo.generates_ahead
+    workload_of(config),
+    hw,
+    eff,
+    num_devices,
+    async_rollout=config.ppo.generates_ahead,
+    extras=config.placement.extra_roles,
   )
   usable = []
   for plan in plans:

@@ -28,6 +28,7 @@ import math
 from collections.abc import Mapping
 
 from rlhfjax import schedules
+from rlhfjax.config import ROLE_HEADS
 from rlhfjax.costmodel import costs, fill, memory, pipeline
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import GIB, Hardware
@@ -44,7 +45,7 @@ from rlhfjax.placement.memory import (
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
 from rlhfjax.planner import sync as weight_sync
 
-HEADS = {"actor": "lm", "critic": "value", "reference": "lm", "reward": "value", "rollout": "lm"}
+HEADS = ROLE_HEADS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,7 @@ class Plan:
   spec: PlacementSpec
   micro_batch: int
   replay: Replay
-  memory: Mapping[Role, memory.MemoryEstimate]
+  memory: Mapping[str, memory.MemoryEstimate]
   peak_memory_gib: float
   fits: bool
   why_not: str = ""
@@ -88,29 +89,36 @@ class Plan:
       "why_not": self.why_not,
       "micro_batch": self.micro_batch,
       "fill": round(self.fill, 4),
-      "mesh": {role.value: dict(spec.axes) for role, spec in self.spec.roles.items()},
+      "mesh": {str(role): dict(spec.axes) for role, spec in self.spec.roles.items()},
       "devices": {
-        role.value: [min(s.devices), max(s.devices)] for role, s in self.spec.roles.items()
+        str(role): [min(s.devices), max(s.devices)] for role, s in self.spec.roles.items()
       },
     }
 
 
-def present_roles(workload: Workload) -> tuple[Role, ...]:
+def present_roles(workload: Workload) -> tuple[str, ...]:
   """The roles the workload places, in `Role` order: actor and reference, the rollout if the
   flow generates (not DPO), and a critic or a reward model when the flow's pricing runs one
-  and the workload gives its model."""
+  and the workload gives its model; then the extra reward models when the pricing scores
+  with a reward."""
   roles = {Role.ACTOR, Role.REFERENCE}
   used = workload.pricing.roles
   if Role.ROLLOUT in used:
     roles.add(Role.ROLLOUT)
   for role in (Role.CRITIC, Role.REWARD):
-    if role in used and workload.model(role.value) is not None:
+    if role in used and workload.model(role) is not None:
       roles.add(role)
-  return tuple(role for role in Role if role in roles)
+  extras = tuple(workload.extra_rewards) if Role.REWARD in workload.pricing.scored else ()
+  return (*(role for role in Role if role in roles), *extras)
 
 
-def model_for(workload: Workload, role: Role):
-  return workload.actor if role == Role.ROLLOUT else workload.model(role.value)
+def model_for(workload: Workload, role: str):
+  return workload.actor if role == Role.ROLLOUT else workload.model(role)
+
+
+def head_of(workload: Workload, role: str) -> str:
+  """The head of `role`'s model: a built-in role's, or a reward model's for an extra one."""
+  return "value" if role in workload.extra_rewards else HEADS[role]
 
 
 def options(workload: Workload, hw: Hardware, eff: Efficiency) -> memory.Options:
@@ -126,7 +134,7 @@ def options(workload: Workload, hw: Hardware, eff: Efficiency) -> memory.Options
 
 
 def role_memory(
-  role: Role,
+  role: str,
   spec: PlacementSpec,
   workload: Workload,
   hw: Hardware,
@@ -159,7 +167,7 @@ def role_memory(
     micro_batch = packed_micro_batch(workload, sharding.batch_shards, micro_batch, trained)
   kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
   if trained and stages > 1:
-    per_step = math.ceil(workload.trained(role.value) / workload.optimizer_steps)
+    per_step = math.ceil(workload.trained(role) / workload.optimizer_steps)
     m = max(1, math.ceil(per_step / (micro_batch * sharding.batch_shards)))
     name, model = update_table(spec, workload, role)
     slots = pipeline.stash_slots(name, stages, m)[model]
@@ -169,7 +177,7 @@ def role_memory(
   if stages > 1:
     config = pipeline.stage_config(config, stages)
   fn = memory.train_memory if trained else memory.forward_memory
-  estimate = fn(config, HEADS[role], sharding, **kwargs)
+  estimate = fn(config, head_of(workload, role), sharding, **kwargs)
   if role is Role.REFERENCE and workload.reference_from_base:
     return without_weights(estimate)
   return estimate
@@ -279,8 +287,8 @@ def evaluate(
     worst = max(on_it, key=lambda r: estimates[r].total)
     e = estimates[worst]
     why_not = (
-      f"device {peak_device} ({'+'.join(r.value for r in on_it)}) needs "
-      f"{peaks[peak_device] / GIB:.1f} GiB > {hw.memory_gib:.0f}; largest: {worst.value} "
+      f"device {peak_device} ({'+'.join(map(str, on_it))}) needs "
+      f"{peaks[peak_device] / GIB:.1f} GiB > {hw.memory_gib:.0f}; largest: {worst} "
       f"(params {e.params / GIB:.1f}, optimizer {e.optimizer / GIB:.1f}, grads "
       f"{e.grads / GIB:.1f}, activations {e.activations / GIB:.1f}, logits {e.logits / GIB:.1f}, "
       f"kv {e.kv_cache / GIB:.1f})"
@@ -396,12 +404,12 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, 
 def _score_costs(spec, w, hw, eff, groups, shape, per_node):
   roles = tuple(groups)
   scores = []
-  for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD):
-    sequences = w.scored(role.value)
+  for role in (Role.ACTOR, Role.REFERENCE, Role.CRITIC, Role.REWARD, *w.extra_rewards):
+    sequences = w.scored(role)
     if role not in roles or not sequences:
       continue  # e.g. DPO's actor scores its pairs inside its train step
     rows, seq_len, steps = shape(role, sequences, False, w.score_micro_batch)
-    args = (hw, eff, model_for(w, role), HEADS[role], groups[role])
+    args = (hw, eff, model_for(w, role), head_of(w, role), groups[role])
     kwargs = dict(
       sequences=rows,
       seq_len=seq_len,
@@ -422,7 +430,7 @@ def _score_costs(spec, w, hw, eff, groups, shape, per_node):
     else:
       seconds = costs.forward_time(*args, **kwargs)
     scores.append(
-      StageCost(role=role.value, stage="score", devices=spec[role].devices, seconds=seconds)
+      StageCost(role=str(role), stage="score", devices=spec[role].devices, seconds=seconds)
     )
   return scores
 
@@ -435,7 +443,7 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
   )
   seconds, works = {}, {}
   for role in (Role.ACTOR, Role.CRITIC):
-    sequences = w.trained(role.value)
+    sequences = w.trained(role)
     if role not in roles or not sequences:
       continue
     per_step = math.ceil(sequences / w.optimizer_steps)
@@ -469,7 +477,7 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
     table = pipeline.table("fused", stages_of(spec[Role.ACTOR]), actor.micro_batches)
     seconds[Role.ACTOR], seconds[Role.CRITIC] = pipeline.priced(table, [actor, critic]).seconds, 0.0
   updates = [
-    StageCost(role=role.value, stage="update", devices=spec[role].devices, seconds=s)
+    StageCost(role=str(role), stage="update", devices=spec[role].devices, seconds=s)
     for role, s in seconds.items()
   ]
   return advantages, updates

@@ -19,7 +19,7 @@ _TRAINING_AXES = (("stage", "p"), ("data", "d"), ("fsdp", "f"), ("context", "c")
 """A training mesh's axes in order, by letter: fsdp and tensor always, the others when > 1."""
 
 
-def format_groups(plan: Plan, roles: Sequence[Role]) -> str:
+def format_groups(plan: Plan, roles: Sequence[str]) -> str:
   """Devices and mesh per role, e.g. 'A:0-7 f8t1 | G:0-7 d2t4' (with pipeline stages, data or
   context parallelism: 'p4f2t1', 'd2f4t1', 'f4c2t1')."""
   parts = []
@@ -34,7 +34,8 @@ def format_groups(plan: Plan, roles: Sequence[Role]) -> str:
       )
     else:
       mesh = f"d{axes['data']}t{axes['tensor']}"
-    parts.append(f"{_SHORT[role.value]}:{format_devices(spec.devices)} {mesh}")
+    # An extra role by its own name.
+    parts.append(f"{_SHORT.get(role, role)}:{format_devices(spec.devices)} {mesh}")
   return " | ".join(parts)
 
 

@@ -23,8 +23,9 @@ leaves devices idle is dropped, and candidates that become the same placement ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
+from rlhfjax.config import ExtraPlacementSection
 from rlhfjax.costmodel.efficiency import Efficiency
 from rlhfjax.costmodel.hardware import Hardware
 from rlhfjax.costmodel.workload import Workload
@@ -55,8 +56,16 @@ def candidates(
   strategy: str = "auto",
   rollout_devices: int | None = None,
   max_tensor: int = 8,
+  extras: Mapping[str, ExtraPlacementSection] | None = None,
 ) -> Iterator[tuple[str, PlacementSpec]]:
-  """(label, spec) of every placement considered; specs that cannot be built are skipped."""
+  """(label, spec) of every placement considered; specs that cannot be built are skipped.
+  `extras`: where the extra roles go in each (`strategies.with_extra_roles`; the strategies
+  place the others on the devices their own devices leave).
+
+  Raises:
+    PlacementError: an extra role with no devices left."""
+  extras = extras or {}
+  own = strategies.own_devices(extras, num_devices)
   searched = strategies.searched_strategies()
   names = searched if strategy == "auto" else (strategy,)
   if strategy not in (*searched, "auto"):
@@ -68,9 +77,13 @@ def candidates(
     for t in tensors:
       for rt in tensors:
         variants = strategies.variants(
-          name, num_devices, tensor=t, rollout_tensor=rt, rollout_devices=rollout_devices
+          name, num_devices - own, tensor=t, rollout_tensor=rt, rollout_devices=rollout_devices
         )
         for label, spec in variants:
+          try:
+            spec = strategies.with_extra_roles(spec, extras, num_devices)
+          except strategies.PlacementError:
+            continue
           label, spec = f"{label} t={t} rt={rt}", spec.only(roles)
           key = tuple((r, s.devices, s.axes) for r, s in spec.roles.items())
           if len(spec.devices) < num_devices or key in seen:
@@ -144,9 +157,10 @@ def search(
   async_rollout: bool = False,
   micro_batches: Sequence[int] = MICRO_BATCHES,
   devices_per_node: int | None = None,
+  extras: Mapping[str, ExtraPlacementSection] | None = None,
 ) -> list[Plan]:
   """Every candidate's best micro-batch, ranked: fitting plans by iteration time, then the
-  rest by how far over memory they are."""
+  rest by how far over memory they are; `extras` places the extra roles (`candidates`)."""
   if num_devices < 1:
     raise ValueError(f"devices must be >= 1, got {num_devices}")
   per_node = devices_per_node or hw.devices_per_node
@@ -183,6 +197,7 @@ def search(
     strategy=strategy,
     rollout_devices=rollout_devices,
     max_tensor=min(8, per_node),
+    extras=extras,
   ):
     if fuse:
       # The run fuses the actor's and critic's updates: only a placement that pipelines both

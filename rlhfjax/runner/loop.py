@@ -40,7 +40,7 @@ from rlhfjax.flows.stages import FlowContext
 from rlhfjax.observe import wandb_log
 from rlhfjax.observe.metrics import MetricsWriter, plot_metric
 from rlhfjax.observe.timeline import Timeline, plot_gantt
-from rlhfjax.placement.spec import PlacementSpec, Role
+from rlhfjax.placement.spec import PlacementSpec, Role, ordered
 from rlhfjax.planner.place import place, sized
 from rlhfjax.runner import evaluation as evaluation_lib
 from rlhfjax.runner import identity as identity_lib
@@ -123,7 +123,7 @@ class Runner:
 
       self.prediction = auto.predicted_plan(cfg, self.placement)
     self.tokenizer = data.load_tokenizer(cfg.data.tokenizer)
-    vocab = min(cfg.model.for_role(role.value).vocab_size for role in self.placement.roles)
+    vocab = min(cfg.model.for_role(role).vocab_size for role in self.placement.roles)
     if self.tokenizer.vocab_size > vocab:
       raise ConfigError(
         f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
@@ -157,7 +157,8 @@ class Runner:
     """The flow's own held-out metrics (`rlhfjax.flows.registry`), if it has them."""
     self.step_base = 1 if getattr(self.flow, "steps_from_one", False) else 0
     """The step the row of iteration 0 is logged at."""
-    roles = [role.value for role in Role if self.cluster.uses(role)]
+    # The extra roles (`model.extra_roles`) too: another reward model is another run.
+    roles = [str(role) for role in ordered(self.cluster.roles) if self.cluster.uses(role)]
     self.identity = identity_lib.identity(cfg, roles, self.tokenizer, self.template)
     """What this run's checkpoints mean (`rlhfjax.runner.identity`): fixed once the flow has
     declared its roles."""
