@@ -83,7 +83,10 @@ def main(argv: list[str]) -> None:
   # finished stages, and its summary must read as the uninterrupted run's.
   rows = {name: MetricsWriter.read(os.path.join(dirs[name], "metrics.jsonl")) for name in dirs}
   evaluation = _read_evaluation(dirs["ppo"])
-  summary = _summary(rows, evaluation, runner.format_evaluation, algorithm)
+  scorer = (
+    "environment" if cfgs["ppo"].rollout.environment else "reward model" if "rm" in rows else "rule"
+  )
+  summary = _summary(rows, evaluation, runner.format_evaluation, algorithm, scorer)
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write(summary)
   copied = []
@@ -126,7 +129,11 @@ def _before_after(evaluation: dict, key: str) -> str:
 
 
 def _summary(
-  rows: dict[str, list[dict]], evaluation: dict, format_evaluation, algorithm: str = "PPO"
+  rows: dict[str, list[dict]],
+  evaluation: dict,
+  format_evaluation,
+  algorithm: str = "PPO",
+  scorer: str = "rule",
 ) -> str:
   lines = [
     "# Pipeline summary",
@@ -139,11 +146,13 @@ def _summary(
       f"scored equal, which count as wrong: {_first_last(rows['rm'], 'eval/ties')}; the value "
       "head starts at zero, so before training every pair ties)"
     )
-  scorer = "reward model" if "rm" in rows else "rule"
-  task = _before_after(evaluation, "task_reward") if evaluation else "evaluation off"
+  # The task's own rule where it has one, else the run's reward (an environment's, say).
+  own = not evaluation or "task_reward" in evaluation.get("before", {})
+  key = "task_reward" if own else "reward"
+  task = _before_after(evaluation, key) if evaluation else "evaluation off"
   lines += [
     f"- {algorithm} mean reward ({scorer}): {_first_last(rows['ppo'], 'reward/mean')}",
-    f"- Held-out task reward before -> after {algorithm}: {task}",
+    f"- Held-out {key.replace('_', ' ')} before -> after {algorithm}: {task}",
   ]
   if not evaluation:  # ppo.eval.num_prompts=0, or a flow without a rollout
     return "\n".join([*lines, ""])

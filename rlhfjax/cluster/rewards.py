@@ -1,5 +1,6 @@
 """The sequence score: `reward.model_coef` x the reward model + `reward.fn_coef` x a rule +
 `reward.role_coefs[r]` x each extra reward role r (`model.extra_roles` of kind 'reward') +
+`reward.judge_coef` x a generative judge's score (`rlhfjax.cluster.judge`) +
 `reward.environment_coef` x a conversation's environment rewards.
 
 Every reward model (the built-in one, the extra ones) scores on its own mesh, wherever the
@@ -20,6 +21,7 @@ import numpy as np
 
 from rlhfjax import models, tasks
 from rlhfjax.cluster.cluster import Cluster, WeightSource, extra_rng, initial_rngs
+from rlhfjax.cluster.judge import Judge
 from rlhfjax.config import ConfigError, ExperimentConfig
 from rlhfjax.placement.spec import Role
 from rlhfjax.training import steps
@@ -28,7 +30,6 @@ RULE = "reward_fn"
 """The rule's stage and result name (it runs on the host)."""
 ENVIRONMENT = "environment"
 """The environment rewards' stage and result name (read on the host)."""
-HOST_PARTS = (RULE, ENVIRONMENT)
 
 
 def reward_models(cfg: ExperimentConfig) -> dict[str, float]:
@@ -61,6 +62,10 @@ class Rewards:
       raise ConfigError("'init.reward' is set but 'reward.model_coef' is 0: nothing would use it")
     self.fn = tasks.load_reward_fn(reward.fn) if reward.fn else None
     self.use_environment = bool(cfg.rollout.environment)
+    self.judge = None
+    if reward.judge:
+      cluster.freeze(reward.judge, weight_source(cfg, reward.judge))
+      self.judge = Judge(cfg, cluster, tokenizer)
     self.task_fn = task_rule(cfg)
     b = cfg.rollout.batch_size
     self._packed: dict[str, Any] = {}
@@ -73,8 +78,14 @@ class Rewards:
     self._parts = [*self.models][:1] if Role.REWARD in self.models else []
     self._parts += [RULE] if self.fn is not None else []
     self._parts += [role for role in self.models if role != Role.REWARD]
+    self._parts += [reward.judge] if self.judge is not None else []
     self._parts += [ENVIRONMENT] if self.use_environment else []
     host_coefs = {RULE: reward.fn_coef, ENVIRONMENT: reward.environment_coef}
+    if self.judge is not None:
+      host_coefs[reward.judge] = reward.judge_coef
+    self._host_parts = frozenset(host_coefs)
+    """Parts whose results come to the host (the rule, the judge's verdicts, the
+    environment's rewards): uploaded to the actor's mesh to be combined."""
     coefs = [host_coefs[part] if part in host_coefs else self.models[part] for part in self._parts]
 
     def combine(*parts):
@@ -142,6 +153,8 @@ class Rewards:
     if self.fn is not None:
       metadata = self.metadata(iteration, seqs)
       out.append(self.cluster.stage(RULE, "score", lambda: self._rule(self.fn, seqs, metadata)))
+    if self.judge is not None:
+      out.append(self.cluster.stage(self.judge.role, "judge", lambda: self.judge.score(seqs)))
     if self.use_environment:
       out.append(self.cluster.stage(ENVIRONMENT, "score", lambda: self._environment(seqs)))
     return out
@@ -156,11 +169,18 @@ class Rewards:
     """The combined score `[b]` on the actor's mesh, from the results of `stages` by role."""
     parts = [
       self.cluster.upload(Role.ACTOR, results[part], f"{part} scores")
-      if part in HOST_PARTS
+      if part in self._host_parts
       else self.cluster.move(Role.ACTOR, results[part])
       for part in self._parts
     ]
     return self._combine(*parts)
+
+  def take_metrics(self) -> dict[str, float]:
+    """The scoring's own counts since the last call, for the iteration's row: the judge's
+    parse failures."""
+    if self.judge is None:
+      return {}
+    return {"reward/judge_failures": float(self.judge.take_failures())}
 
   def metadata(self, step: int, seqs: Any) -> dict[str, Any]:
     """What a rule reward gets beside the token ids: the step, the tokenizer, and one prompt
@@ -196,6 +216,11 @@ class Rewards:
       if part == ENVIRONMENT:
         scores[ENVIRONMENT] = self._environment(seqs)
         combined += self.cfg.reward.environment_coef * scores[ENVIRONMENT]
+        continue
+      if self.judge is not None and part == self.judge.role:
+        with self.cluster.host("evaluation"):
+          scores["judge"] = self.judge.score(seqs)
+        combined += self.cfg.reward.judge_coef * scores["judge"]
         continue
       rt = self.cluster.roles[part]
       with self.cluster.host("evaluation"):

@@ -95,12 +95,15 @@ ROLE_HEADS: dict[str, model_config.HeadKind] = {
 }
 """The head each built-in role's model carries: policies score tokens, value models states or
 sequences."""
-EXTRA_ROLE_KINDS: dict[str, model_config.HeadKind] = {"reward": "value"}
+EXTRA_ROLE_KINDS: dict[str, model_config.HeadKind] = {"reward": "value", "judge": "lm"}
 """What an extra role (`ExtraRoleSection.kind`) may do, with the head its model carries:
 'reward', a frozen reward model (a value head read at each sequence's last token, as the
-built-in reward's) whose score joins the reward with its weight in `reward.role_coefs`."""
-_RESERVED_ROLE_NAMES = (*_ROLES, "reward_fn")
-"""Names an extra role may not take: the built-in roles, and the rule reward's host stage."""
+built-in reward's) whose score joins the reward with its weight in `reward.role_coefs`;
+'judge', a frozen language model that generates a verdict on each response, parsed to a score
+(`reward.judge`, `rlhfjax.cluster.judge`)."""
+_RESERVED_ROLE_NAMES = (*_ROLES, "reward_fn", "environment")
+"""Names an extra role may not take: the built-in roles, and the host stages of the rule
+reward and of the environment's rewards."""
 _ROLE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -113,13 +116,15 @@ class ExtraRoleSection(RoleModelSection):
 
   kind: str = "reward"
   """What it does: one of `EXTRA_ROLE_KINDS` ('reward': a reward model whose score joins the
-  reward, weighted by `reward.role_coefs.<name>`)."""
+  reward, weighted by `reward.role_coefs.<name>`; 'judge': a language model generating
+  verdicts, `reward.judge`)."""
   size: str | None = None
   """A registered size; None: `hf`'s architecture, or else the actor's model."""
   init: str = ""
   """Its weights: a reward-model run (item 'reward') or a Hugging Face sequence-classification
-  checkpoint; empty: `hf`'s weights when set, else a random initialisation (seeded by `seed`
-  and the role's name)."""
+  checkpoint for a reward role, a policy run (item 'actor') or a Hugging Face causal LM for a
+  judge; empty: `hf`'s weights when set, else a random initialisation (seeded by `seed` and the
+  role's name)."""
 
   def __post_init__(self):
     super().__post_init__()
@@ -1091,10 +1096,37 @@ class RewardSection:
   role_coefs: dict[str, float] = dataclasses.field(default_factory=dict)
   """Weight of each extra reward role's score (`model.extra_roles` of kind 'reward'), by name:
   the score is `model_coef * reward + fn_coef * fn + sum of role_coefs[r] * r`."""
+  judge: str = ""
+  """A generative judge: the name of an extra role of kind 'judge' (`model.extra_roles`), which
+  reads `judge_template` filled with each prompt and response and generates a verdict (greedy,
+  on its own engine and devices), parsed to a score by `judge_parser`; empty: none."""
+  judge_coef: float = 1.0
+  """Weight of the judge's score."""
+  judge_template: str = "Question: {prompt}\nAnswer: {response}\nScore from 0 to 10:"
+  """The judge's prompt: `{prompt}` and `{response}` are replaced by their texts."""
+  judge_parser: str = "rlhfjax.cluster.judge:first_number"
+  """'module:function' turning a verdict's text into a score (a float); raising, or returning
+  no finite number, is a parse failure."""
+  judge_failure_score: float = 0.0
+  """The score of a response whose verdict cannot be parsed (counted: `reward/judge_failures`)."""
+  judge_max_new_tokens: int = 8
+  """Longest verdict."""
 
   def __post_init__(self):
     if self.fn and ":" not in self.fn:
       raise ConfigError(f"'reward.fn' must be 'module:function', got {self.fn!r}")
+    ranges.check("reward", self, judge_max_new_tokens=ranges.COUNT)
+    if self.judge:
+      if ":" not in self.judge_parser:
+        raise ConfigError(
+          f"'reward.judge_parser' must be 'module:function', got {self.judge_parser!r}"
+        )
+      missing = [k for k in ("{prompt}", "{response}") if k not in self.judge_template]
+      if missing:
+        raise ConfigError(
+          f"'reward.judge_template' must contain {' and '.join(missing)}, got "
+          f"{self.judge_template!r}"
+        )
 
 
 _ROLLOUT_ATTENTION = ("auto", "pallas", "gather")
@@ -1488,10 +1520,11 @@ class ExperimentConfig:
           f"{'them' if len(parked) > 1 else 'it'} out, or set 'model.lora.reference'='placed'"
         )
     reward, environment = self.reward, self.rollout.environment
-    if not any((reward.fn, reward.model_coef, any(reward.role_coefs.values()), environment)):
+    parts = (reward.fn, reward.model_coef, any(reward.role_coefs.values()), reward.judge)
+    if not any((*parts, environment)):
       raise ConfigError(
-        "no reward: set 'reward.fn', a non-zero 'reward.model_coef', 'reward.role_coefs' or "
-        "'rollout.environment'"
+        "no reward: set 'reward.fn', a non-zero 'reward.model_coef', 'reward.role_coefs', "
+        "'reward.judge' or 'rollout.environment'"
       )
     _checkpoint_tokenizer(self)
     _check_template_fields(self.data)
@@ -1540,6 +1573,13 @@ def _check_extra_roles(cfg: ExperimentConfig) -> None:
   against a role that exists before it; every extra role gets a placement entry (the default,
   shared with the reward, where none is given), in `model.extra_roles`' order."""
   extras = cfg.model.extra_roles
+  judge = cfg.reward.judge
+  if judge and (judge not in extras or extras[judge].kind != "judge"):
+    judges = [n for n, s in extras.items() if s.kind == "judge"]
+    raise ConfigError(
+      f"'reward.judge'={judge!r}: no extra role of kind 'judge' by that name in "
+      f"'model.extra_roles' (judges: {', '.join(judges) or 'none'})"
+    )
   for name in cfg.reward.role_coefs:
     if name not in extras or extras[name].kind != "reward":
       raise ConfigError(
@@ -1551,6 +1591,11 @@ def _check_extra_roles(cfg: ExperimentConfig) -> None:
       raise ConfigError(
         f"'model.extra_roles.{name}' is a reward role but 'reward.role_coefs.{name}' gives it "
         "no weight: set a non-zero weight, or drop the role"
+      )
+    if section.kind == "judge" and cfg.reward.judge != name:
+      raise ConfigError(
+        f"'model.extra_roles.{name}' is a judge but 'reward.judge' is "
+        f"{cfg.reward.judge!r}: set 'reward.judge'={name!r}, or drop the role"
       )
   placed = cfg.placement.extra_roles
   for name in placed:

@@ -683,6 +683,7 @@ class PPOFlow:
       "kl/coef": float(self.kl_state.coef),
       "response/length": float(mask.sum(-1).mean()),
       **seqs.conversation_stats,
+      **self.ctx.rewards.take_metrics(),
       **{k: float(v) for k, v in stats.items() if k.startswith(_CORRECTION_STATS)},
       "time/iteration": elapsed,
       "throughput/tokens_per_s_per_device": seqs.num_tokens / elapsed / num_devices,

@@ -272,8 +272,8 @@ def fused_scoring_flows() -> tuple[str, ...]:
 def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozenset[str]:
   """Actor and reference, the rollout if the flow generates, the critic if asked, the reward
   model unless the reward is a rule alone (`reward.model_coef` = 0; the runner loads a reward
-  model whenever it is not), and the extra reward roles (`reward.role_coefs`), which score
-  with it (`rlhfjax.cluster.rewards`)."""
+  model whenever it is not), and the extra reward roles (`reward.role_coefs`) and the judge
+  (`reward.judge`), which score with it (`rlhfjax.cluster.rewards`)."""
   roles = {Role.ACTOR, Role.REFERENCE}
   if rollout:
     roles.add(Role.ROLLOUT)
@@ -281,4 +281,5 @@ def policy_roles(config: Any, *, critic: bool, rollout: bool = True) -> frozense
     roles.add(Role.CRITIC)
   if config.reward.model_coef != 0.0:
     roles.add(Role.REWARD)
-  return frozenset(roles) | frozenset(config.reward.role_coefs)
+  judge = {config.reward.judge} if config.reward.judge else set()
+  return frozenset(roles) | frozenset(config.reward.role_coefs) | judge

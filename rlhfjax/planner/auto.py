@@ -48,8 +48,12 @@ def workload_of(config: ExperimentConfig) -> Workload:
     critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
     reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
     reference=model.for_role(Role.REFERENCE),
+    # A judge is priced as a scorer: its forward over the samples (its verdicts' decode steps,
+    # a few tokens each, are not priced).
     extra_rewards={
-      role: model.for_role(role) for role in roles if role in config.reward.role_coefs
+      role: model.for_role(role)
+      for role in roles
+      if role in config.reward.role_coefs or role == config.reward.judge
     },
     reference_from_base=reference_from_base(config),
     pricing=pricing,

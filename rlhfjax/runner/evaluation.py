@@ -84,6 +84,7 @@ def format_evaluation(evaluation: dict[str, Any]) -> str:
       "reward",
       "reward_model",
       "reward_fn",
+      "judge",
       "environment",
       "response_length",
     )
