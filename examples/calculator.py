@@ -14,16 +14,16 @@ reads it:
 
 `NoTool` is the same environment without the tool (a call is not understood), so that a run
 with the tool and one without differ in the tool alone. configs/pipeline_calculator.py runs SFT
-then GRPO on products with either; its data comes from this module:
+then GRPO on products with either (the same SFT); its data comes from this module:
 
   python -m examples.calculator --out=workdirs/calculator-data
 
 writes prompts.jsonl (every product of two numbers below 100, in a seeded order: the first
-half demonstrated to SFT, the next 40% GRPO's prompts, the last 10% held out) and the
-demonstrations of both runs: `demonstrations_tool.jsonl` ("37*48=" -> "37*48;=1776;1776", a
-call, the result, the answer) and `demonstrations_direct.jsonl` ("37*48=" -> "1776"). SFT sees
-the tool's result written in the demonstration; in GRPO's conversations the tool gives it, as
-an observation. A one-turn run on the bundled sums works too:
+half demonstrated to SFT, the next 40% GRPO's prompts, the last 10% held out) and
+demonstrations.jsonl: a fifth of them a call, the tool's result and the answer ("37*48=" ->
+"37*48;=1776;1776"), the rest the answer alone ("1776"). SFT sees the tool's result written in
+the demonstration; in GRPO's conversations the tool gives it, as an observation. The bundled
+sums work too:
 
   python scripts/train.py --config=configs/grpo_tiny.py --workdir=workdirs/calculator \
       --config.data.task=arithmetic --config.reward.fn= \
@@ -106,18 +106,25 @@ def products(seed: int = 0, digits: int = 2) -> list[dict[str, str]]:
   ]
 
 
-def write_data(out: str, seed: int = 0, demonstrated: float = 0.5) -> dict[str, str]:
+def demonstration(record: dict[str, str], tool: bool) -> dict[str, str]:
+  """SFT's demonstration of a product: the answer, or (`tool`) a call, the tool's result and
+  the answer, "37*48;=1776;1776" (the result written out: in GRPO the tool gives it)."""
+  a, answer = record["prompt"][:-1], record["answer"]
+  response = f"{a}{SEPARATOR}={answer}{SEPARATOR}{answer}" if tool else answer
+  return {"prompt": record["prompt"], "response": response}
+
+
+def write_data(
+  out: str, seed: int = 0, demonstrated: float = 0.5, with_tool: float = 0.2
+) -> dict[str, str]:
   """The pipeline's files in `out` (see the module docstring); returns their paths by name."""
   os.makedirs(out, exist_ok=True)
   records = products(seed)
   demos = records[: round(demonstrated * len(records))]
+  calls = round(with_tool * len(demos))
   files = {
     "prompts": records,
-    "demonstrations_tool": [
-      {"prompt": r["prompt"], "response": f"{r['prompt'][:-1]};={r['answer']};{r['answer']}"}
-      for r in demos
-    ],
-    "demonstrations_direct": [{"prompt": r["prompt"], "response": r["answer"]} for r in demos],
+    "demonstrations": [demonstration(r, tool=i < calls) for i, r in enumerate(demos)],
   }
   paths = {}
   for name, lines in files.items():

@@ -1,6 +1,7 @@
 """Multi-turn rollouts through a flow (`rollout.environment`): GRPO with the calculator tool of
 examples/calculator.py on the bundled arithmetic sums. Co-located and packed against
-disaggregated and padded: the same numbers; the engine's log-probs are the trainer's on the
+disaggregated, padded and with fused scoring (conversations scored as they finish): the same
+numbers; the engine's log-probs are the trainer's on the
 sampled tokens; the trajectories are the sampled tokens and the observations as the environment
 gave them, observations out of the loss mask; the environment's rewards in the score; an
 environment that breaks its protocol, one line. (The engine's KV reuse across turns:
@@ -45,8 +46,8 @@ class Broken(Calculator):
     return "=1;", "one"  # two values, not three
 
 
-def _config(variant: str, **changes):
-  cd = runpy.run_path("configs/grpo_tiny.py")["get_config"](variant)
+def _config(variant: str, name: str = "grpo", **changes):
+  cd = runpy.run_path(f"configs/{name}_tiny.py")["get_config"](variant)
   cd.total_steps = 2
   cd.data.task = "arithmetic"
   cd.rollout.batch_size = 8
@@ -68,10 +69,17 @@ def _config(variant: str, **changes):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+  """GRPO co-located and packed; disaggregated, padded and fused; PPO (a critic: GAE over the
+  sampled tokens, stepping over observations) co-located."""
   out = {}
   for name, variant, changes in (
     ("colocated", "colocated", {}),
-    ("disaggregated, padded", "disaggregated", {"ppo__packing": False}),
+    (
+      "disaggregated, padded, fused",
+      "disaggregated",
+      {"ppo__packing": False, "rollout__fused_scoring": True, "rollout__score_micro_batch": 4},
+    ),
+    ("ppo", "colocated", {"name": "ppo"}),
   ):
     workdir = str(tmp_path_factory.mktemp("c"))
     runner = Runner(_config(variant, **changes), workdir, show_progress=False)
@@ -80,18 +88,25 @@ def runs(tmp_path_factory):
 
 
 def test_every_placement_and_packing_give_the_same_conversations(runs):
-  base, other = (runs[k][1].metrics for k in ("colocated", "disaggregated, padded"))
+  base, other = (runs[k][1].metrics for k in ("colocated", "disaggregated, padded, fused"))
   keys = ["reward/mean", "kl/mean", "loss/policy", "policy/entropy", "actor/grad_norm"]
   keys += ["response/length", "rollout/turns_mean", "rollout/observation_share"]
   assert_same_numbers(base, other, keys)
   assert base[0]["loss/policy"] != base[1]["loss/policy"]
   for _, result in runs.values():
     assert_engine_agrees_with_the_trainer(result.metrics)  # (observations masked out)
+    assert result.metrics[0]["loss/policy"] != result.metrics[1]["loss/policy"]
     for row in result.metrics:
       assert row["rollout/turns_mean"] > 1.5  # '?;' and another turn, up to 3
       assert 0 < row["rollout/observation_share"] < 0.5
       assert row["rollout/environment_errors"] == 0
       assert row["rollout/turn_limit_share"] + row["rollout/token_limit_share"] > 0
+
+
+def test_ppo_trains_its_critic_on_conversations(runs):
+  rows = runs["ppo"][1].metrics
+  assert all(np.isfinite(r["loss/value"]) and r["loss/value"] > 0 for r in rows)
+  assert rows[0]["loss/value"] != rows[1]["loss/value"]
 
 
 def test_trajectories_are_the_sampled_tokens_and_the_observations(runs):
