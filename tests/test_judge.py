@@ -11,8 +11,8 @@ import pytest
 import rollout_reference
 from runs_testing import rows, shipped_config
 
-from rlhfjax import rollout
-from rlhfjax.cluster.cluster import Cluster
+from rlhfjax import models, rollout
+from rlhfjax.cluster.cluster import Cluster, extra_rng
 from rlhfjax.cluster.judge import first_number
 from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError
@@ -102,9 +102,13 @@ def test_the_judge_generates_on_its_own_devices_as_generation_without_a_cache():
   ]
   ids = [tokenizer.encode(t) for t in filled]
   assert ids == judge.prompts(seqs)
-  params = jax.device_get(cluster.params["critic_llm"])
+  # The judge's weights from their source (random, from the seed and the role's name) again,
+  # as the reference's; the role's own copy went once the engine had its own.
+  assert "critic_llm" not in cluster.params
+  model = cluster.roles["critic_llm"].model
+  params = models.init_params(model, "lm", extra_rng(cfg.seed, "critic_llm"))
   ref = rollout_reference.generate(
-    cluster.roles["critic_llm"].model, params, ids,
+    model, params, ids,
     rollout.SamplingParams(temperature=0.0, stop_token_ids=(tokenizer.eos_id,)),
     max_new_tokens=cfg.reward.judge_max_new_tokens,
   )  # fmt: skip

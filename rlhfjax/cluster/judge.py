@@ -4,7 +4,8 @@ of kind 'judge' (`model.extra_roles`), placed like any role.
 For each response the judge reads `reward.judge_template` with `{prompt}` and `{response}`
 replaced by their texts, generates a verdict (greedy, at most `reward.judge_max_new_tokens`
 tokens) with its own rollout engine on its own devices (its weights in the generation layout
-over them: tensor parallel as the role's mesh is, data parallel over the rest), and
+over them: tensor parallel as the role's mesh is, data parallel over the rest; the frozen copy
+the role was loaded into is released once the engine has its own), and
 `reward.judge_parser` ('module:function', as `reward.fn` is) turns the verdict's text into a
 score. A verdict the parser rejects (it raises, or returns no finite number) scores
 `reward.judge_failure_score` and is counted (`reward/judge_failures`). The score joins the
@@ -81,6 +82,10 @@ class Judge:
         share_prefixes=False,
       )
       self._engine = Engine.for_role(rt.model, config, spec, self.cluster.params[self.role])
+      # The engine's weights, in the generation layout, are the judge's only use of them: the
+      # role's frozen copy (the training layout it was loaded in) goes, but for the arrays the
+      # engine adopted as they were (its shardings the same), which it holds.
+      self.cluster.params.pop(self.role)
     return self._engine
 
   def prompts(self, seqs: Any) -> list[list[int]]:
