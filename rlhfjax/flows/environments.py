@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhfjax import tasks
+from rlhfjax import errors, tasks
 from rlhfjax.data.records import PromptBatch, Record
 from rlhfjax.data.tokenizer import Conversation
 
@@ -98,7 +98,7 @@ class Conversations:
   def _fail(self, row: int, what: str) -> None:
     """An environment's fault on `row`: stop, or end the trajectory and count it."""
     t = self._rows[row]
-    message = f"environment {self.path!r} on {t.record.origin}: {what}"
+    message = errors.one_line(f"environment {self.path!r} on {t.record.origin}: {what}")
     if self.on_error == "error":
       raise EnvironmentFault(message)
     log.warning("%s; the trajectory ends here (rollout.on_environment_error='end')", message)
@@ -111,14 +111,15 @@ class Conversations:
       values = {"tokenizer": self.tokenizer, "seed": (seed * 1_000_003 + i) % 2**31}
       values["record"] = record
       self._rows.append(_Trajectory(env=None, record=record))
+      what = "creating it"
       try:
-        env = self._factory(**{k: values[k] for k in self._keywords})
-        self._rows[i].env = env
+        env = self._rows[i].env = self._factory(**{k: values[k] for k in self._keywords})
+        what = "reset"
         prompt = self._prompt(env.reset(record), tokens)
       except EnvironmentFault:
         raise
       except Exception as e:  # noqa: BLE001 (any fault of user code is reported, one line)
-        self._fail(i, f"reset raised {type(e).__name__}: {e}")
+        self._fail(i, f"{what} raised {type(e).__name__}: {e}")
         prompt = list(tokens)
       if not 0 < len(prompt) <= max_prompt_len:
         self._fail(i, f"reset gave a prompt of {len(prompt)} tokens; 1 to {max_prompt_len} fit")
