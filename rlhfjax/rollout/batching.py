@@ -88,7 +88,8 @@ def generate(
   """Generates a response to every prompt, refilling decode slots as sequences finish.
 
   A consumer of `rlhfjax.rollout.streaming.RolloutStream` that waits for every response and
-  makes as few host round trips as it can (it drains the queue in one decode call).
+  makes as few host round trips as it can (it drains the queue in one decode call); with
+  `turn`, a call also returns once a quarter of the slots ended a turn, so those go on.
 
   The arguments are those of `RolloutStream`.
 
@@ -102,7 +103,11 @@ def generate(
     sampling=sampling,
     seed=seed,
     padding_side=padding_side,
-    min_yield=engine.config.num_slots,
+    # One answer each: a call returns once every slot's request finished (fewest round trips).
+    # Conversations: once a quarter did, so that finished turns go on sooner than in lock step
+    # with the batch's longest (`scripts/bench_turns.py`: 15% fewer decode steps, 8% less time
+    # for 32 slots on a CPU, against 1: more round trips than steps saved).
+    min_yield=engine.config.num_slots if turn is None else max(1, engine.config.num_slots // 4),
     on_decode_call=on_decode_call,
     turn=turn,
     turn_tokens=turn_tokens,
