@@ -18,6 +18,7 @@ from rlhfjax.cluster.rewards import Rewards
 from rlhfjax.config import ConfigError
 from rlhfjax.data.byte_tokenizer import ByteTokenizer
 from rlhfjax.flows.experience import assemble
+from rlhfjax.placement import memory
 from rlhfjax.planner import place
 from rlhfjax.runner import Runner
 
@@ -95,6 +96,18 @@ def test_the_judge_generates_on_its_own_devices_as_generation_without_a_cache():
   # Its engine's weights live on its four devices (data 2 x tensor 2).
   for leaf in jax.tree.leaves(judge.engine.params):
     assert {s.device.id for s in leaf.addressable_shards} == {4, 5, 6, 7}
+  # The memory check counts the engine as it is: its KV pool on one device is the bytes the
+  # engine allocates there, and its weights too but for the norm scales, which the cost model
+  # divides over 'tensor' like every weight and the engine keeps whole on each device.
+  estimate = memory.estimate_placement_memory(spec, cfg.model, cfg.rollout)["critic_llm"]
+  on_device = lambda tree: sum(
+    s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+    if s.device.id == 4
+  )  # fmt: skip
+  assert estimate.kv_cache == on_device(judge.engine.init_decode_state().cache)
+  judge_model = cluster.roles["critic_llm"].model
+  norms = (2 * judge_model.num_layers + 1) * judge_model.hidden_size * 4
+  assert 0 <= on_device(judge.engine.params) - estimate.params <= norms // 2
   # The reference: greedy generation without a cache over the same filled templates.
   filled = [
     TEMPLATE.replace("{prompt}", tokenizer.decode(p)).replace("{response}", tokenizer.decode(r))
@@ -110,7 +123,7 @@ def test_the_judge_generates_on_its_own_devices_as_generation_without_a_cache():
   ref = rollout_reference.generate(
     model, params, ids,
     rollout.SamplingParams(temperature=0.0, stop_token_ids=(tokenizer.eos_id,)),
-    max_new_tokens=cfg.reward.judge_max_new_tokens,
+    max_new_tokens=cfg.model.extra_roles["critic_llm"].max_new_tokens,
   )  # fmt: skip
   want = [tokenizer.decode(ref.tokens[i, : ref.lengths[i]]) for i in range(4)]
   assert got == want and len(set(want)) > 1

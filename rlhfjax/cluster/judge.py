@@ -2,7 +2,7 @@
 of kind 'judge' (`model.extra_roles`), placed like any role.
 
 For each response the judge reads `reward.judge_template` with `{prompt}` and `{response}`
-replaced by their texts, generates a verdict (greedy, at most `reward.judge_max_new_tokens`
+replaced by their texts, generates a verdict (greedy, at most its role's `max_new_tokens`
 tokens) with its own rollout engine on its own devices (its weights in the generation layout
 over them: tensor parallel as the role's mesh is, data parallel over the rest; the frozen copy
 the role was loaded into is released once the engine has its own), and
@@ -12,9 +12,11 @@ score. A verdict the parser rejects (it raises, or returns no finite number) sco
 reward with `reward.judge_coef` (`rlhfjax.cluster.rewards`); under fused scoring the judge
 scores each micro-batch of finished samples as the other scorers do.
 
-A judge prompt longer than its engine's bucket (the rollout's prompt and response capacity
-plus the template's own tokens) keeps its first token (a BOS) and its last ones: the response
-and the end of the template, which asks for the verdict.
+A judge prompt longer than its engine's bucket (its role's `max_prompt_len`; by default the
+rollout's prompt and response capacity plus 64 tokens for the template) keeps its first token (a
+BOS) and its last ones: the response and the end of the template, which asks for the verdict.
+The memory check counts the engine as it is: its weights in the generation layout and its KV
+pool (`rlhfjax.placement.memory.judge_memory`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rlhfjax import tasks
+from rlhfjax.placement import memory
 from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
@@ -58,10 +61,9 @@ class Judge:
     self.parser = tasks.load_callable(reward.judge_parser, "judge parser")
     self.failures = 0
     """Verdicts the parser rejected since `take_failures` last read them."""
-    head, _, tail = reward.judge_template.partition("{prompt}")
-    fixed = len(tokenizer.encode(head + tail.replace("{response}", ""), add_bos=True))
-    self.max_prompt_len = cfg.rollout.max_seq_len + fixed
-    """The engine's one prompt bucket: the rollout's capacity and the template's tokens."""
+    self.section = cfg.model.extra_roles[reward.judge]
+    self.max_prompt_len = self.section.judge_engine(cfg.rollout, 1)[1]
+    """The engine's one prompt bucket (`ExtraRoleSection.max_prompt_len`)."""
     self._engine: Engine | None = None
 
   @property
@@ -69,17 +71,16 @@ class Judge:
     if self._engine is None:
       rt = self.cluster.roles[self.role]
       tensor = rt.spec.axis_size("tensor")
-      spec = RoleSpec.generation(
-        rt.spec.devices, data=len(rt.spec.devices) // tensor, tensor=tensor
-      )
       data = len(rt.spec.devices) // tensor
-      slots = -(-min(self.cfg.rollout.batch_size, 64) // data) * data
+      spec = RoleSpec.generation(rt.spec.devices, data=data, tensor=tensor)
+      slots, capacity, verdict = self.section.judge_engine(self.cfg.rollout, data)
       config = EngineConfig(
         num_slots=slots,
-        prompt_buckets=(self.max_prompt_len,),
-        max_new_tokens=self.cfg.reward.judge_max_new_tokens,
+        prompt_buckets=(capacity,),
+        max_new_tokens=verdict,
         pad_token_id=self.tokenizer.pad_id,
         share_prefixes=False,
+        page_size=memory.JUDGE_PAGE_SIZE,
       )
       self._engine = Engine.for_role(rt.model, config, spec, self.cluster.params[self.role])
       # The engine's weights, in the generation layout, are the judge's only use of them: the
@@ -105,7 +106,7 @@ class Judge:
     """The judge's verdict on each response, greedy, up to its stop token."""
     sampling = SamplingParams(
       temperature=0.0,
-      max_new_tokens=self.cfg.reward.judge_max_new_tokens,
+      max_new_tokens=self.section.max_new_tokens,
       stop_token_ids=(self.tokenizer.eos_id,),
     )
     out = self.engine.generate(self.prompts(seqs), sampling=sampling)

@@ -126,15 +126,38 @@ class ExtraRoleSection(RoleModelSection):
   judge; empty: `hf`'s weights when set, else a random initialisation (seeded by `seed` and the
   role's name)."""
 
+  slots: int = 0
+  """A judge's decode slots (its engine's batch, rounded up to a multiple of its 'data'
+  replicas); 0: `rollout.batch_size`, at most 64."""
+  max_prompt_len: int = 0
+  """A judge's prompt capacity in tokens (the template filled with a prompt and a response; a
+  longer one keeps its first token and its end); 0: the rollout's `max_seq_len` + 64."""
+  max_new_tokens: int = 8
+  """A judge's longest verdict."""
+
   def __post_init__(self):
     super().__post_init__()
     _check_choice("kind", self.kind, tuple(EXTRA_ROLE_KINDS))
+    ranges.check(
+      "",
+      self,
+      slots=ranges.NON_NEGATIVE,
+      max_prompt_len=ranges.NON_NEGATIVE,
+      max_new_tokens=ranges.COUNT,
+    )
     if self.size is not None and self.size not in model_config.model_sizes():
       raise ConfigError(
         f"unknown model size {self.size!r}; known sizes: {', '.join(model_config.model_sizes())}"
       )
     if self.lora_rank is not None:
       raise ConfigError("'lora_rank': an extra role is frozen, it trains no adapters")
+
+  def judge_engine(self, rollout: RolloutSection, data: int) -> tuple[int, int, int]:
+    """A judge's engine over `data` replicas: (slots, prompt capacity, verdict tokens), read
+    by the judge (`rlhfjax.cluster.judge`) and the memory check alike."""
+    slots = self.slots or min(rollout.batch_size, 64)
+    capacity = self.max_prompt_len or rollout.max_seq_len + 64
+    return -(-slots // data) * data, capacity, self.max_new_tokens
 
 
 _LORA_REFERENCES = ("base", "placed")
@@ -1108,14 +1131,13 @@ class RewardSection:
   """'module:function' turning a verdict's text into a score (a float); raising, or returning
   no finite number, is a parse failure."""
   judge_failure_score: float = 0.0
-  """The score of a response whose verdict cannot be parsed (counted: `reward/judge_failures`)."""
-  judge_max_new_tokens: int = 8
-  """Longest verdict."""
+  """The score of a response whose verdict cannot be parsed (counted: `reward/judge_failures`).
+  The judge's engine (its slots, prompt capacity and longest verdict) is its role's
+  (`model.extra_roles.<name>`)."""
 
   def __post_init__(self):
     if self.fn and ":" not in self.fn:
       raise ConfigError(f"'reward.fn' must be 'module:function', got {self.fn!r}")
-    ranges.check("reward", self, judge_max_new_tokens=ranges.COUNT)
     if self.judge:
       if ":" not in self.judge_parser:
         raise ConfigError(

@@ -29,7 +29,13 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from rlhfjax.config import ROLE_HEADS, ModelSection, OffloadSection, RolloutSection
+from rlhfjax.config import (
+  ROLE_HEADS,
+  ExtraRoleSection,
+  ModelSection,
+  OffloadSection,
+  RolloutSection,
+)
 from rlhfjax.config.model import LoraConfig, ModelConfig
 from rlhfjax.costmodel.memory import (
   MemoryEstimate,
@@ -211,10 +217,47 @@ def estimate_placement_memory(
     )
     for role, spec in placement.roles.items()
   }
+  for role, section in model.extra_roles.items():
+    if section.kind == "judge" and role in estimates:
+      estimates[role] = judge_memory(
+        section, placement[role], model.for_role(role), rollout, options
+      )
   if model.reference_from_base and Role.REFERENCE in estimates:
     # The actor's base weights with the adapters off, beside it: its scoring only.
     estimates[Role.REFERENCE] = without_weights(estimates[Role.REFERENCE])
   return estimates
+
+
+JUDGE_PAGE_SIZE = 16
+"""Tokens per page of a judge's KV pool (`rlhfjax.cluster.judge`)."""
+
+
+def judge_memory(
+  section: ExtraRoleSection,
+  spec: RoleSpec,
+  model: ModelConfig,
+  rollout: RolloutSection,
+  options: Options | None = None,
+) -> MemoryEstimate:
+  """A judge's bytes per device: its engine over its devices in the generation layout (its
+  mesh's tensor size, data parallel over the rest), with the dense pool of its slots at its
+  prompt capacity plus its longest verdict (`ExtraRoleSection.judge_engine`), the reserved page
+  included."""
+  tensor = spec.axis_size("tensor")
+  data = len(spec.devices) // tensor
+  sharding = sharding_of(RoleSpec.generation(spec.devices, data=data, tensor=tensor))
+  slots, capacity, verdict = section.judge_engine(rollout, data)
+  per_replica = slots // data
+  pages = -(-(capacity + verdict) // JUDGE_PAGE_SIZE)
+  return rollout_memory(
+    model,
+    sharding,
+    slots=per_replica,
+    seq_len=capacity + verdict,
+    options=model_options(model, options),
+    receives_sync=False,
+    cache_tokens=(per_replica * pages + 1) * JUDGE_PAGE_SIZE,
+  )
 
 
 def without_weights(estimate: MemoryEstimate) -> MemoryEstimate:
