@@ -326,6 +326,29 @@ def test_conversations_keep_their_kv_and_equal_no_cache_generation(
     assert got.preemptions > 0 or got.prefill_rows > len(prompts)
 
 
+def test_conversations_move_to_the_tail_engine_with_their_observations(params):
+  """With tail compaction the running conversations move to the tail engine, prefilled again
+  there with their observations: the same tokens. A conversation's next turn queues on its own
+  'data' replica, so the other replica may have a slot no queued request can take: the decode
+  call before the move still runs (it once returned at once, with no step, and the stream
+  stopped)."""
+  config = dataclasses.replace(TURNS, tail_threshold=0.75)
+  engine = rollout.Engine.for_role(CONFIG, config, _role([4, 5, 6, 7], 2, 2), params)
+  prompts = _prompts(7, (5, 9, 16, 3, 12, 7))
+  settings = _turn_settings(params, prompts, dict(temperature=0.0))
+  want = rollout_reference.generate(
+    CONFIG, params, prompts, settings, seed=3, max_new_tokens=config.max_new_tokens,
+    turn=_Turns(),
+  )  # fmt: skip
+  got_turns = _Turns()
+  stream, groups = _stream(engine, prompts, sampling=settings, seed=3, turn=got_turns, min_yield=1)
+  assert stream.stats.compactions == [3]
+  for g in groups:
+    np.testing.assert_array_equal(g.tokens, want.tokens[g.indices])
+    np.testing.assert_array_equal(g.observed, want.observed[g.indices])
+    np.testing.assert_allclose(g.logprobs, want.logprobs[g.indices], atol=ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Admission by pages, preemption, pages returned.
 

@@ -541,7 +541,10 @@ class Scheduler:
     until_free = min(idle + 1, b) if pending else b
     admitted = sum(len(self._admitted(d)) for d in range(d_all))
     if not pending and 0 < self._tail_rows < admitted:
-      until_free = b - self._tail_rows  # at most `tail_rows` run: they move
+      # At most `tail_rows` run: they move. Slots no queued request of their replica can take
+      # (`idle`: a conversation's next turn queues on its own replica) are free from the start,
+      # so the call waits for one more than those.
+      until_free = min(b, max(b - self._tail_rows, idle + 1))
     slots_s, width = self._live_batch()
     return Round(
       prefills=prefills,
