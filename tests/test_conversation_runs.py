@@ -9,14 +9,12 @@ test_paged.py; the estimators over observations: test_algorithms.py; packed loss
 test_packing.py; resume: test_resume_algorithms_runs.py.)"""
 
 import dataclasses
-import runpy
 
 import numpy as np
 import pytest
-from runs_testing import assert_engine_agrees_with_the_trainer, assert_same_numbers
+from runs_testing import assert_engine_agrees_with_the_trainer, assert_same_numbers, shipped_config
 
 from examples.calculator import Calculator
-from rlhfjax.config import from_config_dict
 from rlhfjax.flows import stages
 from rlhfjax.flows.environments import EnvironmentFault
 from rlhfjax.runner import Runner
@@ -46,25 +44,21 @@ class Broken(Calculator):
     return "=1;", "one"  # two values, not three
 
 
-def _config(variant: str, name: str = "grpo", **changes):
-  cd = runpy.run_path(f"configs/{name}_tiny.py")["get_config"](variant)
-  cd.total_steps = 2
-  cd.data.task = "arithmetic"
-  cd.rollout.batch_size = 8
-  cd.rollout.max_prompt_len = 8
-  cd.rollout.max_new_tokens = 16
-  cd.rollout.environment = f"{__name__}:Logged"
-  cd.rollout.max_turns = 3
-  cd.rollout.max_turn_tokens = 4
-  cd.reward.fn = ""
+CONVERSATIONS = {
+  "total_steps": 2,
+  "data.task": "arithmetic",
+  "rollout.batch_size": 8,
+  "rollout.max_prompt_len": 8,
+  "rollout.max_new_tokens": 16,
+  "rollout.environment": f"{__name__}:Logged",
+  "rollout.max_turns": 3,
+  "rollout.max_turn_tokens": 4,
+  "reward.fn": "",
   # The reward model's continuous scores beside the environment's (all 0 for an untrained
   # policy): advantages that are not all 0, so that the updates differ from step to step.
-  cd.reward.model_coef = 0.5
-  cd.eval.num_prompts = 0
-  for dotted, value in changes.items():
-    section, _, field = dotted.rpartition("__")
-    (cd[section] if section else cd)[field] = value
-  return from_config_dict(cd)
+  "reward.model_coef": 0.5,
+  "eval.num_prompts": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +66,19 @@ def runs(tmp_path_factory):
   """GRPO co-located and packed; disaggregated, padded and fused; PPO (a critic: GAE over the
   sampled tokens, stepping over observations) co-located."""
   out = {}
-  for name, variant, changes in (
-    ("colocated", "colocated", {}),
+  for name, config, variant, changes in (
+    ("colocated", "grpo_tiny", "colocated", {}),
     (
       "disaggregated, padded, fused",
+      "grpo_tiny",
       "disaggregated",
-      {"ppo__packing": False, "rollout__fused_scoring": True, "rollout__score_micro_batch": 4},
+      {"ppo.packing": False, "rollout.fused_scoring": True, "rollout.score_micro_batch": 4},
     ),
-    ("ppo", "colocated", {"name": "ppo"}),
+    ("ppo", "ppo_tiny", "colocated", {}),
   ):
     workdir = str(tmp_path_factory.mktemp("c"))
-    runner = Runner(_config(variant, **changes), workdir, show_progress=False)
+    cfg = shipped_config(config, {**CONVERSATIONS, **changes}, variant)
+    runner = Runner(cfg, workdir, show_progress=False)
     out[name] = (runner, runner.run())
   return out
 

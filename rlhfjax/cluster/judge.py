@@ -30,7 +30,6 @@ import numpy as np
 
 from rlhfjax import tasks
 from rlhfjax.placement import memory
-from rlhfjax.placement.spec import RoleSpec
 from rlhfjax.rollout.engine import Engine, EngineConfig
 from rlhfjax.rollout.sampling import SamplingParams
 
@@ -70,10 +69,8 @@ class Judge:
   def engine(self) -> Engine:
     if self._engine is None:
       rt = self.cluster.roles[self.role]
-      tensor = rt.spec.axis_size("tensor")
-      data = len(rt.spec.devices) // tensor
-      spec = RoleSpec.generation(rt.spec.devices, data=data, tensor=tensor)
-      slots, capacity, verdict = self.section.judge_engine(self.cfg.rollout, data)
+      spec = memory.judge_spec(rt.spec)
+      slots, capacity, verdict = self.section.judge_engine(self.cfg.rollout, spec.axis_size("data"))
       config = EngineConfig(
         num_slots=slots,
         prompt_buckets=(capacity,),

@@ -13,6 +13,7 @@ of the prompts and responses, the one host round trip of scoring. Its `metadata`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -86,7 +87,9 @@ class Rewards:
     self._host_parts = frozenset(host_coefs)
     """Parts whose results come to the host (the rule, the judge's verdicts, the
     environment's rewards): uploaded to the actor's mesh to be combined."""
-    coefs = [host_coefs[part] if part in host_coefs else self.models[part] for part in self._parts]
+    self._coefs = {part: {**self.models, **host_coefs}[part] for part in self._parts}
+    """Each part's weight in the sum."""
+    coefs = list(self._coefs.values())
 
     def combine(*parts):
       # Left to right, c0 * p0 + c1 * p1 + ...: with the reward model and a rule alone, the
@@ -150,14 +153,28 @@ class Rewards:
         return program(self.cluster.params[role], *self.cluster.move(role, inputs))
 
       out.append(self.cluster.stage(role, "score", model))
-    if self.fn is not None:
-      metadata = self.metadata(iteration, seqs)
-      out.append(self.cluster.stage(RULE, "score", lambda: self._rule(self.fn, seqs, metadata)))
-    if self.judge is not None:
-      out.append(self.cluster.stage(self.judge.role, "judge", lambda: self.judge.score(seqs)))
-    if self.use_environment:
-      out.append(self.cluster.stage(ENVIRONMENT, "score", lambda: self._environment(seqs)))
+    metadata = self.metadata(iteration, seqs)
+    for part in (p for p in self._parts if p in self._host_parts):
+      name = "judge" if self.judge is not None and part == self.judge.role else "score"
+      out.append(self.cluster.stage(part, name, lambda p=part: self._host_part(p, seqs, metadata)))
     return out
+
+  def _host_part(self, part: str, seqs: Any, metadata: dict[str, Any]) -> np.ndarray:
+    """`[b]` float32 of a part computed from the host's sequences: the rule's scores, the
+    environment's rewards or the judge's scores."""
+    if part == RULE:
+      return self._rule(self.fn, seqs, metadata)
+    if part == ENVIRONMENT:
+      return self._environment(seqs)
+    return self.judge.score(seqs)
+
+  def _score_name(self, part: str) -> str:
+    """A part's name in `evaluate`'s scores: 'reward_model', 'reward_fn', 'judge',
+    'environment', or '<role>_model' of an extra reward role."""
+    names = {Role.REWARD: "reward_model", RULE: RULE, ENVIRONMENT: ENVIRONMENT}
+    if self.judge is not None:
+      names[self.judge.role] = "judge"
+    return names.get(part, f"{part}_model")
 
   def score(self, tokens_bs: jax.Array, attention_bs: jax.Array, seqs: Any, iteration: int):
     """`stages` run on their own, then `combine`d: the score `[b]` on the actor's mesh."""
@@ -209,27 +226,17 @@ class Rewards:
     n = len(seqs.prompts)
     combined = np.zeros(n, np.float32)
     for part in self._parts:
-      if part == RULE:
-        scores[RULE] = self._rule(self.fn, seqs, meta)
-        combined += self.cfg.reward.fn_coef * scores[RULE]
-        continue
-      if part == ENVIRONMENT:
-        scores[ENVIRONMENT] = self._environment(seqs)
-        combined += self.cfg.reward.environment_coef * scores[ENVIRONMENT]
-        continue
-      if self.judge is not None and part == self.judge.role:
-        with self.cluster.host("evaluation"):
-          scores["judge"] = self.judge.score(seqs)
-        combined += self.cfg.reward.judge_coef * scores["judge"]
-        continue
-      rt = self.cluster.roles[part]
-      with self.cluster.host("evaluation"):
-        batch = rt.put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
-        program = self._micro_scores[part][self.cfg.rollout.batch_size]
-        score = self.cluster.fetch(program(self.cluster.params[part], *batch), "evaluation")
-      # The reward model's score as it always was; an extra role's by its name.
-      scores["reward_model" if part == Role.REWARD else f"{part}_model"] = score
-      combined += self.models[part] * score
+      # The rule and the environment's rewards are on the host already; the others cross.
+      on_host = part in (RULE, ENVIRONMENT)
+      with contextlib.nullcontext() if on_host else self.cluster.host("evaluation"):
+        if part in self._host_parts:
+          score = self._host_part(part, seqs, meta)
+        else:
+          batch = self.cluster.roles[part].put_batch((seqs.tokens_bs, seqs.attention_mask_bs))
+          program = self._micro_scores[part][self.cfg.rollout.batch_size]
+          score = self.cluster.fetch(program(self.cluster.params[part], *batch), "evaluation")
+      scores[self._score_name(part)] = score
+      combined += self._coefs[part] * score
     scores["reward"] = combined
     if self.task_fn is not None:
       scores["task_reward"] = np.asarray(

@@ -209,11 +209,6 @@ def generate_and_score(
   prompt_lengths = np.asarray([len(x) for x in batch.tokens], np.int32)
   waiting: list[int] = []
 
-  def fields(idx) -> dict[str, Any]:  # (a finished conversation's rewards are final)
-    if convs is None:
-      return {}
-    return {"observed": observed[idx], "environment_rewards": convs.rewards()[idx]}
-
   def flush(idx: list[int]) -> None:
     sub = experience.assemble(
       [batch.tokens[i] for i in idx],
@@ -222,7 +217,7 @@ def generate_and_score(
       logprobs[idx],
       pad_id=ctx.tokenizer.pad_id,
       records=batch.rows(idx).records,
-      **fields(idx),
+      **stages.conversation_fields(convs, observed, idx),
       **layout,
     )
     scorer.add(np.asarray(idx), sub)
@@ -254,7 +249,7 @@ def generate_and_score(
     logprobs,
     pad_id=ctx.tokenizer.pad_id,
     records=batch.records,
-    **fields(np.arange(num)),
+    **stages.conversation_fields(convs, observed),
     **layout,
   )
   return stages.conversation_stats(convs, seqs), scorer.result()

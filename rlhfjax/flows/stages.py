@@ -88,11 +88,14 @@ def start_conversations(
   return convs.start(prompts, seed, ctx.cfg.rollout.max_prompt_len), convs
 
 
-def conversation_fields(convs: Conversations | None, observed: np.ndarray) -> dict[str, Any]:
-  """`experience.assemble`'s conversation arguments: the observations and rewards."""
+def conversation_fields(
+  convs: Conversations | None, observed: np.ndarray, rows: Any = slice(None)
+) -> dict[str, Any]:
+  """`experience.assemble`'s conversation arguments for `rows` of the batch: the observations
+  and the rewards (final for a finished conversation)."""
   if convs is None:
     return {}
-  return {"observed": observed, "environment_rewards": convs.rewards()}
+  return {"observed": observed[rows], "environment_rewards": convs.rewards()[rows]}
 
 
 def conversation_stats(convs: Conversations | None, seqs: Sequences) -> Sequences:

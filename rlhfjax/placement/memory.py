@@ -232,6 +232,13 @@ JUDGE_PAGE_SIZE = 16
 """Tokens per page of a judge's KV pool (`rlhfjax.cluster.judge`)."""
 
 
+def judge_spec(spec: RoleSpec) -> RoleSpec:
+  """The mesh a judge's engine runs on: its role's devices in the generation layout, its
+  mesh's tensor size and data parallel over the rest."""
+  tensor = spec.axis_size("tensor")
+  return RoleSpec.generation(spec.devices, data=len(spec.devices) // tensor, tensor=tensor)
+
+
 def judge_memory(
   section: ExtraRoleSection,
   spec: RoleSpec,
@@ -243,9 +250,9 @@ def judge_memory(
   mesh's tensor size, data parallel over the rest), with the dense pool of its slots at its
   prompt capacity plus its longest verdict (`ExtraRoleSection.judge_engine`), the reserved page
   included."""
-  tensor = spec.axis_size("tensor")
-  data = len(spec.devices) // tensor
-  sharding = sharding_of(RoleSpec.generation(spec.devices, data=data, tensor=tensor))
+  engine_spec = judge_spec(spec)
+  data = engine_spec.axis_size("data")
+  sharding = sharding_of(engine_spec)
   slots, capacity, verdict = section.judge_engine(rollout, data)
   per_replica = slots // data
   pages = -(-(capacity + verdict) // JUDGE_PAGE_SIZE)

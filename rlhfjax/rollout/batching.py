@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlhfjax.rollout import streaming
+from rlhfjax.rollout import paging, streaming
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 from rlhfjax.rollout.streaming import as_prompt_list
 
@@ -82,7 +82,7 @@ def generate(
   seed: int = 0,
   padding_side: str = "left",
   on_decode_call: Callable[[], None] | None = None,
-  turn: Any = None,
+  turn: paging.TurnFn | None = None,
   turn_tokens: int = 0,
 ) -> GenerateOutput:
   """Generates a response to every prompt, refilling decode slots as sequences finish.

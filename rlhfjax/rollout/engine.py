@@ -49,7 +49,7 @@ from rlhfjax.mesh import meshes, rules, sharing, transfer
 from rlhfjax.models.transformer import PAGED_KERNELS
 from rlhfjax.placement.spec import LAYOUT_AXES, Layout, RoleSpec
 from rlhfjax.programs import TraceCounter
-from rlhfjax.rollout import batching, compaction, paged_engine
+from rlhfjax.rollout import batching, compaction, paged_engine, paging
 from rlhfjax.rollout.paged_decode import PagedState
 from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 
@@ -493,7 +493,7 @@ class Engine:
     seed: int = 0,
     padding_side: str = "left",
     on_decode_call: Callable[[], None] | None = None,
-    turn: Any = None,
+    turn: paging.TurnFn | None = None,
     turn_tokens: int = 0,
   ) -> batching.GenerateOutput:
     """Generates a response to every prompt with continuous batching over the slots.

@@ -413,9 +413,9 @@ class PagedPrograms:
       taken[it.replica] += 1
       tokens[i, : len(it.tokens)], start[i] = it.tokens, it.start
       table[i, : len(it.pages)] = it.pages
+    host = paged_decode.Extension(tokens_bt=tokens, start_b=start, table_bw=table)
     key = (per, bucket)
     if key not in self._extend:
-      host = paged_decode.Extension(tokens_bt=tokens, start_b=start, table_bw=table)
       shardings = rules.named_shardings(
         self._extension_axes, host, self._engine.mesh, Layout.GENERATION
       )
@@ -434,10 +434,7 @@ class PagedPrograms:
         shardings,
       )
     program, shardings = self._extend[key]
-    ext = self._put(
-      paged_decode.Extension(tokens_bt=tokens, start_b=start, table_bw=table), shardings
-    )
-    return program(params, state, ext)
+    return program(params, state, self._put(host, shardings))
 
   def decode(
     self, params: Any, state: PagedState, round_: paging.Round

@@ -347,10 +347,15 @@ class Scheduler:
       self.slot_of[r.replica][r.slot] = None
     else:
       self.queued[r.replica].remove(r)
+    self._wait_again(r)
+    self.counters.preemptions += 1
+
+  def _wait_again(self, r: Request) -> None:
+    """`r`, in no slot or queue, gives up its pages and goes to the front of the waiting line,
+    to be prefilled again with the tokens it has."""
     self._release(r)
     r.status, r.slot, r.replica = "pending", -1, -1
     self.pending.appendleft(r)
-    self.counters.preemptions += 1
     self.counters.recomputed_tokens += len(r.tokens)
 
   def _admitted(self, replica: int) -> list[Request]:
@@ -672,10 +677,7 @@ class Scheduler:
       self._admissions += 1
       self.queued[d].append(r)
       return
-    self._release(r)
-    r.status, r.replica = "pending", -1
-    self.pending.appendleft(r)
-    self.counters.recomputed_tokens += len(r.tokens)
+    self._wait_again(r)
 
   @property
   def all_pages_free(self) -> bool:
