@@ -285,11 +285,12 @@ class Slots:
   """Buffer slots of the activations and gradients a schedule keeps waiting on each device.
 
   A stage's input activation arrives (from the previous stage's forward) a tick after that
-  forward and is kept until the stage's backward, which recomputes the stage's forward from
-  it; the gradient of a stage's output arrives a tick after the next stage's backward and is
-  kept until this stage's backward. Slots are reused once free, so a device needs only as many
-  as it has messages waiting at once: for 1F1B about p (stage j >= 1 holds up to p - j + 1,
-  counted from arrival) where GPipe's is m.
+  forward and is kept until the stage's backward; the residuals a stage's forward keeps for
+  its backward (what the model's remat policy saves) live from the forward to the backward; the
+  gradient of a stage's output arrives a tick after the next stage's backward and is kept until
+  this stage's backward. Slots are reused once free, so a device needs only as many as it has
+  messages waiting at once: for 1F1B about p (stage j holds up to p - j, counted from its
+  forward) where GPipe's is m.
   """
 
   activation: dict[tuple[int, int, int], int]
@@ -299,6 +300,9 @@ class Slots:
   activation_slots: tuple[int, ...]
   """Per model: the slots its activation buffer needs (the most on any device)."""
   gradient_slots: tuple[int, ...]
+  residual: dict[tuple[int, int, int], int] = dataclasses.field(default_factory=dict)
+  """(model, micro, device) -> slot of the residuals of the stage's forward (every stage)."""
+  residual_slots: tuple[int, ...] = ()
 
 
 def slots(schedule: Schedule) -> Slots:
@@ -309,6 +313,10 @@ def slots(schedule: Schedule) -> Slots:
   waits: dict[tuple[int, int, str], list[tuple[int, int, tuple[int, int, int]]]] = {}
   for op in schedule.ops:
     stage = schedule.stage_of(op.model, op.device)
+    if op.kind == FORWARD:
+      waits.setdefault((op.device, op.model, "residual"), []).append(
+        (op.tick, when[(op.model, op.micro, BACKWARD, op.device)], (op.model, op.micro, op.device))
+      )
     if op.kind == FORWARD and stage > 0:
       sender = schedule.device_of(op.model, stage - 1)
       arrives = when[(op.model, op.micro, FORWARD, sender)] + 1
@@ -322,8 +330,9 @@ def slots(schedule: Schedule) -> Slots:
       waits.setdefault((op.device, op.model, "gradient"), []).append(
         (arrives, op.tick, (op.model, op.micro, op.device))
       )
-  assigned: dict[str, dict[tuple[int, int, int], int]] = {"activation": {}, "gradient": {}}
-  counts = {"activation": [0] * len(schedule.models), "gradient": [0] * len(schedule.models)}
+  buffers = ("activation", "gradient", "residual")
+  assigned: dict[str, dict[tuple[int, int, int], int]] = {name: {} for name in buffers}
+  counts = {name: [0] * len(schedule.models) for name in buffers}
   for (_, model, buffer), intervals in waits.items():
     free_at: list[int] = []  # slot -> the tick after which it is free again
     for arrives, consumed, key in sorted(intervals):
@@ -339,6 +348,8 @@ def slots(schedule: Schedule) -> Slots:
     gradient=assigned["gradient"],
     activation_slots=tuple(max(c, 1) for c in counts["activation"]),
     gradient_slots=tuple(max(c, 1) for c in counts["gradient"]),
+    residual=assigned["residual"],
+    residual_slots=tuple(max(c, 1) for c in counts["residual"]),
   )
 
 

@@ -35,6 +35,11 @@ _STEPS = flags.DEFINE_integer("optimizer_steps", 8, "Optimizer updates (mini-bat
 _REMAT = flags.DEFINE_enum(
   "remat", "none", ["none", "dots_saveable", "full"], "Remat policy of the unpipelined step."
 )
+_RECOMPUTE = flags.DEFINE_bool(
+  "pipeline_recompute",
+  False,
+  "Each backward runs its stage's forward again (placement.pipeline_recompute).",
+)
 _EFFICIENCY = flags.DEFINE_string("efficiency", None, "Efficiency JSON (profile or calibration).")
 
 
@@ -60,6 +65,7 @@ def main(argv):
       ppo_epochs=_EPOCHS.value,
       optimizer_steps=_STEPS.value,
       remat=_REMAT.value,
+      pipeline_recompute=_RECOMPUTE.value,
     )
     hw = hardware.load_hardware(_HARDWARE.value, _EFFICIENCY.value)
     eff = efficiency.load_efficiency(_EFFICIENCY.value)

@@ -61,6 +61,11 @@ flags.DEFINE_integer(
   "--packed: tokens per scoring call over a role's group (0: the padded micro-batch's).",
 )
 _REMAT = flags.DEFINE_enum("remat", "none", ["none", "dots_saveable", "full"], "Remat policy.")
+flags.DEFINE_bool(
+  "pipeline_recompute",
+  False,
+  "Pipelined backwards run their stage's forward again (placement.pipeline_recompute).",
+)
 _CHUNK = flags.DEFINE_integer("logits_chunk", 0, "Log-prob chunk tokens (0: all at once).")
 _OFFLOAD = flags.DEFINE_bool(
   "offload",

@@ -77,21 +77,29 @@ def test_a_send_is_one_micro_batch_of_stage_inputs():
     assert (work.micro_batches, work.flushes) == (8, 8 * epochs)
 
 
-def test_an_engine_that_keeps_residuals_prices_no_recomputed_forward():
-  """rlhfjax's pipelined backward recomputes its stage's forward (4 passes, a backward op of
-  3 forwards) whatever the remat policy; Megatron's (`pipeline_recomputes=False`) keeps what
-  its policy keeps: 3 passes and a backward of 2 without remat, rlhfjax's cost with it."""
-  megatron = dataclasses.replace(EFF, pipeline_recomputes=False)
+def test_a_pipeline_that_keeps_residuals_prices_no_recomputed_forward():
+  """rlhfjax's pipelined backward, like Megatron's, keeps the residuals its remat policy keeps:
+  3 passes and a backward op of 2 forwards without remat; with `pipeline_recompute` it runs
+  the stage's forward again: one pass and one forward more, with full remat too."""
   group = costs.Group(devices=8, tensor=2)
   kwargs = dict(sequences=256, seq_len=2048, epochs=1, optimizer_steps=4, micro_steps=4 * 8)
 
-  def work(eff, remat):
+  def work(recompute, remat):
     return pipeline.update_work(
-      H100, eff, B70, "lm", group, stages=4, crosses_nodes=False, remat=remat, **kwargs
+      H100,
+      EFF,
+      B70,
+      "lm",
+      group,
+      stages=4,
+      crosses_nodes=False,
+      remat=remat,
+      recompute=recompute,
+      **kwargs,
     )
 
-  ours, theirs = work(EFF, "none"), work(megatron, "none")
-  assert (ours.backward_cost, theirs.backward_cost) == (3.0, 2.0)
+  recomputed, kept = work(True, "none"), work(False, "none")
+  assert (recomputed.backward_cost, kept.backward_cost) == (3.0, 2.0)
   # The stage's compute is 3 passes instead of 4; collectives, optimizer and dispatch stay.
   flops = 4 * 256 * 2048 * costs.forward_flops_per_token(B70, "lm", 1024)
   one_pass = flops / 4 / (H100.parallel(8) * H100.flops(B70.dtype) * EFF.train_mfu)
@@ -103,12 +111,15 @@ def test_an_engine_that_keeps_residuals_prices_no_recomputed_forward():
   extra_gathers = 4 * 8 * costs._ring(param_bytes, group.fsdp, bw)
   launches = 4 * 8 * B70.num_layers * EFF.layer_s  # each layer's kernels, once more
   expected = (one_pass + extra_tp + extra_gathers + launches) / 4
-  assert ours.busy_s - theirs.busy_s == pytest.approx(expected, rel=1e-9)
-  # With full remat both recompute: the same cost.
-  assert work(megatron, "full") == work(EFF, "full")
+  assert recomputed.busy_s - kept.busy_s == pytest.approx(expected, rel=1e-9)
+  # Full remat runs each layer's forward again; recomputing the stage adds one more pass.
+  full, both = work(False, "full"), work(True, "full")
+  assert (full.backward_cost, both.backward_cost) == (3.0, 4.0)
+  assert both.busy_s - full.busy_s == pytest.approx(expected, rel=1e-9)
   # A backward op costs two of its forwards instead of three.
-  assert theirs.op_s(schedules.BACKWARD) == pytest.approx(2 * theirs.op_s(schedules.FORWARD))
-  assert ours.op_s(schedules.BACKWARD) == pytest.approx(3 * ours.op_s(schedules.FORWARD))
+  assert kept.op_s(schedules.BACKWARD) == pytest.approx(2 * kept.op_s(schedules.FORWARD))
+  forward = recomputed.op_s(schedules.FORWARD)
+  assert recomputed.op_s(schedules.BACKWARD) == pytest.approx(3 * forward)
 
 
 def test_one_stage_is_todays_cost_exactly():
@@ -168,7 +179,9 @@ def test_a_stage_axis_of_one_plans_as_today():
 
 def test_fused_beats_two_1f1b_at_4_stages_and_8_micro_batches():
   p, m = 4, 8
-  actor, critic = _work(busy=12.0, m=m), _work(busy=5.0, m=m)  # unequal models too
+  # Unequal models too. In lock-step the slowest op sets each tick: a critic of 5/12 the
+  # actor's cost gains nothing from fusion (0.98x at these op costs).
+  actor, critic = _work(busy=12.0, m=m), _work(busy=8.0, m=m)
   two = pipeline.priced(pipeline.table("two_1f1b", p, m), [actor, critic])
   fused = pipeline.priced(pipeline.table("fused", p, m), [actor, critic])
   assert fused.seconds < two.seconds
@@ -231,16 +244,19 @@ def test_params_per_device_fall_as_one_over_stages():
       assert 1 / p <= ratio <= 1 / p + share, (p, kind, ratio)
 
 
-def test_the_stash_is_the_schedules_slots_of_stage_inputs():
+def test_the_stash_is_the_schedules_slots_of_stage_inputs_and_residuals():
   sharding = memory.Sharding(param_shards=8, batch_shards=8)
   kw = dict(stages=4, micro_batch=2, seq_len=2048, options=memory.Options(remat="full"))
   one_f, gpipe = pipeline.stash_slots("1f1b", 4, 8), pipeline.stash_slots("gpipe", 4, 8)
-  assert one_f == schedules.slots(schedules.single("1f1b", 4, 8)).activation_slots
-  assert gpipe[0] > one_f[0]  # GPipe keeps every micro-batch, 1F1B about one per stage
+  slots = schedules.slots(schedules.single("1f1b", 4, 8))
+  assert one_f == tuple(map(max, slots.activation_slots, slots.residual_slots)) == (4,)
+  assert gpipe == (8,)  # GPipe keeps every micro-batch, 1F1B one per stage
   a = pipeline.train_memory(B70, "lm", sharding, slots=one_f[0], **kw)
   b = pipeline.train_memory(B70, "lm", sharding, slots=gpipe[0], **kw)
   stage_input = 2 * 2048 * B70.hidden_size * 2  # rows x tokens x width x bf16
-  assert b.activations - a.activations == (gpipe[0] - one_f[0]) * stage_input
+  # Full remat keeps each of the stage's layers' input, the rows split over the 8 batch shards.
+  residuals = B70.num_layers // 4 * 8 * 2 * 2048 * B70.hidden_size * 2 // 8
+  assert b.activations - a.activations == (gpipe[0] - one_f[0]) * (stage_input + residuals)
   assert (a.params, a.grads, a.logits) == (b.params, b.grads, b.logits)
 
 
@@ -312,22 +328,28 @@ def test_a_stage_holds_its_layers_once_in_the_planners_memory():
     assert 1 <= ratio <= 1 + 4 * share, (role, ratio)
 
 
-def _long_rows(packed=False):
-  """13B PPO on sequences of 8191 tokens (odd: no context parallelism), no remat."""
+def _long_rows(packed=False, recompute=True):
+  """13B PPO on sequences of 8191 tokens (odd: no context parallelism), no remat, pipelines
+  recomputing their stages' forwards."""
   b13 = resolve_model("13b")
   rows = dict(prompt_len=4095, response_len_mean=2048, response_len_max=4096, remat="none")
-  work = Workload(actor=b13, critic=b13, reward=b13, prompts=64, **rows)
+  work = Workload(
+    actor=b13, critic=b13, reward=b13, prompts=64, pipeline_recompute=recompute, **rows
+  )
   return work.replace(padded=False, packed=True) if packed else work
 
 
 def test_auto_plans_pipeline_stages_where_nothing_fits_without():
   """On 8 H100 in pairs (tensor parallelism within a pair), a 13B PPO of 8191-token rows
-  without remat fits no placement without stages; the search splits the layers and a plan
-  with stages wins, padded or packed. A packing run of a flow whose packed updates do not
-  run through stages (`Pricing.packed_pipelines`) gets none."""
+  without remat fits no placement without stages; with `pipeline_recompute` the search splits
+  the layers and a plan with stages wins, padded or packed (keeping every micro-batch's
+  residuals, nothing fits). A packing run of a flow whose packed updates do not run through
+  stages (`Pricing.packed_pipelines`) gets none."""
   from rlhfjax.costmodel.pricing import ONLINE_DPO
   from rlhfjax.planner import search
 
+  kept = search.search(_long_rows(recompute=False), H100, EFF, 8, devices_per_node=2)
+  assert kept and not any(p.fits for p in kept)
   plans = search.search(_long_rows(), H100, EFF, 8, devices_per_node=2)
   staged = [p for p in plans if any(s.stages > 1 for s in p.spec.roles.values())]
   assert staged and not any(p.fits for p in plans if p not in staged)

@@ -141,32 +141,46 @@ def pipelined(config, actor_params, batch):
   over `_mesh(stages)`, each computed once."""
   done = {}
 
-  def run(stages: int, schedule: str, remat: str):
-    if (stages, schedule, remat) not in done:
-      model = config.replace(remat=remat)
-      mesh = _mesh(stages)
-      table = schedules.single(schedule, stages, M)
-
-      def grads(params, batch):
-        (g,), (metrics,) = pipeline.pipelined_grads(
-          [pipeline.Model(model, _actor_loss(model))], table, mesh, [params], [batch]
-        )
-        return g, metrics
-
-      step = jax.jit(rules.constrained(grads, Layout.TRAINING, mesh))
-      done[stages, schedule, remat] = step(_on_mesh(actor_params, config, "lm", mesh), batch)
-    return done[stages, schedule, remat]
+  def run(stages: int, schedule: str, remat: str, recompute: bool = False):
+    key = (stages, schedule, remat, recompute)
+    if key not in done:
+      step = jax.jit(_grads_fn(config, stages, schedule, remat, recompute))
+      done[key] = step(_on_mesh(actor_params, config, "lm", _mesh(stages)), batch)
+    return done[key]
 
   return run
 
 
+def _grads_fn(config, stages, schedule, remat, recompute=False):
+  """`(params, batch) -> (grads, metrics)` of the actor pipelined over `_mesh(stages)`."""
+  model = config.replace(remat=remat)
+  mesh = _mesh(stages)
+  table = schedules.single(schedule, stages, M)
+
+  def grads(params, batch):
+    (g,), (metrics,) = pipeline.pipelined_grads(
+      [pipeline.Model(model, _actor_loss(model), recompute)], table, mesh, [params], [batch]
+    )
+    return g, metrics
+
+  return rules.constrained(grads, Layout.TRAINING, mesh)
+
+
 @pytest.mark.parametrize(
-  "stages,schedule,remat",
-  [(2, "1f1b", "none"), (2, "gpipe", "full"), (4, "1f1b", "full"), (4, "gpipe", "none")],
+  "stages,schedule,remat,recompute",
+  [
+    (2, "1f1b", "none", False),
+    (2, "gpipe", "full", False),
+    (4, "1f1b", "full", False),
+    (4, "gpipe", "none", False),
+    (2, "1f1b", "none", True),
+  ],
 )
-def test_pipelined_gradients_match_unpipelined(stages, schedule, remat, reference, pipelined):
+def test_pipelined_gradients_match_unpipelined(
+  stages, schedule, remat, recompute, reference, pipelined
+):
   want, want_metrics = reference
-  got, metrics = pipelined(stages, schedule, remat)
+  got, metrics = pipelined(stages, schedule, remat, recompute)
   assert max(_relative_errors(got, want)) < 1e-5
   for name, value in want_metrics.items():
     np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-5, atol=1e-6)
@@ -175,6 +189,51 @@ def test_pipelined_gradients_match_unpipelined(stages, schedule, remat, referenc
   assert kernel.sharding.spec[0] == "stage"
   blocks = {(s.index[0].start, s.index[0].stop) for s in kernel.addressable_shards}
   assert blocks == {(i * 4 // stages, (i + 1) * 4 // stages) for i in range(stages)}
+
+
+def _count(jaxpr, primitive: str) -> int:
+  """Equations of `primitive` in `jaxpr` and every jaxpr nested in its equations' parameters."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == primitive
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+        if hasattr(inner, "eqns"):
+          n += _count(inner, primitive)
+  return n
+
+
+def _stage_branches(jaxpr) -> list:
+  """The branches of the executor's `lax.switch` (idle, then per model forward first / mid /
+  last, backward first / mid / last)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 1 + len(pipeline._OPS):
+      return [b.jaxpr for b in eqn.params["branches"]]
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns") and (found := _stage_branches(inner)):
+          return found
+  return []
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_backward_runs_no_forward_again_unless_recomputing(config, actor_params, batch, remat):
+  """Each backward op uses the residuals its forward kept: its matmuls are the two of every
+  forward matmul (plus, with full remat, each layer's forward once more inside the model's own
+  checkpoint), not a third pass; with `recompute` the stage's forward runs again."""
+  params = _on_mesh(actor_params, config, "lm", _mesh(2))
+  for recompute in (False, True):
+    grads = _grads_fn(config, 2, "1f1b", remat, recompute)
+    branches = _stage_branches(jax.make_jaxpr(grads)(params, batch).jaxpr)
+    dots = [_count(b, "dot_general") for b in branches]
+    _, f_first, _, f_last, b_first, _, b_last = dots
+    assert f_first == f_last > 0
+    # Full remat runs each layer's forward again in the backward: at most a forward's worth.
+    bound = 2 * f_last + (f_last if remat == "full" else 0)
+    kept_bound = b_last <= bound and b_first <= bound
+    assert kept_bound != recompute, (remat, recompute, dots)
 
 
 @pytest.mark.parametrize("critic_size", ["actor's", "smaller"])

@@ -339,6 +339,26 @@ def test_a_fused_run_leaves_its_stages_to_auto():
   assert spec[Role.ACTOR].stages > 1 and plans[0].label.endswith("fused")
 
 
+def test_auto_names_pipeline_recompute_where_only_it_fits():
+  """A 13B PPO without remat in 8 micro-batches fits no placement on 8 H100 whose pipelines keep
+  every micro-batch's residuals; `auto` says that recomputing the stages' forwards fits, and
+  with `placement.pipeline_recompute` it plans the stages."""
+  from rlhfjax.placement.validate import PlacementError
+  from rlhfjax.planner import auto
+
+  config = {
+    "model": {"size": "13b", "roles": {r: {"remat": "none"} for r in ("actor", "critic")}},
+    "rollout": {"max_prompt_len": 1023, "max_new_tokens": 1024, "batch_size": 64},
+    "ppo": {"micro_batches": 8},
+    "placement": {"strategy": "auto", "hardware": "h100"},
+  }
+  with pytest.raises(PlacementError, match=r"with placement.pipeline_recompute=True, .*pp=2"):
+    auto.choose(from_config_dict(config), 8)
+  config["placement"]["pipeline_recompute"] = True
+  spec, plans = auto.choose(from_config_dict(config), 8)
+  assert spec[Role.ACTOR].stages == 2 and "pp=2" in plans[0].label
+
+
 def _shipped_experiments():
   """(name, ConfigDict) of every shipped experiment config with a placement section."""
   out = []

@@ -403,7 +403,6 @@ def test_published_cases_meet_every_target_with_one_profile_per_engine():
   step = next(r for r in result["absolute"] if r["case"] == "nemo_rl_32b_async")["predicted"]
   assert step == pytest.approx(off["score"] + off["update"] + off["sync"], rel=0.01)
   assert off["generate"] < off["score"] + off["update"]
-  assert not efficiency.load_efficiency("nemo_rl").pipeline_recomputes
   # The default profile is reported against the project's own GPU measurements.
   factors = {r["factor"]: r for r in result["calibration"]}
   assert set(factors) == {"train_mfu", "decode_bw"}

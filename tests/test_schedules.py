@@ -156,13 +156,15 @@ def _replay(schedule: schedules.Schedule, table) -> None:
 
   Columns (see `pipeline._FIELDS`): branch (0 idle, else 1 + model * 6 + one of forward
   first / mid / last, backward first / mid / last), micro-batch, activation slot, gradient
-  slot, (kind, slot) from the device below, (kind, slot) from the device above; kind 1 + 2 k is
-  model k's activation, 2 + 2 k its gradient.
+  slot, (kind, slot) from the device below, (kind, slot) from the device above (kind 1 + 2 k is
+  model k's activation, 2 + 2 k its gradient), residual slot: a forward stores its residuals
+  there, its backward reads them back.
   """
   p = schedule.stages
   places = ("first", "mid", "last")
   acts: dict[tuple[int, int, int], tuple[int, int]] = {}  # (device, model, slot) -> (model, micro)
   grads: dict[tuple[int, int, int], tuple[int, int]] = {}
+  residuals: dict[tuple[int, int, int], tuple[int, int]] = {}
   ran = []
   for tick in range(schedule.ticks):
     up: list[tuple[str, int, int] | None] = [None] * p
@@ -176,8 +178,13 @@ def _replay(schedule: schedules.Schedule, table) -> None:
       stage = schedule.stage_of(model, device)
       assert places[index % 3] == ("first" if stage == 0 else "last" if stage == p - 1 else "mid")
       ran.append(schedules.Op(tick, device, model, micro, kind))
-      if stage > 0:  # a forward reads its input, a backward recomputes from it
+      if stage > 0:  # a forward reads its input, and a backward may (a residual)
         assert acts.get((device, model, a_slot)) == (model, micro), (tick, device)
+      r_slot = int(table[tick, device, 8])
+      if kind == schedules.FORWARD:
+        residuals[(device, model, r_slot)] = (model, micro)
+      else:
+        assert residuals.get((device, model, r_slot)) == (model, micro), (tick, device)
       if kind == schedules.BACKWARD and stage < p - 1:
         assert grads.get((device, model, g_slot)) == (model, micro), (tick, device)
       # A forward's output goes to the model's next stage, a backward's to its previous one.
@@ -210,7 +217,7 @@ def test_executor_table_routes_every_message(name, p, m):
 
   schedule = BUILDERS[name](p, m)
   table = pipeline.executor_table(schedule)
-  assert table.shape == (schedule.ticks, p, 8)
+  assert table.shape == (schedule.ticks, p, 9)
   assert int((table[:, :, 0] > 0).sum()) == len(schedule.ops)
   _replay(schedule, table)
 
@@ -223,5 +230,11 @@ def test_executor_replay_catches_a_misrouted_slot():
   # Stage 1's first arrival from below stored in another slot than its forward reads.
   tick = next(t for t in range(schedule.ticks) if table[t, 1, 4] != 0)
   table[tick, 1, 5] += 1
+  with pytest.raises(AssertionError):
+    _replay(schedule, table)
+  # The first stage's second forward keeps its residuals where the first one's wait.
+  table = pipeline.executor_table(schedule).copy()
+  forwards = [t for t in range(schedule.ticks) if table[t, 0, 0] == 1]
+  table[forwards[1], 0, 8] = table[forwards[0], 0, 8]
   with pytest.raises(AssertionError):
     _replay(schedule, table)

@@ -12,7 +12,10 @@ Schedules, one JSON row each:
 
 * 'unpipelined': `steps.accumulate_and_apply` of the actor, then of the critic, on an `fsdp`
   mesh of the same devices (no stage axis, so no pipeline bubble): the baseline.
-* 'gpipe', '1f1b': the actor alone, pipelined over the stages.
+* 'gpipe', '1f1b': the actor alone, pipelined over the stages, each backward from the
+  residuals its forward kept.
+* '1f1b_recompute': the same 1F1B step, each backward running its stage's forward again from
+  the stage's input (`pipeline.Model.recompute`, GPipe's re-materialisation).
 * 'two_1f1b': a 1F1B step of the actor, then one of the critic: two programs.
 * 'fused': both models' updates in one program, one fused schedule (`schedules.fused`).
 
@@ -22,7 +25,10 @@ long; 0 for the unpipelined baseline, which has none); `compile_s` (lowering and
 every program of the step); `step_s`, the median over `repeats` timed runs after the compile
 (each run blocks until its results are ready; two programs' medians are summed); `device`,
 `devices`; and the step's losses `actor_loss` / `critic_loss`, the same for every schedule
-(the same parameters and batch), a check that each row ran the update it names.
+(the same parameters and batch), a check that each row ran the update it names; `flops`, the
+compiled step's floating-point operations as XLA's cost analysis counts them (every branch of
+the executor's `lax.switch` once, the loop of ticks once: a count to compare between rows, not
+the step's work).
 
 What the times say: the bubble fractions are properties of the schedules; the step times are
 this machine's. On a CPU host the emulated devices are threads of one process sharing its cores
@@ -56,7 +62,7 @@ from rlhfjax.training import pipeline, steps
 from rlhfjax.training.optimizer import make_optimizer
 from rlhfjax.training.state import TrainState, init_train_state, train_state_shardings
 
-SCHEDULES = ("unpipelined", "gpipe", "1f1b", "two_1f1b", "fused")
+SCHEDULES = ("unpipelined", "gpipe", "1f1b", "1f1b_recompute", "two_1f1b", "fused")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,6 +164,7 @@ TABLES: dict[str, Callable[[int, int], schedules.Schedule]] = {
   "1f1b": functools.partial(schedules.single, "1f1b"),
   "two_1f1b": schedules.sequential,
   "fused": schedules.fused,
+  "1f1b_recompute": functools.partial(schedules.single, "1f1b"),
 }
 """Each pipelined schedule's table, from (stages, micro-batches)."""
 
@@ -181,13 +188,16 @@ class _Program:
   run: Callable[[], Any]
   roles: tuple[str, ...]
   compile_s: float
+  flops: float
 
 
 def _compile(fn: Callable, roles: tuple[str, ...], mesh: Mesh, *args) -> _Program:
   """`fn(*args) -> (states, per-role metrics)` compiled for `mesh` in the training layout."""
   start = time.perf_counter()
   compiled = jax.jit(rules.constrained(fn, Layout.TRAINING, mesh)).lower(*args).compile()
-  return _Program(functools.partial(compiled, *args), roles, time.perf_counter() - start)
+  seconds = time.perf_counter() - start
+  flops = float((compiled.cost_analysis() or {}).get("flops", 0.0))
+  return _Program(functools.partial(compiled, *args), roles, seconds, flops)
 
 
 def _timed(program: _Program, repeats: int) -> tuple[float, dict[str, Any]]:
@@ -226,9 +236,11 @@ def run(s: Settings) -> Iterator[dict[str, Any]]:
     batch = place_batch(host_batches[role], flat_mesh)
     return _compile(step, (role,), flat_mesh, state(role, flat_mesh), batch)
 
-  def pipelined(roles: tuple[str, ...], table: schedules.Schedule, mesh: Mesh, states) -> _Program:
+  def pipelined(
+    roles: tuple[str, ...], table: schedules.Schedule, mesh: Mesh, states, recompute=False
+  ) -> _Program:
     """`roles` updated by `table` on `mesh`, from `states` laid out there."""
-    models = [pipeline.Model(config, losses[role]) for role in roles]
+    models = [pipeline.Model(config, losses[role], recompute) for role in roles]
 
     def step(states, batches):
       return pipeline.pipelined_update(models, [tx] * len(roles), table, mesh, states, batches)
@@ -251,7 +263,10 @@ def run(s: Settings) -> Iterator[dict[str, Any]]:
       critic = sharing.view_on(state("critic", critic_mesh), actor_mesh)
       states = [state("actor", actor_mesh), critic]
       return [pipelined(("actor", "critic"), TABLES[name](p, m), actor_mesh, states)]
-    return [pipelined(("actor",), TABLES[name](p, m), actor_mesh, [state("actor", actor_mesh)])]
+    recompute = name == "1f1b_recompute"
+    return [
+      pipelined(("actor",), TABLES[name](p, m), actor_mesh, [state("actor", actor_mesh)], recompute)
+    ]
 
   for name in s.schedules:
     compiled = programs(name)
@@ -265,6 +280,7 @@ def run(s: Settings) -> Iterator[dict[str, Any]]:
       **bubbles(s, name),
       "step_s": 0.0,
       "compile_s": sum(program.compile_s for program in compiled),
+      "flops": sum(program.flops for program in compiled),
     }
     for program in compiled:
       seconds, metrics = _timed(program, s.repeats)

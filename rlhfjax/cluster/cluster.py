@@ -422,6 +422,7 @@ class Cluster:
         rt.model,
         self.cfg.placement.pipeline_schedule,
         rt.mesh,
+        recompute=self.cfg.placement.pipeline_recompute,
       )
     else:
       step = functools.partial(steps.accumulate_and_apply, loss_fn, self.tx[role])
@@ -458,7 +459,8 @@ class Cluster:
     for role, rt in zip(roles, (first, second), strict=True):
       check_layers(rt.model, stages, role)
     models = tuple(
-      pipeline.Model(rt.model, loss) for rt, loss in zip((first, second), loss_fns, strict=True)
+      pipeline.Model(rt.model, loss, recompute=self.cfg.placement.pipeline_recompute)
+      for rt, loss in zip((first, second), loss_fns, strict=True)
     )
     shardings = (
       self.state_shardings[roles[0]],

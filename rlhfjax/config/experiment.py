@@ -583,6 +583,12 @@ class PlacementSection:
   """How a pipelined role runs its micro-batches: 'gpipe' (all forwards, then all backwards) or
   '1f1b' (one forward, one backward in the steady state; fewer activations in flight). See
   `rlhfjax.schedules`."""
+  pipeline_recompute: bool = False
+  """A pipelined backward runs its stage's forward again from the stage's stashed input
+  (GPipe's re-materialisation) instead of keeping the residuals of every micro-batch in
+  flight (what the role's `remat` policy keeps, per micro-batch, as Megatron's schedules do):
+  one micro-batch's residuals per device at a time, for one more forward per backward. For a
+  model whose pipeline does not fit otherwise (`strategy=auto` says when)."""
   extra_roles: dict[str, ExtraPlacementSection] = dataclasses.field(default_factory=dict)
   """Where each extra role (`model.extra_roles`) runs, by name, in their order (one not named
   here shares the reward's devices: `ExtraPlacementSection`'s defaults), e.g. {'reward2':

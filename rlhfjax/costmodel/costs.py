@@ -196,14 +196,16 @@ def train_time(
   optimizer_dtype: str | None = None,
   offload: Offload = Offload(),
   devices_per_node: int | None = None,
+  extra_forwards: int = 0,
 ) -> float:
   """`epochs` passes over `sequences` sequences in `optimizer_steps` updates per epoch.
 
   With LoRA (`config.lora`) the base is frozen: the backward computes the activations'
   gradients but no weight gradients of the base (one forward's matmuls less), and only the
-  adapters' gradients are reduced and updated."""
+  adapters' gradients are reduced and updated. `extra_forwards`: whole forwards run again on
+  top of the remat policy's (a pipeline stage's recomputed forward), each with its gathers."""
   tokens = sequences * seq_len * epochs
-  passes = 4 if remat == "full" else 3
+  passes = (4 if remat == "full" else 3) + extra_forwards
   flops = passes * tokens * forward_flops_per_token(config, head, seq_len / 2)
   if config.lora is not None:  # no weight-gradient matmuls of the frozen base
     flops -= tokens * 2 * matmul_params(config, head)
@@ -215,7 +217,7 @@ def train_time(
   bw = _link(hw, group) * eff.collective_bw
   # Two gathers (forward, backward; three with full remat) and one reduce-scatter of the
   # gradients per micro-step.
-  gathers = 3 if remat == "full" else 2
+  gathers = (3 if remat == "full" else 2) + extra_forwards
   collectives = (
     epochs * micro_steps * (gathers * _ring(param_bytes, fsdp, bw) + _ring(grad_bytes, fsdp, bw))
   )

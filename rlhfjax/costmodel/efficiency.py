@@ -57,10 +57,6 @@ class Efficiency:
   frees_finished: bool = False
   """Under static batching a finished answer leaves the batch (vLLM's scheduler): the wave
   still lasts as long as its longest answer, but reads and computes only the live ones."""
-  pipeline_recomputes: bool = True
-  """A pipelined backward recomputes its stage's forward from the stashed stage input (the
-  rlhfjax executor, `rlhfjax.training.pipeline`), whatever the remat policy; False: it keeps
-  the residuals the remat policy keeps, as Megatron's schedules do."""
   generation_engine: str = "jax"
   """Free text naming the engine the factors describe (shown in reports)."""
 

@@ -341,6 +341,20 @@ def _dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
   )
 
 
+def kept_activations(
+  config: ModelConfig, sharding: Sharding, *, micro_batch: int, seq_len: int, options: Options
+) -> int:
+  """What one micro-batch's forward keeps for its backward under the remat policy, without the
+  working set of a layer being recomputed ('full': the layer inputs only): the residuals a
+  pipeline stage stashes per micro-batch in flight."""
+  c = activation_bytes(config, options.native_half)
+  global_tokens = micro_batch * sharding.batch_shards * seq_len
+  if options.remat != "full":
+    return _saved_activations(config, global_tokens, seq_len, c, sharding, options)
+  group = sharding.batch_shards * sharding.tensor * sharding.context
+  return int(config.num_layers * global_tokens * config.hidden_size * c / group)
+
+
 def _gathered_keys(config, row_tokens, c, sharding) -> int:
   """One layer's keys and values of whole rows (`row_tokens` tokens) that context-parallel
   attention gathers; nothing without context parallelism."""

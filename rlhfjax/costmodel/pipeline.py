@@ -11,17 +11,19 @@ Time of one pipelined update, per device:
 - busy: the unpipelined update of the stage group (`costs.train_time`: matmuls, FSDP gathers
   and reduce-scatters, tensor all-reduces, the optimizer) divided by P, since every term scales
   with the layers a device holds; only the fixed cost per optimizer step (`stage_s`, `update_s`)
-  is charged whole. rlhfjax's executor keeps only each stage's input for the backward and
-  recomputes the stage's forward from it (`schedules.Slots`), so a pipelined update is priced
-  with four passes, as full remat is, whatever the role's remat policy (a stage that also
-  remats inside would recompute once more: not priced). The embedding and the head are spread
-  over the stages with the layers (on a 70B with a 32k vocabulary they are under 1% of the
-  matmuls).
+  is charged whole. rlhfjax's executor keeps the residuals of each stage's forward that the
+  role's remat policy keeps and runs no forward again in the backward, as Megatron's schedules
+  do: three passes, four with full remat; with `pipeline_recompute` (GPipe's
+  re-materialisation) the backward runs the stage's forward again from its stashed input: one
+  pass more (five with full remat, whose layers the recomputed forward's backward runs once
+  more again). The embedding and the head are spread over the stages with the layers
+  (on a 70B with a 32k vocabulary they are under 1% of the matmuls).
 - bubbles: one op's seconds are its share of the busy time, a backward costing
-  `BACKWARD_COST` = 3 forwards (the recomputed forward and the two backward matmuls of every
-  forward one: the pass counts the busy time is priced with). A lock-step tick lasts as long as
-  its slowest op, so the pipeline takes the sum over the table's ticks of the slowest op, once
-  per optimizer step (every step flushes the pipeline). For one model this is
+  `BACKWARD_COST` = 2 forwards (the two backward matmuls of every forward one), one more for
+  each forward run again (full remat's layers, `pipeline_recompute`'s stage): the pass counts
+  the busy time is priced with. A lock-step tick lasts as long as its slowest op, so the
+  pipeline takes the sum over the table's ticks of the slowest op, once per optimizer step
+  (every step flushes the pipeline). For one model this is
   busy / (1 - `schedules.bubble_fraction(table, 1, BACKWARD_COST)`); two models of different
   sizes in one table (fused or back to back) are priced op by op the same way. Mixed ticks
   (one device's forward beside another's backward) are why 1F1B's priced bubble exceeds the
@@ -35,10 +37,11 @@ Time of one pipelined update, per device:
 
 Memory per device: the stage group's `memory.train_memory` of a model with L / P layers (its
 parameters, gradients and moments 1/P of the whole), with both the embedding and the head
-counted (the first stage holds one, the last the other: one too many, conservatively), plus the
-stash of stage inputs the schedule keeps waiting for their backwards (`schedules.slots`: 1F1B
-about P, GPipe m), each `[rows, seq, hidden]`; the backward recomputes its stage's forward from
-the stashed input (`schedules.Slots`), so one micro-batch's saved activations live at a time.
+counted (the first stage holds one, the last the other: one too many, conservatively), plus,
+for each micro-batch the schedule keeps waiting for its backward (`schedules.slots`: 1F1B about
+P, GPipe m), its `[rows, seq, hidden]` stage input and the residuals its forward kept under the
+remat policy (`memory.kept_activations`: the layer inputs with full remat); with
+`pipeline_recompute` the stage inputs only, one micro-batch's residuals living at a time.
 
 Fusion (RLHFuse's intra-stage fusion, `schedules.fused`): actor and critic on the same devices
 and stage count, the critic's stages in the reverse device order, one table for both: the
@@ -81,13 +84,9 @@ class PipelineChoice:
       )
 
 
-BACKWARD_COST = 3.0
-"""A pipelined backward op's cost in forwards: the stage's recomputed forward and the two
-backward matmuls of every forward one."""
-
-RECOMPUTE = "full"
-"""The remat policy a pipelined update is priced as: the executor recomputes each stage's
-forward from its stashed input."""
+BACKWARD_COST = 2.0
+"""A pipelined backward op's cost in forwards: the two backward matmuls of every forward one
+(one more when the stage's forward runs again)."""
 
 
 def stage_config(config: ModelConfig, stages: int) -> ModelConfig:
@@ -228,18 +227,21 @@ def update_work(
   *,
   stages: int,
   crosses_nodes: bool,
+  recompute: bool = False,
   **train,
 ) -> StageWork:
   """One model's update over `stages` stages of `stage_group` each, its ops not yet scheduled.
   `train`: the keyword arguments of `costs.train_time` (`micro_steps` per epoch over every
-  optimizer step, as there); `crosses_nodes`: some neighbouring stages are on different nodes."""
+  optimizer step, as there); `crosses_nodes`: some neighbouring stages are on different nodes;
+  `recompute`: the backward runs the stage's forward again (`Workload.pipeline_recompute`)."""
   backward_cost = BACKWARD_COST
   if stages > 1:
     stage_config(config, stages)  # the layers must split evenly
-    if eff.pipeline_recomputes:
-      train = {**train, "remat": RECOMPUTE}
-    elif train["remat"] != "full":  # the two backward matmuls only
-      backward_cost = BACKWARD_COST - 1
+    # Each layer's forward once more in the backward under full remat, and the whole stage's
+    # once more when recomputing it.
+    backward_cost += (train["remat"] == "full") + recompute
+    if recompute:
+      train = {**train, "extra_forwards": 1}
   whole = costs.train_time(hw, eff, config, head, stage_group, **train)
   steps = train["optimizer_steps"]
   m = math.ceil(train["micro_steps"] / steps)
@@ -303,10 +305,12 @@ def forward_time(
 
 @functools.lru_cache(maxsize=1024)
 def stash_slots(name: str, stages: int, micro_batches: int) -> tuple[int, ...]:
-  """Per model of table `name`: stage inputs a device keeps waiting for their backwards."""
+  """Per model of table `name`: the micro-batches a device keeps waiting for their backwards
+  (their stage inputs or the residuals of their forwards, whichever buffer needs more)."""
   if stages == 1:
     return (0,) * (2 if name in ("two_1f1b", "fused") else 1)
-  return schedules.slots(table(name, stages, micro_batches)).activation_slots
+  slots = schedules.slots(table(name, stages, micro_batches))
+  return tuple(map(max, slots.activation_slots, slots.residual_slots))
 
 
 def train_memory(
@@ -319,10 +323,14 @@ def train_memory(
   micro_batch: int,
   seq_len: int,
   options: memory.Options,
+  recompute: bool = False,
 ) -> memory.MemoryEstimate:
   """Per-device memory of a pipelined train step: a stage's L / P layers sharded over the
-  stage's devices (`sharding`: one stage's fsdp, tensor and data), plus `slots` stashed stage
-  inputs of `micro_batch` sequences per batch shard. One stage gives today's estimate."""
+  stage's devices (`sharding`: one stage's fsdp, tensor and data), plus, for `slots`
+  micro-batches of `micro_batch` sequences per batch shard in flight, their stage inputs and
+  what their forwards keep for their backwards (the stage's estimate counts one such set
+  already); with `recompute` their stage inputs only, the one micro-batch being recomputed
+  keeping its set. One stage gives the unpipelined estimate."""
   if stages == 1:
     return memory.train_memory(
       config, head, sharding, micro_batch=micro_batch, seq_len=seq_len, options=options
@@ -336,7 +344,15 @@ def train_memory(
     options=options,
   )
   c = memory.activation_bytes(config, options.native_half)
-  stash = slots * micro_batch * seq_len * config.hidden_size * c // sharding.tensor
+  inputs = slots * micro_batch * seq_len * config.hidden_size * c // sharding.tensor
+  kept = memory.kept_activations(
+    stage_config(config, stages),
+    sharding,
+    micro_batch=micro_batch,
+    seq_len=seq_len,
+    options=options,
+  )
+  stash = inputs + (0 if recompute else max(slots - 1, 0) * kept)
   return dataclasses.replace(estimate, activations=estimate.activations + stash)
 
 
@@ -478,6 +494,7 @@ def compare(
       group,
       stages=p,
       crosses_nodes=lay.crosses_nodes,
+      recompute=w.pipeline_recompute,
       sequences=per_step * w.optimizer_steps,
       seq_len=w.seq_len,
       epochs=w.ppo_epochs,
@@ -504,6 +521,7 @@ def compare(
     )
     batch = math.ceil(per_step / (m * group.replicas))
     kw = dict(stages=p, micro_batch=batch, seq_len=w.seq_len, options=opts)
+    kw["recompute"] = w.pipeline_recompute
     est = [train_memory(c, h, at, slots=s, **kw) for (c, h), s in zip(models, slots, strict=True)]
     kept = sum(e.persistent for e in est)
     extra = [e.total - e.persistent for e in est]

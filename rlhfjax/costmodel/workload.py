@@ -108,6 +108,9 @@ class Workload:
   pipeline_schedule: str = "1f1b"
   """The schedule of a trained role whose placement has a `stage` axis ('1f1b' or 'gpipe';
   the config's `placement.pipeline_schedule`), priced by `rlhfjax.costmodel.pipeline`."""
+  pipeline_recompute: bool = False
+  """A pipelined backward runs its stage's forward again from the stashed stage input
+  (`placement.pipeline_recompute`) instead of keeping each micro-batch's residuals."""
   fuse_actor_critic: bool = False
   """Actor and critic pipelines on the same devices run as one fused schedule
   (`ppo.fuse_actor_critic`, RLHFuse's intra-stage fusion)."""

@@ -69,6 +69,8 @@ def workload_of(config: ExperimentConfig) -> Workload:
     kv_memory_fraction=0.0 if rollout.kv_cache_tokens else rollout.kv_memory_fraction,
     train_rows=train_rows(config),
     fuse_actor_critic=config.ppo.fuse_actor_critic,
+    pipeline_schedule=config.placement.pipeline_schedule,
+    pipeline_recompute=config.placement.pipeline_recompute,
     **packing_of(config),
   )
 
@@ -142,27 +144,42 @@ def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, l
     PlacementError: the hardware or efficiency file cannot be read, or no placement fits.
   """
   hw, eff = load_planner_inputs(config.placement)
-  plans = search.search(
-    workload_of(config),
-    hw,
-    eff,
-    num_devices,
-    async_rollout=config.ppo.generates_ahead,
-    extras=config.placement.extra_roles,
-  )
-  usable = []
-  for plan in plans:
-    if not plan.fits:
-      continue
-    try:
-      check_models(plan.spec, config.model, config.rollout, None)
-    except PlacementError:
-      continue
-    usable.append(plan)
-  if not usable:
+  workload = workload_of(config)
+
+  def usable(workload: Workload) -> tuple[list[Plan], list[Plan]]:
+    plans = search.search(
+      workload,
+      hw,
+      eff,
+      num_devices,
+      async_rollout=config.ppo.generates_ahead,
+      extras=config.placement.extra_roles,
+    )
+    kept = []
+    for plan in plans:
+      if not plan.fits:
+        continue
+      try:
+        check_models(plan.spec, config.model, config.rollout, None)
+      except PlacementError:
+        continue
+      kept.append(plan)
+    return plans, kept
+
+  plans, fitting = usable(workload)
+  if not fitting:
     closest = plans[0].why_not if plans else "no candidate"
-    raise PlacementError(f"placement.strategy=auto: no placement fits; closest: {closest}")
-  return usable[0].spec, usable
+    hint = ""
+    if not workload.pipeline_recompute:
+      # Pipelines that keep one micro-batch's residuals at a time may fit where none does.
+      _, recomputing = usable(dataclasses.replace(workload, pipeline_recompute=True))
+      if recomputing:
+        hint = (
+          f"; with placement.pipeline_recompute=True, {recomputing[0].label} fits "
+          f"({recomputing[0].iteration_s:.3g} s/iteration predicted)"
+        )
+    raise PlacementError(f"placement.strategy=auto: no placement fits; closest: {closest}{hint}")
+  return fitting[0].spec, fitting
 
 
 def describe(plans: list[Plan], workload: Workload) -> str:

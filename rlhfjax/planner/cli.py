@@ -44,6 +44,7 @@ def workload_from_flags(f) -> Workload:
     micro_batch=f.micro_batch,
     static_batching=not f.continuous_batching,
     remat=f.remat,
+    pipeline_recompute=f.pipeline_recompute,
     logits_chunk=f.logits_chunk,
     offload=OFFLOAD_ALL if f.offload else OffloadSection(),
     padded=not f.packed,

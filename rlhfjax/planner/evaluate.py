@@ -15,9 +15,10 @@ computes the whole row's causal scores (one that skipped the masked blocks would
 A role whose mesh has a `stage` axis (its first, when the placement pipelines) is priced as a
 pipeline (`rlhfjax.costmodel.pipeline`): its cost group is one stage's devices, its update the
 workload's schedule table priced op by op, its scoring a forward-only pipeline, its memory a
-stage's layers plus the stash of stage inputs. With `fuse_actor_critic`, actor and critic on
-the same devices and stages update in one fused table: the actor's update carries it (the
-critic's lasts 0 s after it), and the actor's working set counts both models'.
+stage's layers plus what its micro-batches in flight keep (their stage inputs, and the
+residuals of their forwards unless `pipeline_recompute`). With `fuse_actor_critic`, actor and
+critic on the same devices and stages update in one fused table: the actor's update carries it
+(the critic's lasts 0 s after it), and the actor's working set counts both models'.
 """
 
 from __future__ import annotations
@@ -172,7 +173,13 @@ def role_memory(
     name, model = update_table(spec, workload, role)
     slots = pipeline.stash_slots(name, stages, m)[model]
     return pipeline.train_memory(
-      config, HEADS[role], sharding, stages=stages, slots=slots, **kwargs
+      config,
+      HEADS[role],
+      sharding,
+      stages=stages,
+      slots=slots,
+      recompute=workload.pipeline_recompute,
+      **kwargs,
     )
   if stages > 1:
     config = pipeline.stage_config(config, stages)
@@ -467,7 +474,9 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
       seconds[role] = costs.train_time(*args, **kwargs)
       continue
     crosses = _crosses_nodes(spec[role], per_node)
-    works[role] = pipeline.update_work(*args, stages=stages, crosses_nodes=crosses, **kwargs)
+    works[role] = pipeline.update_work(
+      *args, stages=stages, crosses_nodes=crosses, recompute=w.pipeline_recompute, **kwargs
+    )
     name, _ = update_table(spec, w, role)
     if name != "fused":
       table = pipeline.table(name, stages, works[role].micro_batches)

@@ -59,10 +59,10 @@ _OPS = (
   "backward_mid",
   "backward_last",
 )
-_FIELDS = 8
+_FIELDS = 9
 """Columns of the executor's table: branch, micro-batch, activation slot, gradient slot, then
 (kind, slot) of the message from the stage below and of the one from above (kind 0: none,
-1 + 2 * model: an activation, 2 + 2 * model: a gradient)."""
+1 + 2 * model: an activation, 2 + 2 * model: a gradient), then the residual slot."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,10 @@ class Model:
 
   config: ModelConfig
   loss_fn: steps.LossFn
+  recompute: bool = False
+  """Stash only each stage's input and run the stage's forward again in its backward (GPipe's
+  re-materialisation, `placement.pipeline_recompute`): one micro-batch's residuals live at a
+  time instead of one per micro-batch in flight, for one more forward per backward."""
 
 
 def stages_of(mesh: Mesh) -> int:
@@ -98,6 +102,7 @@ def executor_table(
     row[1] = op.micro
     row[2] = slots.activation.get(key, 0)
     row[3] = slots.gradient.get(key, 0)
+    row[8] = slots.residual.get(key, 0)
     # Where this op's output goes: a forward's to the next stage, a backward's to the previous.
     if op.kind == schedules.FORWARD and stage < p - 1:
       to, code = schedule.device_of(op.model, stage + 1), 1 + 2 * op.model
@@ -111,6 +116,12 @@ def executor_table(
     column = 4 if to == op.device + 1 else 6  # from below (sent up) or from above (sent down)
     receiver[column], receiver[column + 1] = code, slot
   return table
+
+
+def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
+  """`buffer[slot]`, the slot clamped into range as `lax.dynamic_update_index_in_dim` clamps
+  it: a buffer an op does not use has its slot read and written back unchanged."""
+  return jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
 
 
 def _split(params: Any) -> tuple[Any, Any]:
@@ -156,6 +167,92 @@ def _stage_forward(model: Model, place: str, rest, block, x_in, micro):
   return x, loss, metrics
 
 
+def _stage_vjp(model: Model, place: str, trained, frozen, x_in, micro):
+  """`(output, metrics, pullback)` of a stage's forward: its output activation, or the loss on
+  the last stage (then with the loss's metrics), and the pullback to the trained halves
+  `(rest, block)` of its parameters (`models.lora.split`) and to `x_in`."""
+  (rest_f, block_f) = frozen
+
+  def out(rest_t, block_t, x):
+    joined = (lora.join(rest_t, rest_f), lora.join(block_t, block_f))
+    y, loss, metrics = _stage_forward(model, place, *joined, x, micro)
+    return (loss, metrics) if place == "last" else (y, None)
+
+  y, pull, metrics = jax.vjp(out, *trained, x_in, has_aux=True)
+  return y, metrics, pull
+
+
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+  """Where a stage's pullback finds its leaves (the residuals the model's remat policy keeps):
+  each one either an input of the stage's forward, found again at its backward (a weight, the
+  micro-batch, the stashed stage input), or a slot of a residual buffer."""
+
+  treedef: Any
+  sources: tuple[tuple[bool, int], ...]
+  """Per pullback leaf: (from an input, the flat input's index) or (False, the buffer's)."""
+
+
+def _plan_residuals(model: Model, place: str, args) -> tuple[_Residuals, list]:
+  """The stage's `_Residuals` and the `(shape, dtype)` of each leaf it stashes, found from the
+  jaxpr of its forward: a pullback leaf that is one of the forward's inputs is not stashed."""
+  treedefs = []
+
+  def leaves(*args):
+    flat, treedef = jax.tree.flatten(_stage_vjp(model, place, *args)[2])
+    treedefs.append(treedef)
+    return flat
+
+  jaxpr = jax.make_jaxpr(leaves)(*args).jaxpr
+  stashed, sources = [], []
+  for var in jaxpr.outvars:
+    index = next((i for i, v in enumerate(jaxpr.invars) if v is var), None)
+    if index is not None:
+      sources.append((True, index))
+    else:
+      sources.append((False, len(stashed)))
+      stashed.append((tuple(var.aval.shape), np.dtype(var.aval.dtype)))
+  return _Residuals(treedefs[0], tuple(sources)), stashed
+
+
+def _shared_buffers(stashes: Sequence[list], slots: Sequence[int]) -> tuple[list, list[list[int]]]:
+  """One set of residual buffers for the places a model's stages take (first, middle, last),
+  each place stashing `stashes[i]` in up to `slots[i]` slots: `(per buffer (slots, shape,
+  dtype), per place the buffer of each stashed leaf)`. Places share a buffer for leaves of one
+  shape and dtype (an SPMD program gives every device every buffer), sized for the place that
+  needs the most slots: a head's residuals on the last stage of a 1F1B table need one."""
+  keys: list = []
+  count: list[int] = []
+  owners = []
+  for stashed, n in zip(stashes, slots, strict=True):
+    taken: set[int] = set()
+    owner = []
+    for key in stashed:
+      j = next((j for j, b in enumerate(keys) if b == key and j not in taken), len(keys))
+      if j == len(keys):
+        keys.append(key)
+        count.append(0)
+      count[j] = max(count[j], n)
+      taken.add(j)
+      owner.append(j)
+    owners.append(owner)
+  return [(n, *key) for n, key in zip(count, keys, strict=True)], owners
+
+
+def _place_slots(schedule: schedules.Schedule, slots: schedules.Slots, model: int) -> dict:
+  """Per place of `model`'s stages ('first', 'mid', 'last'), the residual slots its device
+  (the most of any, for the middle stages) uses."""
+  p = schedule.stages
+  used: dict[str, int] = {}
+  for (k, _, device), slot in slots.residual.items():
+    if k != model:
+      continue
+    stage = schedule.stage_of(model, device)
+    place = "first" if stage == 0 else "last" if stage == p - 1 else "mid"
+    used[place] = max(used.get(place, 0), slot + 1)
+  return used
+
+
 def pipelined_grads(
   models: Sequence[Model], schedule: schedules.Schedule, mesh: Mesh, params: Sequence, batches
 ) -> tuple[tuple, tuple]:
@@ -187,14 +284,18 @@ def pipelined_grads(
     )
   b, s = shapes[0].shape[:2]
   width, dtype = max(x.shape[-1] for x in shapes), shapes[0].dtype
+  places = ("first", "last") if p == 2 else ("first", "mid", "last")
   flax_rules = _rules_without_stage(nn.get_logical_axis_rules())
 
   def body(params, batches):
+    with nn.logical_axis_rules(flax_rules):
+      return staged(params, batches)
+
+  def staged(params, batches):
     me = jax.lax.axis_index(AXIS)
-    split = [_split(prm) for prm in params]
-    # The trained and frozen halves of each model's block and rest, split by the whole tree's
+    # The trained and frozen halves of each model's rest and block, split by the whole tree's
     # mask (`models.lora.trainable`: a block or rest alone may hold no adapters).
-    halves = [tuple(_split(half) for half in lora.split(prm)) for prm in params]
+    halves = [tuple(tuple(reversed(_split(half))) for half in lora.split(prm)) for prm in params]
 
     def varying(x):
       return jax.lax.pcast(x, AXIS, to="varying")
@@ -202,38 +303,76 @@ def pipelined_grads(
     def pad(x):
       return jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, width - x.shape[-1])))
 
+    # Per model and place, where its pullback's leaves are kept, and the model's buffers.
+    plans, buffer_keys = [], []
+    for k, model in enumerate(models):
+      if model.recompute:
+        plans.append({place: (None, []) for place in places})
+        buffer_keys.append([])
+        continue
+      x_in = jnp.zeros(shapes[k].shape, dtype)
+      micro = jax.tree.map(lambda x: x[0], batches[k])
+      planned = [_plan_residuals(model, place, (*halves[k], x_in, micro)) for place in places]
+      used = _place_slots(schedule, slots, k)
+      keys, owners = _shared_buffers(
+        [stashed for _, stashed in planned], [used[place] for place in places]
+      )
+      plans.append(
+        {
+          place: (plan, owner)
+          for place, (plan, _), owner in zip(places, planned, owners, strict=True)
+        }
+      )
+      buffer_keys.append(keys)
+
     def branch(k: int, op: str):
-      model, (block, rest), batch = models[k], split[k], batches[k]
+      model, batch = models[k], batches[k]
       place, backward = op.split("_")[1], op.startswith("backward")
+      plan, owner = plans[k][place]
       d = shapes[k].shape[-1]
 
-      def run(micro_i, a_slot, g_slot, acts, grads_in, acc):
+      def run(micro_i, a_slot, g_slot, r_slot, acts, grads_in, residuals, acc):
         micro = jax.tree.map(
           lambda x: jax.lax.dynamic_index_in_dim(x, micro_i, keepdims=False), batch
         )
         x_in = acts[k][a_slot]
         up = down = jnp.zeros((b, s, width), dtype)
+        # What every residual buffer's slot `r_slot` holds after this op: a forward writes its
+        # model's, everything else keeps what is there.
+        kept = [[_read(buf, r_slot) for buf in bufs] for bufs in residuals]
         grads, metrics, finite = acc
         sent = None
+        if not backward and plan is None:  # recomputed in the backward: nothing kept
+          x, loss, mets = _stage_forward(model, place, *map(lora.join, *halves[k]), x_in, micro)
+          y = loss if place == "last" else x
+        elif not backward:
+          y, mets, pull = _stage_vjp(model, place, *halves[k], x_in, micro)
+          leaves = jax.tree.leaves(pull)
+          if len(leaves) != len(plan.sources):
+            raise AssertionError(f"{op}: {len(leaves)} residuals, planned {len(plan.sources)}")
+          for leaf, (from_input, j) in zip(leaves, plan.sources, strict=True):
+            if not from_input:
+              kept[k][owner[j]] = leaf
         if not backward:
-          x, loss, mets = _stage_forward(model, place, rest, block, x_in, micro)
           if place == "last":
             metrics = list(metrics)
             metrics[k] = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics[k], mets)
-            finite = finite & jnp.isfinite(loss)
+            finite = finite & jnp.isfinite(y)
           else:
-            sent = x
+            sent = y
         else:
           # Gradients of the trained leaves only (`models.lora.split`: with adapters, the
-          # adapters and a value head; the frozen base is a constant here).
-          (block_t, rest_t), (block_f, rest_f) = halves[k]
-          out = 1 if place == "last" else 0
-
-          def stage_out(r, bl, xi):
-            joined = (lora.join(r, rest_f), lora.join(bl, block_f))
-            return _stage_forward(model, place, *joined, xi, micro)[out]
-
-          _, pull = jax.vjp(stage_out, rest_t, block_t, x_in)
+          # adapters and a value head; the frozen base is a constant here), from the residuals
+          # the forward kept: the stage's forward is not run again, unless recomputing.
+          if plan is None:
+            pull = _stage_vjp(model, place, *halves[k], x_in, micro)[2]
+          else:
+            inputs = jax.tree.leaves((*halves[k], x_in, micro))
+            leaves = [
+              inputs[j] if from_input else _read(residuals[k][owner[j]], r_slot)
+              for from_input, j in plan.sources
+            ]
+            pull = jax.tree.unflatten(plan.treedef, leaves)
           if place == "last":
             d_rest, d_block, d_x = pull(jnp.ones((), jnp.float32))
           else:
@@ -253,21 +392,33 @@ def pipelined_grads(
             up = pad(sent)
           else:
             down = pad(sent)
-        return up, down, (tuple(grads), tuple(metrics), finite)
+        return up, down, kept, (tuple(grads), tuple(metrics), finite)
 
       return run
 
-    def idle(micro_i, a_slot, g_slot, acts, grads_in, acc):
+    def idle(micro_i, a_slot, g_slot, r_slot, acts, grads_in, residuals, acc):
       zeros = jnp.zeros((b, s, width), dtype)
-      return zeros, zeros, acc
+      return zeros, zeros, [[_read(buf, r_slot) for buf in bufs] for bufs in residuals], acc
 
-    branches = [idle] + [branch(k, op) for k in range(len(models)) for op in _OPS]
+    # Two stages have no middle: its branches are never taken.
+    branches = [idle] + [
+      branch(k, op) if op.split("_")[1] in places else idle
+      for k in range(len(models))
+      for op in _OPS
+    ]
 
     def tick(carry, row):
-      acts, grads_in, acc = carry
+      acts, grads_in, residuals, acc = carry
       entry = row[me]
-      up, down, acc = jax.lax.switch(
-        entry[0], branches, entry[1], entry[2], entry[3], acts, grads_in, acc
+      up, down, kept, acc = jax.lax.switch(
+        entry[0], branches, entry[1], entry[2], entry[3], entry[8], acts, grads_in, residuals, acc
+      )
+      residuals = tuple(
+        tuple(
+          jax.lax.dynamic_update_index_in_dim(buf, new, entry[8], 0)
+          for buf, new in zip(bufs, news, strict=True)
+        )
+        for bufs, news in zip(residuals, kept, strict=True)
       )
       from_below = jax.lax.ppermute(up, AXIS, [(i, i + 1) for i in range(p - 1)])
       from_above = jax.lax.ppermute(down, AXIS, [(i + 1, i) for i in range(p - 1)])
@@ -281,7 +432,7 @@ def pipelined_grads(
           for buffers, code in ((acts, 1 + 2 * k), (grads_in, 2 + 2 * k)):
             old = buffers[k][slot]
             buffers[k] = buffers[k].at[slot].set(jnp.where(kind == code, message[..., :d], old))
-      return (tuple(acts), tuple(grads_in), acc), None
+      return (tuple(acts), tuple(grads_in), residuals, acc), None
 
     acts = tuple(
       varying(jnp.zeros((slots.activation_slots[k], b, s, x.shape[-1]), dtype))
@@ -291,14 +442,18 @@ def pipelined_grads(
       varying(jnp.zeros((slots.gradient_slots[k], b, s, x.shape[-1]), dtype))
       for k, x in enumerate(shapes)
     )
+    residuals0 = tuple(
+      tuple(varying(jnp.zeros((n, *shape), dtype_)) for n, shape, dtype_ in buffer_keys[k])
+      for k in range(len(models))
+    )
     grads0 = tuple(varying(_split(steps.zero_gradients(prm))) for prm in params)
     metrics0 = tuple(
       varying(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), mets))
       for mets in metric_shapes
     )
     acc0 = (grads0, metrics0, varying(jnp.array(True)))
-    with nn.logical_axis_rules(flax_rules):
-      (_, _, (grads, metrics, finite)), _ = jax.lax.scan(tick, (acts, grads_in, acc0), table)
+    carry0 = (acts, grads_in, residuals0, acc0)
+    (_, _, _, (grads, metrics, finite)), _ = jax.lax.scan(tick, carry0, table)
     finite = jax.lax.pmin(finite.astype(jnp.int32), AXIS) > 0
     poison = jnp.where(finite, 0.0, jnp.nan)
     out_grads, out_metrics = [], []
@@ -348,13 +503,16 @@ def accumulate_and_apply(
   mesh: Mesh,
   state: TrainState,
   batch: Any,
+  *,
+  recompute: bool = False,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """`steps.accumulate_and_apply` of one model pipelined over `mesh`'s stages by schedule
-  `schedule_name` ('gpipe' or '1f1b'), the micro-batches being `batch`'s leading axis."""
+  `schedule_name` ('gpipe' or '1f1b'), the micro-batches being `batch`'s leading axis
+  (`recompute`: `Model.recompute`)."""
   m = jax.tree.leaves(batch)[0].shape[0]
   schedule = schedules.single(schedule_name, stages_of(mesh), m)
   (state,), (metrics,) = pipelined_update(
-    [Model(config, loss_fn)], [tx], schedule, mesh, [state], [batch]
+    [Model(config, loss_fn, recompute)], [tx], schedule, mesh, [state], [batch]
   )
   return state, metrics
 
