@@ -9,6 +9,7 @@ the unpipelined ones, leaf by leaf: `test_pipeline_parallel`.
 
 import json
 
+import jax
 import pytest
 from runs_testing import assert_same_numbers, rows, shipped_config
 
@@ -54,7 +55,36 @@ def _ppo(workdir, steps: int, changes: dict) -> tuple[list[dict], int]:
   cfg = shipped_config("ppo_tiny", {**_PPO, **changes, "total_steps": steps})
   runner = Runner(cfg, str(workdir), show_progress=False)
   assert runner.run().final_step == steps
+  if cfg.placement.pipeline_stages > 1:
+    _assert_vocabulary_split_over_stages(runner, cfg.placement.pipeline_stages)
   return rows(str(workdir)), runner.start_step
+
+
+def _assert_vocabulary_split_over_stages(runner, stages: int) -> None:
+  """After the run's updates, every stage keeps 1/stages of the vocabulary of each trained
+  role's embedding (and the actor's LM head), of the parameters and of each of their Adam
+  moments (none with adapters: the base is frozen): one block of rows per device, the blocks
+  all different."""
+  adapted = runner.cfg.model.adapted_roles
+  for role, state in runner.cluster.states.items():
+    found = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      name = jax.tree_util.keystr(path)
+      if "embedding" not in name and "lm_head" not in name:
+        continue
+      vocab = 0 if "embedding" in name else leaf.ndim - 1
+      if leaf.ndim < 2 or "lora" in name:
+        continue
+      found += 1
+      blocks = {(s.index[vocab].start, s.index[vocab].stop) for s in leaf.addressable_shards}
+      size = leaf.shape[vocab]
+      assert blocks == {(i * size // stages, (i + 1) * size // stages) for i in range(stages)}, (
+        role,
+        name,
+      )
+    # The parameters and two moments of the embedding (and of the actor's head).
+    copies = 1 if role.value in adapted else 3
+    assert found == (2 if role.value == "actor" else 1) * copies, (role, found)
 
 
 @pytest.mark.slow

@@ -450,7 +450,7 @@ def test_training_rules_split_the_layer_stack_over_stages(head):
   with_stage = rules.named_shardings(axes, shapes, staged, Layout.TRAINING)
   without = rules.named_shardings(axes, shapes, flat, Layout.TRAINING)
   paths = jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)[0]
-  seen_layers = 0
+  seen_layers, seen_vocab = 0, []
   for (path, logical), a, b in zip(
     paths, jax.tree.leaves(with_stage), jax.tree.leaves(without), strict=True
   ):
@@ -458,9 +458,19 @@ def test_training_rules_split_the_layer_stack_over_stages(head):
       seen_layers += 1
       # The stack over 'stage', everything else as on the same fsdp x tensor mesh without it.
       assert a.spec == P("stage", *b.spec[1:]), jax.tree_util.keystr(path)
+    elif "vocab" in logical:
+      # The embedding's and the LM head's vocabulary over 'stage' too, after 'tensor'.
+      seen_vocab.append(jax.tree_util.keystr(path))
+      dim = logical.index("vocab")
+      want = [*b.spec] + [None] * (len(logical) - len(b.spec))
+      want[dim] = ("tensor", "stage")
+      assert a.spec == P(*want), jax.tree_util.keystr(path)
     else:
       assert a.spec == b.spec, jax.tree_util.keystr(path)
   assert seen_layers == 9
+  assert seen_vocab == (
+    ["['embedding']", "['lm_head']['kernel']"] if head == "lm" else ["['embedding']"]
+  )
 
 
 def test_stage_s_holds_its_contiguous_block_of_layers():

@@ -133,6 +133,11 @@ class Options:
   """Attention weights are never materialised (flash attention): no `h s` term per token."""
 
 
+def dtype_bytes(dtype: str) -> int:
+  """Bytes of one element of `dtype` ('float32', 'bfloat16', 'float16')."""
+  return _BYTES[dtype]
+
+
 def activation_bytes(config: ModelConfig, native_half: bool) -> int:
   return _BYTES[config.dtype] if native_half else 4
 

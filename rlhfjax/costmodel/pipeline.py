@@ -36,8 +36,9 @@ Time of one pipelined update, per device:
   than one node). Lock-step: the send follows the tick, not overlapped with it.
 
 Memory per device: the stage group's `memory.train_memory` of a model with L / P layers (its
-parameters, gradients and moments 1/P of the whole), with both the embedding and the head
-counted (the first stage holds one, the last the other: one too many, conservatively), plus,
+parameters, gradients and moments 1/P of the whole), the embedding's and the head's vocabulary
+split over the stages with their moments (`vocabulary_over_stages`: 1/P of them kept between
+steps, the rest gathered during one, their gradients whole until the step's end), plus,
 for each micro-batch the schedule keeps waiting for its backward (`schedules.slots`: 1F1B about
 P, GPipe m), its `[rows, seq, hidden]` stage input and the residuals its forward kept under the
 remat policy (`memory.kept_activations`: the layer inputs with full remat); with
@@ -303,6 +304,40 @@ def forward_time(
   return busy / (1 - schedules.textbook_bubble(stages, m)) + (m + stages - 1) * send + fixed
 
 
+def vocabulary_over_stages(
+  estimate: memory.MemoryEstimate,
+  config: ModelConfig,
+  head: str,
+  sharding: memory.Sharding,
+  *,
+  stages: int,
+  options: memory.Options,
+  trained: bool,
+) -> memory.MemoryEstimate:
+  """A stage's estimate (`estimate`, counted with the whole embedding and LM head) with their
+  vocabulary split over the stages, as the training layout splits it (`rlhfjax.mesh.rules`,
+  where the vocabulary divides over tensor x stages): between steps each stage keeps 1/P of
+  them and of their moments; during a step the rest comes back gathered."""
+  if stages == 1 or config.vocab_size % (sharding.tensor * stages):
+    return estimate
+  elements = config.vocab_size * config.hidden_size
+  if head == "lm" and not config.tie_embeddings:
+    elements *= 2
+  away = 1 - 1 / stages
+  params = int(away * elements * memory.dtype_bytes(config.param_dtype) / sharding.param_shards)
+  moments = 0
+  if trained and config.lora is None and not options.optimizer_on_host:
+    ob = memory.dtype_bytes(options.optimizer_dtype or config.param_dtype)
+    moments = int(away * 2 * elements * ob / sharding.param_shards)
+  return dataclasses.replace(
+    estimate,
+    params=estimate.params - params,
+    optimizer=estimate.optimizer - moments,
+    gathered=estimate.gathered + params,
+    parked=min(estimate.parked, estimate.params - params + estimate.optimizer - moments),
+  )
+
+
 @functools.lru_cache(maxsize=1024)
 def stash_slots(name: str, stages: int, micro_batches: int) -> tuple[int, ...]:
   """Per model of table `name`: the micro-batches a device keeps waiting for their backwards
@@ -342,6 +377,9 @@ def train_memory(
     micro_batch=micro_batch,
     seq_len=seq_len,
     options=options,
+  )
+  estimate = vocabulary_over_stages(
+    estimate, config, head, sharding, stages=stages, options=options, trained=True
   )
   c = memory.activation_bytes(config, options.native_half)
   inputs = slots * micro_batch * seq_len * config.hidden_size * c // sharding.tensor

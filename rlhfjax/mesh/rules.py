@@ -40,7 +40,7 @@ KV_CACHE_AXES: LogicalAxes = ("layers", "batch", "kv_length", "kv_heads", "head_
 
 TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
   {
-    "vocab": ("tensor",),
+    "vocab": ("tensor", "stage"),
     "embed": ("fsdp", "context"),
     "embed_lookup": ("fsdp",),
     "heads": ("tensor",),
@@ -55,7 +55,9 @@ TRAINING_RULES: Mapping[str, MeshAxes] = types.MappingProxyType(
   }
 )
 """FSDP over the model width, tensor parallel over vocab/heads/MLP, the scanned layer stack over
-the pipeline's `stage` axis (contiguous blocks of layers per stage), and the batch over data x
+the pipeline's `stage` axis (contiguous blocks of layers per stage), the vocabulary of the
+embedding and the head over the stages too (each stage keeps 1/P of them and of their optimizer
+state; a pipelined step gathers them, `rlhfjax.training.pipeline`), and the batch over data x
 fsdp x stage: a forward-only program (scoring) splits its rows over the stages too, while a
 pipelined step places its micro-batches itself. With a `context` axis each row's tokens split
 over it (context parallelism: `models.attention.context_attention` gathers the keys), and the

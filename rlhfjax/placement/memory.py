@@ -7,8 +7,9 @@ the weight sync's temporary buffer from the shapes alone. This module feeds it a
 - the training layout shards parameters (and moments, gradients) over `stage` x `fsdp` x
   `tensor` and splits the batch over `data` x `fsdp` x `stage`; the generation layout shards
   parameters over `tensor` and gives each `data` group its share of the rollout slots. A
-  pipeline stage holds 1/P of the layers (the embedding and head are counted as split too, a
-  small error) and, at most, the activations of its layers for every micro-batch of the step
+  pipeline stage holds 1/P of the layers and of the embedding's and head's vocabulary, as the
+  training layout splits them (their copy gathered for a step is not counted, a small error)
+  and, at most, the activations of its layers for every micro-batch of the step
   (GPipe's bound; 1F1B keeps fewer in flight): the whole model's activations for 1/P of the
   rows;
 - actor and critic are trained on micro-batches of `train_rows` sequences (the config's mini-

@@ -181,10 +181,20 @@ def role_memory(
       recompute=workload.pipeline_recompute,
       **kwargs,
     )
+  whole = config
   if stages > 1:
     config = pipeline.stage_config(config, stages)
   fn = memory.train_memory if trained else memory.forward_memory
   estimate = fn(config, head_of(workload, role), sharding, **kwargs)
+  estimate = pipeline.vocabulary_over_stages(
+    estimate,
+    whole,
+    head_of(workload, role),
+    sharding,
+    stages=stages,
+    options=opts,
+    trained=trained,
+  )
   if role is Role.REFERENCE and workload.reference_from_base:
     return without_weights(estimate)
   return estimate

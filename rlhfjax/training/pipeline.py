@@ -5,20 +5,29 @@ T ticks, A / G activation / gradient slots.
 
 A model's stacked layers `[l, ...]` are split over the `stage` mesh axis in p contiguous
 blocks (the 'layers' rule), so the device at stage position `i` holds the layers of one stage
-of each model; the embedding, final norm and head are held by every stage and used by the
-first and last. One compiled program runs a whole `Schedule`, a `lax.scan` over its ticks
-inside a `shard_map` that is manual over `stage` only, so each stage's compute stays
-auto-sharded over its `data` / `fsdp` / `tensor` devices. Each tick every stage looks up its op
-in the table and runs it (`lax.switch`), then two `ppermute`s move one message up and one
-down the stages: a forward's output to the next stage, a backward's input gradient to the
-previous one. Arrivals wait in buffer slots (`schedules.slots`) until their op runs.
+of each model. The embedding's and the LM head's vocabulary are split over the stages too (the
+'vocab' rule): between steps each stage keeps 1/p of them and of their optimizer state; the
+step gathers them whole (the first stage looks the tokens up, the last runs the head; the final
+norm is small and whole everywhere) and sums their gradients over the stages. (One SPMD program
+gives every stage's shard one shape: an embedding kept by the first stage alone would leave a
+block of its size on every other stage; split, each keeps 1/p.) One compiled program runs a
+whole `Schedule`, a `lax.scan` over its ticks inside a `shard_map` that is manual over `stage`
+only, so each stage's compute stays auto-sharded over its `data` / `fsdp` / `tensor` devices.
+Each tick every stage looks up its op in the table and runs it (`lax.switch`), then two
+`ppermute`s move one message up and one down the stages: a forward's output to the next stage,
+a backward's input gradient to the previous one. Arrivals wait in buffer slots
+(`schedules.slots`) until their op runs.
 
 Forward and backward of a stage call the model's own loss function with the layer stack
 replaced by the stage's block (`models.transformer.layers_replaced`): the first stage's block
 reads the embedded tokens, the others read the activation that arrived, and only the last
-stage's loss is used. A backward recomputes its stage's forward from the stored input (the
-stage is rematerialised whole; the model's own remat policy applies inside) and takes the
-vector-Jacobian product with the gradient that arrived, or with the loss on the last stage.
+stage's loss is used. A forward takes the stage's vector-Jacobian product and keeps what its
+pullback needs (the residuals the model's remat policy saves; weights and the micro-batch are
+not copied, the backward finds them again) in a residual slot until the backward, which
+applies the pullback to the gradient that arrived, or to the loss on the last stage: the
+stage's forward is not run again, as Megatron's schedules do. `Model.recompute` keeps only the
+stage's input instead and runs the forward again in the backward (GPipe's
+re-materialisation): one micro-batch's residuals at a time, for one more forward.
 
 Gradients (of the trained leaves: with LoRA the adapters and a value head, `models.lora.split`)
 are summed per stage over the micro-batches in micro-batch order, as
@@ -43,7 +52,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from rlhfjax import schedules
 from rlhfjax.config.model import ModelConfig
+from rlhfjax.mesh import rules
 from rlhfjax.models import lora, transformer
+from rlhfjax.placement.spec import Layout
 from rlhfjax.training import steps
 from rlhfjax.training.state import TrainState
 
@@ -136,6 +147,48 @@ def _param_specs(params: Any) -> Any:
   specs = jax.tree.map(lambda _: PartitionSpec(), rest)
   specs["layers"] = jax.tree.map(lambda _: PartitionSpec(AXIS), layers)
   return specs
+
+
+def _stage_split_leaves(config: ModelConfig, params: Any, mesh: Mesh) -> list:
+  """Per leaf of `params`' rest (`_split`, in `jax.tree.leaves` order): `(dim, mesh axes of
+  that dim)` where the training layout splits the leaf over `stage` (the vocabulary of the
+  embedding and the head, `rlhfjax.mesh.rules`), else None."""
+  head = "value" if "value_head" in params else "lm"
+  _, rest_axes = _split(transformer.logical_axes(config, head))
+  _, rest = _split(params)
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
+  out = []
+  for logical, leaf in zip(
+    jax.tree.leaves(rest_axes, is_leaf=is_axes), jax.tree.leaves(rest), strict=True
+  ):
+    spec, _ = rules.resolve(logical, Layout.TRAINING, mesh, leaf.shape)
+    found = None
+    for dim, entry in enumerate(spec):
+      names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+      if AXIS in names:
+        found = (dim, names)
+    out.append(found)
+  return out
+
+
+def _reverse_stage_blocks(rest: Any, split: list, mesh: Mesh) -> Any:
+  """`rest` with the blocks of each stage-split leaf (`_stage_split_leaves`) in the reverse
+  stage order: a model laid out with its stages reversed and viewed on the schedule's mesh
+  (`rlhfjax.mesh.sharing.view_on`) reads its vocabulary in reversed blocks; this reads it in
+  order (and, applied again, turns gradients back into the view's order)."""
+  sizes = dict(mesh.shape)
+
+  def one(x, where):
+    if where is None or x is None:  # (a frozen leaf's place in a gradient tree)
+      return x
+    dim, names = where
+    split_sizes = [sizes[n] for n in names]
+    inner = x.shape[dim] // int(np.prod(split_sizes))
+    blocks = x.reshape(*x.shape[:dim], *split_sizes, inner, *x.shape[dim + 1 :])
+    return jnp.flip(blocks, axis=dim + names.index(AXIS)).reshape(x.shape)
+
+  leaves, treedef = jax.tree.flatten(rest, is_leaf=lambda x: x is None)
+  return jax.tree.unflatten(treedef, [one(x, w) for x, w in zip(leaves, split, strict=True)])
 
 
 def _rules_without_stage(flax_rules) -> tuple:
@@ -286,10 +339,27 @@ def pipelined_grads(
   width, dtype = max(x.shape[-1] for x in shapes), shapes[0].dtype
   places = ("first", "last") if p == 2 else ("first", "mid", "last")
   flax_rules = _rules_without_stage(nn.get_logical_axis_rules())
+  # The rest of a model whose stages run in the reverse device order, by leaf: where its
+  # vocabulary is split over the stages in the view's reversed order.
+  reversed_rest = [
+    _stage_split_leaves(model.config, prm, mesh)
+    if schedule.directions[k] is schedules.Direction.REVERSE_ORDER
+    else None
+    for k, (model, prm) in enumerate(zip(models, params, strict=True))
+  ]
+
+  def in_order(k: int, tree: Any) -> Any:
+    """Model k's tree (parameters or gradients) with its rest's vocabulary blocks in order."""
+    if reversed_rest[k] is None:
+      return tree
+    layers, rest = _split(tree)
+    return {**_reverse_stage_blocks(rest, reversed_rest[k], mesh), "layers": layers}
 
   def body(params, batches):
+    params = tuple(in_order(k, prm) for k, prm in enumerate(params))
     with nn.logical_axis_rules(flax_rules):
-      return staged(params, batches)
+      grads, metrics = staged(params, batches)
+    return tuple(in_order(k, g) for k, g in enumerate(grads)), metrics
 
   def staged(params, batches):
     me = jax.lax.axis_index(AXIS)
