@@ -52,6 +52,32 @@ def test_take_rows_keeps_rows_in_order():
   np.testing.assert_array_equal(out.response_mask_bt[:, 1], [1, 1, 0])
 
 
+def test_conversation_stats_of_several_rounds_merge_by_rows():
+  """DAPO's rounds each ran their own conversations: the iteration reports means weighted by
+  each round's rows and the errors of all of them."""
+  import dataclasses
+
+  def batch(rows, stats):
+    seqs = experience.assemble(
+      [[1]] * rows,
+      np.ones((rows, 2), np.int64),
+      np.full(rows, 2),
+      np.zeros((rows, 2), np.float32),
+      prompt_len=1,
+      response_len=2,
+      pad_id=0,
+    )
+    return dataclasses.replace(seqs, conversation_stats=stats)
+
+  a = batch(3, {"rollout/turns_mean": 2.0, "rollout/environment_errors": 1.0})
+  b = batch(1, {"rollout/turns_mean": 6.0, "rollout/environment_errors": 2.0})
+  merged = experience.merged_conversation_stats([a, b])
+  assert merged == {"rollout/turns_mean": 3.0, "rollout/environment_errors": 3.0}
+  assert experience.merged_conversation_stats([batch(2, {})]) == {}
+  # A batch picked from both keeps no stats of its own: the flow sets the merged ones.
+  assert experience.take_rows([(a, [0]), (b, [0])]).conversation_stats == {}
+
+
 def test_every_algorithm_is_registered():
   assert {"ppo", "grpo", "rloo", "reinforce_pp", "dapo", "dpo", "online_dpo"} <= set(
     registry.builtin()

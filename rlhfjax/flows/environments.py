@@ -178,7 +178,9 @@ class Conversations:
     return np.asarray([max(t.turns, 1) for t in self._rows], np.int32)
 
   def stats(self) -> dict[str, float]:
-    """What the batch's conversations did, for the iteration's row."""
+    """What the batch's conversations did, for the iteration's row: means and shares over its
+    conversations, and the count of `SUMMED_STATS` (how batches combine:
+    `experience.merged_conversation_stats`)."""
     ended = [t.ended for t in self._rows]
     n = max(len(ended), 1)
     return {
@@ -187,6 +189,10 @@ class Conversations:
       "rollout/token_limit_share": ended.count("tokens") / n,
       "rollout/environment_errors": float(ended.count("error")),
     }
+
+
+SUMMED_STATS = ("rollout/environment_errors",)
+"""`Conversations.stats` that count (summed over batches); the others are means over rows."""
 
 
 def _token_ids(value: Any, what: str, vocab_size: int) -> list[int]:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from rlhfjax.data.records import PromptBatch, Record
+from rlhfjax.flows.environments import SUMMED_STATS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +105,20 @@ def assemble(
       None if environment_rewards is None else np.asarray(environment_rewards, np.float32)
     ),
   )
+
+
+def merged_conversation_stats(batches: Sequence[Sequences]) -> dict[str, float]:
+  """The conversation stats of several batches as one: each mean weighted by its batch's rows,
+  each count (`environments.SUMMED_STATS`) summed; empty without an environment."""
+  with_stats = [s for s in batches if s.conversation_stats]
+  rows = sum(s.tokens_bs.shape[0] for s in with_stats)
+  out: dict[str, float] = {}
+  for s in with_stats:
+    weight = s.tokens_bs.shape[0] / rows
+    for key, value in s.conversation_stats.items():
+      add = value if key in SUMMED_STATS else value * weight
+      out[key] = out.get(key, 0.0) + add
+  return out
 
 
 def take_rows(parts: Sequence[tuple[Sequences, Sequence[int]]]) -> Sequences:

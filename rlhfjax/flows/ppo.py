@@ -448,11 +448,13 @@ class PPOFlow:
   def _dynamic_sampling(self, iteration: int, seqs: Sequences):
     """DAPO's dynamic sampling: keeps the groups whose scores differ and generates more groups
     (up to `ppo.dynamic_sampling_rounds` extra batches) until the batch is full of them; a batch
-    still short is topped up with dropped groups (`dapo/filled`)."""
+    still short is topped up with dropped groups (`dapo/filled`). With an environment, the
+    conversation stats are over every conversation the rounds ran."""
     ctx, cluster, cfg = self.ctx, self.ctx.cluster, self.ctx.cfg
     k, b = cfg.ppo.group_size, cfg.rollout.batch_size
     kept: list[tuple[Sequences, list[int]]] = []
     dropped: list[tuple[Sequences, list[int]]] = []
+    generated: list[Sequences] = []
     count, rounds, limit = 0, 0, cfg.ppo.dynamic_sampling_rounds
     progress = _RoundProgress(iteration, limit, b // k)
     for attempt in range(limit + 1):
@@ -464,6 +466,7 @@ class PPOFlow:
         prompts = stages.grouped_prompts(ctx, k)
         seqs = stages.generate_stage(ctx, iteration, prompts, attempt=attempt)
       rounds = attempt + 1
+      generated.append(seqs)
       tokens = cluster.upload(Role.ACTOR, (seqs.tokens_bs, seqs.attention_mask_bs), "rollout")
       scores = cluster.fetch(ctx.rewards.score(*tokens, seqs, iteration), "dynamic sampling")
       signal = alg.groups_with_signal(scores, k)
@@ -482,6 +485,9 @@ class PPOFlow:
       count, filled = count + k, filled + 1
     progress.done(rounds, filled)
     out = experience.take_rows(kept)
+    out = dataclasses.replace(
+      out, conversation_stats=experience.merged_conversation_stats(generated)
+    )
     return out, {"dapo/rounds": float(rounds), "dapo/filled_groups": float(filled)}
 
   def _scoring_stages(self, iteration: int) -> scoring.StagesFn:
