@@ -213,7 +213,9 @@ def _restore_policy(
   if adapters is None:
     item_dir = ckpt.item_directory(step_dir, item)
     return ckpt.restore_params(step_dir, _abstract_params(item_dir, layers_by_process), item)
-  model = model.replace(lora=adapters.lora, quantized=adapters.quantized)
+  model = model.replace(
+    lora=adapters.lora, quantized=adapters.quantized, quantization=adapters.quantization
+  )
   head = policy["head"]
   abstract = _on_export_mesh(models.abstract_params(model, head), layers_by_process)
   trained = ckpt.restore_params(step_dir, lora.split(abstract)[0], item)
@@ -462,7 +464,7 @@ def export(
   assignment = assign_files(shards, model.num_layers, jax.process_count())
   params = _restore_policy(step_dir, policy, saved, assignment.layers_by_process)
   if saved.lora is not None:  # the adapted model (adapters merged into the weights), or its base
-    # An int8 base (QLoRA) is written dequantized.
+    # A quantized base (QLoRA) is written dequantized.
     params = (
       lora.dequantized(lora.base(params)) if part == "base" else lora.merged(params, saved.lora)
     )

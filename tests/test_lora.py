@@ -336,7 +336,14 @@ def _check_reference_is_the_base(runner):
     ({"model__lora__targets": ("q", "qkv")}, r"'model.lora.targets': unknown projection\(s\) qkv"),
     ({"model__lora__rank": 57}, r"LoRA rank 57 exceeds the smallest adapted projection"),
     ({"model__lora__reference": "copy"}, r"'model.lora.reference' must be one of base, placed"),
-    ({"model__lora__quantize": "nf4"}, r"'model.lora.quantize' must be 'int8' or ''"),
+    (
+      {"model__lora__quantize": "int4"},
+      r"'model.lora.quantize' must be one of '', 'int8', 'nf4' \('': the base in its own",
+    ),
+    (
+      {"model__lora__quantize": "nf4", "model__overrides": {"intermediate_size": 150}},
+      r"nf4 quantizes down_proj in blocks of 4 to 64 along its intermediate_size, 150",
+    ),
     (
       {"model__lora__quantize": "int8", "model__lora__rank": 0},
       r"'model.lora.quantize'='int8' quantizes the frozen base .* set 'model.lora.rank' > 0",
@@ -455,9 +462,14 @@ def test_the_readme_memory_figures_of_a_qwen_checkpoint_with_and_without_adapter
     "ppo.micro_batches": 8,
   }
   gib = {}
-  variants = {16: {"model.lora.rank": 16}, 0: {}, "int8": {"model.lora.quantize": "int8"}}
+  variants = {
+    16: {"model.lora.rank": 16},
+    0: {},
+    "int8": {"model.lora.quantize": "int8"},
+    "nf4": {"model.lora.quantize": "nf4"},
+  }
   for rank, extra in variants.items():
-    changes = {**command, "model.lora.rank": 16 if rank == "int8" else rank, **extra}
+    changes = {**command, "model.lora.rank": 16 if rank in ("int8", "nf4") else rank, **extra}
     config = registry.configure(shipped_config("grpo_tiny", changes))
     spec = place.plan_placement(config, available_devices=8)
     config, _ = place.sized(config, spec)
@@ -477,10 +489,11 @@ def test_the_readme_memory_figures_of_a_qwen_checkpoint_with_and_without_adapter
     f"prints a peak of {full['peak']:.2f} GiB of the 80: the actor {full['actor']:.2f} GiB"
     in readme
   )
-  int8 = gib["int8"]
+  int8, nf4 = gib["int8"], gib["nf4"]
   assert f"the actor takes {int8['actor']:.2f} GiB and the peak is {int8['peak']:.2f}" in readme, (
     int8
   )
+  assert f"with `nf4`, {nf4['actor']:.2f} GiB and {nf4['peak']:.2f}" in readme, nf4
 
 
 def test_a_role_may_train_adapters_of_its_own_rank_or_its_full_weights():
@@ -551,7 +564,48 @@ def test_int8_kernels_are_within_half_a_step_of_the_float_ones_and_run_as_them()
   )
 
 
-def test_a_float_checkpoint_loads_as_an_int8_base_with_its_own_scales(tmp_path):
+def test_nf4_kernels_match_numpy_and_run_as_their_dequantized_floats():
+  """'nf4' against NumPy: in blocks of `gcd(56, 64)` = 8 weights along the contracted width,
+  each block's absmax as its scale and each weight the nearest NF4 level of `w / absmax`
+  (within half the widest gap between levels, 0.139 of the scale), two codes a byte, the
+  even one in the low nibble; a model of 'nf4' kernels computes what the float model with the
+  dequantized kernels computes."""
+  rng = np.random.default_rng(1)
+  w = rng.normal(size=(3, 56, 4, 12)).astype(np.float32) * 0.02  # stacked q_proj [l, d, h, n]
+  eqn = "btd,dhn->bthn"
+  shape, axes = lora.scale_layout(eqn, w.shape[1:], ("embed", "heads", "kv"), "nf4")
+  assert shape == (7, 4, 12) and axes == ("embed", "heads", "kv")
+  assert lora.stored_shape(eqn, w.shape[1:], "nf4") == (28, 4, 12)
+  q, s = lora.quantize_kernel(jnp.asarray(w), (3, *shape), "nf4")
+  assert q.dtype == jnp.uint8 and q.shape == (3, 28, 4, 12)
+  levels = np.asarray(lora.NF4_LEVELS, np.float32)
+  blocks = w.reshape(3, 7, 8, 4, 12)
+  amax = np.max(np.abs(blocks), axis=2, keepdims=True)
+  codes = np.argmin(np.abs((blocks / amax)[..., None] - levels), axis=-1).reshape(w.shape)
+  np.testing.assert_array_equal(np.asarray(s), amax.reshape(3, 7, 4, 12))
+  packed = np.asarray(q)
+  np.testing.assert_array_equal(packed & 15, codes[:, 0::2])
+  np.testing.assert_array_equal(packed >> 4, codes[:, 1::2])
+  got = np.asarray(lora.dequantize_kernel(q, s))
+  np.testing.assert_array_equal(got, (levels[codes].reshape(blocks.shape) * amax).reshape(w.shape))
+  half_gap = np.max(np.diff(levels)) / 2
+  assert np.all(np.abs(got - w) <= (half_gap * amax).repeat(8, axis=2).reshape(w.shape) * 1.0001)
+
+  quantized = ADAPTED.replace(quantized=ADAPTED.lora.targets, quantization="nf4")
+  params = _with_random_b(models.init_params(quantized, "lm", jax.random.key(0)))
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  nf4 = {jax.tree_util.keystr(p) for p, x in leaves if x.dtype == jnp.uint8}
+  assert len(nf4) == 7  # q k v o gate up down
+  tokens = _tokens()
+  mask = jnp.ones_like(tokens)
+  logits = jax.jit(models.forward_logits, static_argnums=0)
+  got = logits(quantized, params, tokens, mask)
+  want = logits(ADAPTED, lora.dequantized(params), tokens, mask)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_a_float_checkpoint_loads_as_a_quantized_base_with_its_own_scales(tmp_path, quantization):
   """QLoRA from a Hugging Face checkpoint: the adapted kernels are the checkpoint's quantized
   (`quantize_kernel` of its float weights), sharded as the float kernels would be, the rest
   as saved, and the adapters fresh."""
@@ -560,7 +614,9 @@ def test_a_float_checkpoint_loads_as_an_int8_base_with_its_own_scales(tmp_path):
   from rlhfjax.training import weights
 
   write_checkpoint(tmp_path / "qwen2", TINY_QWEN2)
-  model = TINY_QWEN2.replace(lora=LoraConfig(rank=4), quantized=("q", "down"))
+  model = TINY_QWEN2.replace(
+    lora=LoraConfig(rank=4), quantized=("q", "down"), quantization=quantization
+  )
   spec = RoleSpec.training(range(8), fsdp=4, tensor=2)
   mesh = meshes.make_mesh(spec)
   load = lambda m: weights.load_params(  # noqa: E731
@@ -582,27 +638,36 @@ def test_a_float_checkpoint_loads_as_an_int8_base_with_its_own_scales(tmp_path):
       assert proj["kernel"].dtype == base.dtype and lora.SCALE not in proj
       np.testing.assert_array_equal(np.asarray(proj["kernel"]), np.asarray(base))
       continue
-    q, s = lora.quantize_kernel(base, proj[lora.SCALE].shape)
+    q, s = lora.quantize_kernel(base, proj[lora.SCALE].shape, quantization)
     np.testing.assert_array_equal(np.asarray(proj["kernel"]), np.asarray(q))
     np.testing.assert_array_equal(np.asarray(proj[lora.SCALE]), np.asarray(s))
     assert proj["kernel"].sharding.is_equivalent_to(base.sharding, base.ndim)
     where = lambda x: {  # noqa: E731
       (d.device.id, tuple((i.start, i.stop) for i in d.index)) for d in x.addressable_shards
     }
-    assert where(proj["kernel"]) == where(base) and len({i for _, i in where(base)}) > 1
-  assert got["layers"]["mlp"]["down_proj"]["kernel"].dtype == jnp.int8
+    if quantization == "int8":
+      assert where(proj["kernel"]) == where(base) and len({i for _, i in where(base)}) > 1
+    else:  # the codes split as the float kernel, two to a byte along its contracted width
+      halved = {
+        (d, (i[0], tuple(None if x is None else x // 2 for x in i[1]), *i[2:]))  # [l, d, ...]
+        for d, i in where(base)
+      }
+      assert where(proj["kernel"]) == halved
+      assert len({i for _, i in where(base)}) > 1
+  want = jnp.int8 if quantization == "int8" else jnp.uint8
+  assert got["layers"]["mlp"]["down_proj"]["kernel"].dtype == want
   assert np.all(np.asarray(got["layers"]["attn"]["q_proj"]["lora_b"]) == 0)
 
 
-@pytest.mark.parametrize("variant", ["colocated", "disaggregated"])
-def test_grpo_over_an_int8_base(tmp_path, variant):
-  """Two GRPO iterations with adapters over an int8 base, co-located on 8 devices (the merged
-  weights cast for the rollout; the reference placed as a copy of its own) and disaggregated
-  (the rollout's dequantized base copy, the adapters moved alone; the reference on the
-  actor's base): either reference is the quantized base (KL 0 at first); the actor's bytes
-  are what the memory model says; the rollout ends with the merged, dequantized weights; and
-  a resume from the first checkpoint repeats the second iteration."""
-  changes = {"model.lora.quantize": "int8", "total_steps": 2, "eval.num_prompts": 0}
+@pytest.mark.parametrize("variant,quantization", [("colocated", "int8"), ("disaggregated", "nf4")])
+def test_grpo_over_a_quantized_base(tmp_path, variant, quantization):
+  """Two GRPO iterations with adapters over a quantized base: int8, co-located on 8 devices
+  (the merged weights cast for the rollout; the reference placed as a copy of its own), and
+  nf4, disaggregated (the rollout's dequantized base copy, the adapters moved alone; the
+  reference on the actor's base): either reference is the quantized base (KL 0 at first); the
+  actor's bytes are what the memory model says; the rollout ends with the merged, dequantized
+  weights; and a resume from the first checkpoint repeats the second iteration."""
+  changes = {"model.lora.quantize": quantization, "total_steps": 2, "eval.num_prompts": 0}
   changes["checkpoint.every_steps"] = 1
   if variant == "disaggregated":
     changes.update({"placement.num_devices": 2, "placement.rollout_tensor": 1})
@@ -611,6 +676,7 @@ def test_grpo_over_an_int8_base(tmp_path, variant):
   cfg = shipped_config("grpo_lora_tiny", changes, variant)
   assert cfg.model.reference_from_base == (variant == "disaggregated")
   assert cfg.model.for_role("reference").quantized == cfg.model.lora.targets
+  assert cfg.model.for_role("actor").quantization == quantization
   runner = Runner(cfg, str(tmp_path / "run"), show_progress=False)
   rows = runner.run().metrics
   assert rows[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl/mean"] > 0
@@ -625,9 +691,11 @@ def test_grpo_over_an_int8_base(tmp_path, variant):
   assert sum(x.nbytes for x in jax.tree.leaves(actor)) == (
     memory.stored_param_bytes(model, "lm") + memory.adapter_bytes(model)
   )
-  assert memory.stored_param_bytes(model, "lm") < 0.6 * memory.stored_param_bytes(
-    model.replace(quantized=()), "lm"
-  )
+  # float32 weights: int8 about a quarter of their bytes over the adapted kernels, nf4 an
+  # eighth plus a scale per block of 8 (the tiny model's width).
+  assert memory.stored_param_bytes(model, "lm") < {"int8": 0.6, "nf4": 0.5}[
+    quantization
+  ] * memory.stored_param_bytes(model.replace(quantized=()), "lm")
   wanted = models.abstract_params(cluster.roles[Role.ROLLOUT].model, "lm")
   merged = jax.tree.map(
     lambda x, w: np.asarray(x).astype(w.dtype), lora.merged(actor, model.lora), wanted

@@ -35,7 +35,7 @@ class AdapterSync:
     base_shardings = lora.base_layout(src.param_shardings)
     self._cast_base = compile_fn(
       "rollout_base_cast",
-      # An int8 base (QLoRA) dequantized: the rollout runs float weights.
+      # A quantized base (QLoRA) dequantized: the rollout runs float weights.
       lambda params: transfer.cast(lora.dequantized(lora.base(params)), dtypes=wanted),
       in_shardings=(src.param_shardings,),
       out_shardings=base_shardings,

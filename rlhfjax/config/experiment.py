@@ -161,7 +161,7 @@ class ExtraRoleSection(RoleModelSection):
 
 
 _LORA_REFERENCES = ("base", "placed")
-_LORA_QUANTIZE = ("", "int8")
+_LORA_QUANTIZE = ("", *model_config.QUANTIZATIONS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,16 +185,18 @@ class LoraSection:
   quantize: str = ""
   """'int8': the adapted projections' frozen base kernels are stored as int8 with a float32
   scale per output channel (symmetric, absmax: about a quarter of the float32 bytes, half of
-  bf16's) and dequantized in the forward; QLoRA's saving, on every backend (XLA computes the
-  dequantization; no special kernel). '' (default): the base in its own dtype. The reference
-  scores the same quantized weights, on the base ('base') or as a placed copy of the actor's
-  model ('placed'); the rollout runs the adapted weights dequantized and merged."""
+  bf16's); 'nf4': as QLoRA's 4-bit NormalFloat, two codes a byte with a float32 absmax scale
+  per block of 64 contracted weights (about 4.5 bits a weight); either dequantized in the
+  forward, on every backend (XLA computes the dequantization; no special kernel). ''
+  (default): the base in its own dtype. The reference scores the same quantized weights, on
+  the base ('base') or as a placed copy of the actor's model ('placed'); the rollout runs the
+  adapted weights dequantized and merged."""
 
   def __post_init__(self):
     if self.quantize not in _LORA_QUANTIZE:
       raise ConfigError(
-        f"'model.lora.quantize' must be 'int8' or '' (the base in its own dtype), got "
-        f"{self.quantize!r}"
+        f"'model.lora.quantize' must be one of {', '.join(map(repr, _LORA_QUANTIZE))} ('': "
+        f"the base in its own dtype), got {self.quantize!r}"
       )
     if isinstance(self.targets, str):
       object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t))
@@ -412,6 +414,7 @@ class ModelSection:
       changes["lora"] = self.lora.for_model(rank)
     if self.lora.quantize and (self.lora_rank(role) or self._scores_quantized_base(role)):
       changes["quantized"] = self.lora.targets
+      changes["quantization"] = self.lora.quantize
     try:
       if self.hf_for(role):
         return self._from_hf(role, changes)

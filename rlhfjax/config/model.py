@@ -9,6 +9,7 @@ window), and each Hugging Face family says how its config.json sets them
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -84,6 +85,19 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections LoRA adapts by default: attention's q/k/v/o and the MLP's gate/up/down."""
 LORA_EXTRA_TARGETS = ("lm_head",)
 """Adaptable on request: the LM head (an untied one), PEFT's `lm_head` target."""
+QUANTIZATIONS = ("int8", "nf4")
+"""Stored forms of a QLoRA base's kernels (`ModelConfig.quantization`)."""
+NF4_BLOCK = 64
+"""Weights per absmax scale of an 'nf4' kernel, along its last contracted dimension."""
+
+
+def nf4_block(n: int) -> int:
+  """Weights per scale of an 'nf4' kernel whose last contracted dimension has `n`:
+  `gcd(n, NF4_BLOCK)`, at least 4 (two codes a byte, and blocks of two would be ambiguous)."""
+  block = math.gcd(n, NF4_BLOCK)
+  if block < 4:
+    raise ValueError(f"nf4 quantizes blocks of 4 to {NF4_BLOCK} weights: {n} is not divisible by 4")
+  return block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,14 +180,31 @@ class ModelConfig:
   """Low-rank adapters over frozen base weights (`LoraConfig`); None: every weight trains."""
   quantized: tuple[str, ...] = ()
   """Projections (names of `LORA_TARGETS` and `lm_head`) whose frozen base kernels are stored
-  as int8 with a float32 scale per output channel and dequantized in the forward (QLoRA's
-  memory saving, `rlhfjax.models.lora.quantize_kernel`): the adapted projections of a run with
-  `model.lora.quantize='int8'`, and the same of a reference that scores the actor's base."""
+  quantized (`quantization`) and dequantized in the forward (QLoRA's memory saving,
+  `rlhfjax.models.lora.quantize_kernel`): the adapted projections of a run with
+  `model.lora.quantize`, and the same of a reference that scores the actor's base."""
+  quantization: str = "int8"
+  """How the `quantized` kernels are stored: 'int8' (a float32 scale per output channel) or
+  'nf4' (QLoRA's 4-bit NormalFloat, two codes a byte, a float32 scale per block of up to 64
+  contracted weights); one of `QUANTIZATIONS`."""
 
   def __post_init__(self):
     unknown = [t for t in self.quantized if t not in LORA_TARGETS + LORA_EXTRA_TARGETS]
     if unknown:
       raise ValueError(f"ModelConfig.quantized names unknown projections {unknown}")
+    if self.quantization not in QUANTIZATIONS:
+      raise ValueError(
+        f"ModelConfig.quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+      )
+    if self.quantization == "nf4":
+      # Each quantized kernel's last contracted dimension splits into blocks (`nf4_block`).
+      for target in self.quantized:
+        size = {"o": "head_dim", "down": "intermediate_size"}.get(target, "hidden_size")
+        if getattr(self, size) % 4:
+          raise ValueError(
+            f"nf4 quantizes {target}_proj in blocks of 4 to {NF4_BLOCK} along its {size}, "
+            f"{getattr(self, size)}, which is not divisible by 4"
+          )
     for name in SHAPE_FIELDS:
       if getattr(self, name) < 1:
         raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -244,7 +275,7 @@ TOKEN_FIELDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
 """The special token ids a checkpoint declares: the tokenizer's, not the network's."""
 # The family name only picks the export format: with the fields above excepted, what is left
 # is what the network computes from given weights.
-ADAPTER_FIELDS = ("lora", "quantized")
+ADAPTER_FIELDS = ("lora", "quantized", "quantization")
 """What a run trains on top of the weights (not the weights' architecture)."""
 ARCHITECTURE_FIELDS = tuple(
   f.name

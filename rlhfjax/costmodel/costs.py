@@ -96,9 +96,9 @@ def matmul_params(config: ModelConfig, head: str) -> int:
 
 
 def matmul_bytes(config: ModelConfig, head: str) -> float:
-  """Bytes of the matmul weights as stored: `param_dtype`, less what int8 saves on the
+  """Bytes of the matmul weights as stored: `param_dtype`, less what quantization saves on the
   projections in `config.quantized` (QLoRA's base; `memory.stored_param_bytes`), whose
-  gathers and reads move the int8 kernels and their scales."""
+  gathers and reads move the quantized kernels and their scales."""
   whole = matmul_params(config, head) * _BYTES[config.param_dtype]
   if not config.quantized:
     return whole

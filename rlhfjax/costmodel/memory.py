@@ -5,7 +5,8 @@ Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens eac
 
 - LoRA (`ModelConfig.lora`): the frozen base in `param_dtype` plus float32 adapters; moments
   and gradients of the adapters only (and of a value head). QLoRA (`ModelConfig.quantized`):
-  those projections' base kernels in int8 plus a float32 scale per output channel.
+  those projections' base kernels in int8 plus a float32 scale per output channel, or in
+  'nf4' (half a byte a weight plus a float32 scale per block of up to 64).
 - Persistent (lives between stages): parameters in `param_dtype`, and for trained roles the two
   Adam moments (optax keeps them in the parameters' dtype unless told otherwise), sharded over
   the layout's parameter axes. A part this role offloads (`Options.offload_params`,
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhfjax.config.model import LoraConfig, ModelConfig, param_count
+from rlhfjax.config.model import LoraConfig, ModelConfig, nf4_block, param_count
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -147,30 +148,36 @@ def param_bytes(config: ModelConfig, head: str, shards: int) -> int:
 
 
 def stored_param_bytes(config: ModelConfig, head: str) -> int:
-  """Bytes of the parameters as stored: `param_dtype`, but int8 kernels with a float32 scale
-  per output channel for the projections in `config.quantized` (QLoRA's base)."""
+  """Bytes of the parameters as stored: `param_dtype`, but for the projections in
+  `config.quantized` (QLoRA's base) int8 kernels with a float32 scale per output channel, or
+  'nf4' codes two a byte with a float32 scale per block (`nf4_block` of the last contracted
+  dimension)."""
   total = param_count(config, head) * _BYTES[config.param_dtype]
   if not config.quantized:
     return total
   d, f, h, k, n = _dims(config)
-  shapes = {  # (kernel elements, output channels) of one layer's projection
-    "q": (d * h * n, h * n),
-    "k": (d * k * n, k * n),
-    "v": (d * k * n, k * n),
-    "o": (h * n * d, d),
-    "gate": (d * f, f),
-    "up": (d * f, f),
-    "down": (f * d, d),
+  shapes = {  # (kernel elements, output channels, last contracted dim) of one layer's
+    "q": (d * h * n, h * n, d),
+    "k": (d * k * n, k * n, d),
+    "v": (d * k * n, k * n, d),
+    "o": (h * n * d, d, n),
+    "gate": (d * f, f, d),
+    "up": (d * f, f, d),
+    "down": (f * d, d, f),
   }
   for target in config.quantized:
     if target == "lm_head":
       if head != "lm" or config.tie_embeddings:
         continue
-      elements, channels = d * config.vocab_size, config.vocab_size
+      elements, channels, contracted = d * config.vocab_size, config.vocab_size, d
     else:
-      elements, channels = (x * config.num_layers for x in shapes[target])
-    total -= elements * (_BYTES[config.param_dtype] - 1)
-    total += 4 * channels
+      elements, channels, contracted = shapes[target]
+      elements, channels = elements * config.num_layers, channels * config.num_layers
+    total -= elements * _BYTES[config.param_dtype]
+    if config.quantization == "nf4":
+      total += elements // 2 + 4 * (elements // nf4_block(contracted))
+    else:
+      total += elements + 4 * channels
   return total
 
 

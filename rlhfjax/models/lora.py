@@ -17,13 +17,23 @@ A parameter tree with adapters has `lora_a` / `lora_b` leaves beside the adapted
 drops the adapters and `merged` folds them into the kernels (the weights a rollout or an export
 without adapters runs).
 
-QLoRA's frozen base (`ModelConfig.quantized`): an adapted kernel stored as int8 `q` beside a
-float32 `kernel_scale` per output channel (the kernel's dimensions the einsum does not
-contract; size 1 on the contracted ones), `W ~ q * scale` with `scale = max |W| / 127` over the
-contracted dimensions (symmetric absmax, round to nearest: each weight within `scale / 2` of its
-float value). The forward dequantizes in float32 and casts to the compute dtype
-(`dequantize_kernel`); `quantize_base` turns a loaded float base into this form, `dequantized`
-back (what a rollout or an export receives).
+QLoRA's frozen base (`ModelConfig.quantized`), in one of two forms (`ModelConfig.quantization`):
+
+- 'int8': an adapted kernel stored as int8 `q` beside a float32 `kernel_scale` per output
+  channel (the kernel's dimensions the einsum does not contract; size 1 on the contracted
+  ones), `W ~ q * scale` with `scale = max |W| / 127` over the contracted dimensions (symmetric
+  absmax, round to nearest: each weight within `scale / 2` of its float value).
+- 'nf4': QLoRA's 4-bit NormalFloat (Dettmers et al., 2023): the weights of one output channel
+  in blocks of `NF4_BLOCK` along the last contracted dimension (fewer where that dimension has
+  fewer: the largest common divisor, at least 4), each block's float32 absmax as its
+  `kernel_scale`, each weight the nearest of the 16 `NF4_LEVELS` times that scale (within half
+  the gap between its two nearest levels), the codes two to a byte along that dimension
+  (uint8, the low nibble first). No double quantization of the scales: 4.5 bits a weight at
+  blocks of 64, where QLoRA's is 4.127.
+
+The forward dequantizes in float32 and casts to the compute dtype (`dequantize_kernel`);
+`quantize_base` turns a loaded float base into this form, `dequantized` back (what a rollout
+or an export receives).
 """
 
 from __future__ import annotations
@@ -35,13 +45,35 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rlhfjax.config import model as model_config
 from rlhfjax.config.model import LoraConfig
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The names of the adapter parameters inside an adapted projection."""
 SCALE = "kernel_scale"
-"""The per-output-channel scale beside an int8 base kernel."""
+"""The scale beside a quantized base kernel (per output channel, or per 'nf4' block)."""
 _INT8_MAX = 127.0
+NF4_LEVELS = (
+  -1.0,
+  -0.6961928009986877,
+  -0.5250730514526367,
+  -0.39491748809814453,
+  -0.28444138169288635,
+  -0.18477343022823334,
+  -0.09105003625154495,
+  0.0,
+  0.07958029955625534,
+  0.16093020141124725,
+  0.24611230194568634,
+  0.33791524171829224,
+  0.44070982933044434,
+  0.5626170039176941,
+  0.7229568362236023,
+  1.0,
+)
+"""The 16 values of QLoRA's NormalFloat4 (the paper's appendix E; bitsandbytes' `NF4`): quantiles
+of a standard normal scaled to [-1, 1], with an exact 0."""
+NF4_BLOCK = model_config.NF4_BLOCK
 ALWAYS_TRAINED = ("value_head",)
 """Parameters that train with the adapters: a value head is new, no base holds it."""
 
@@ -94,15 +126,41 @@ def _contracted(eqn: str) -> list[int]:
   return [i for i, c in enumerate(rhs) if c in lhs]
 
 
+nf4_block = model_config.nf4_block
+
+
 def scale_layout(
-  eqn: str, kernel_shape: tuple[int, ...], kernel_axes: tuple[str, ...]
+  eqn: str,
+  kernel_shape: tuple[int, ...],
+  kernel_axes: tuple[str, ...],
+  quantization: str = "int8",
 ) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-  """Shape and logical axes of an int8 kernel's scale: the kernel's, 1 (unsharded) on the
-  dimensions the einsum contracts."""
-  contracted = set(_contracted(eqn))
+  """Shape and logical axes of a quantized kernel's scale. 'int8': the kernel's, 1 (unsharded)
+  on the dimensions the einsum contracts; 'nf4': the kernel's, the last contracted dimension
+  divided into blocks (`nf4_block`)."""
+  contracted = _contracted(eqn)
+  if quantization == "nf4":
+    last = contracted[-1]
+    shape = tuple(n // nf4_block(n) if i == last else n for i, n in enumerate(kernel_shape))
+    return shape, tuple(kernel_axes)
   shape = tuple(1 if i in contracted else n for i, n in enumerate(kernel_shape))
   axes = tuple(None if i in contracted else a for i, a in enumerate(kernel_axes))
   return shape, axes
+
+
+def packed_dim(eqn: str) -> int:
+  """The kernel dimension an 'nf4' kernel packs its codes along: its last contracted one."""
+  return _contracted(eqn)[-1]
+
+
+def stored_shape(eqn: str, kernel_shape: tuple[int, ...], quantization: str) -> tuple[int, ...]:
+  """The shape a quantized kernel is stored in: an 'nf4' one holds two codes a byte along its
+  last contracted dimension."""
+  if quantization != "nf4":
+    return tuple(kernel_shape)
+  last = _contracted(eqn)[-1]
+  nf4_block(kernel_shape[last])  # refuses a dimension that does not split into blocks
+  return tuple(n // 2 if i == last else n for i, n in enumerate(kernel_shape))
 
 
 def _init_step(std: float) -> float:
@@ -129,10 +187,71 @@ def int8_scale_init(std: float):
   return init
 
 
-def quantize_kernel(kernel: jax.Array, scale_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-  """`(q, scale)` of a float kernel: int8 and the float32 absmax scale over the dimensions of
-  size 1 in `scale_shape` (a zero channel gets scale 1)."""
+def nf4_normal_init(std: float, dim: int):
+  """A random 'nf4' kernel (codes packed along `dim`): a normal draw of `std` over the scale
+  `nf4_scale_init(std)` gives every block, each weight at its nearest level."""
+
+  def init(key, shape, dtype=jnp.uint8):
+    full = tuple(n * 2 if i == dim else n for i, n in enumerate(shape))
+    w = jax.random.normal(key, full, jnp.float32) * std
+    return _pack(_nf4_codes(w / (4 * std)), dim).astype(dtype)
+
+  return init
+
+
+def nf4_scale_init(std: float):
+  def init(key, shape, dtype=jnp.float32):
+    del key
+    return jnp.full(shape, 4 * std, dtype)
+
+  return init
+
+
+def _nf4_codes(x: jax.Array) -> jax.Array:
+  """uint8 index of the nearest `NF4_LEVELS` value to each of `x` (clipped to [-1, 1]); a
+  value half-way between two levels takes the lower."""
+  levels = jnp.asarray(NF4_LEVELS, jnp.float32)
+  midpoints = (levels[1:] + levels[:-1]) / 2
+  return jnp.searchsorted(midpoints, jnp.clip(x, -1.0, 1.0), side="left").astype(jnp.uint8)
+
+
+def _pack(codes: jax.Array, dim: int) -> jax.Array:
+  """Two 4-bit codes a byte along `dim`: element 2i in the low nibble, 2i + 1 in the high."""
+  pairs = codes.reshape(*codes.shape[:dim], codes.shape[dim] // 2, 2, *codes.shape[dim + 1 :])
+  low, high = jnp.moveaxis(pairs, dim + 1, 0)
+  return (low | (high << 4)).astype(jnp.uint8)
+
+
+def _unpack(packed: jax.Array, dim: int) -> jax.Array:
+  """The codes `_pack` packed along `dim`."""
+  pairs = jnp.stack([packed & 15, packed >> 4], axis=dim + 1)
+  shape = list(packed.shape)
+  shape[dim] *= 2
+  return pairs.reshape(shape)
+
+
+def _packed_dim(stored: tuple[int, ...], scale: tuple[int, ...]) -> int:
+  """The dimension an 'nf4' kernel's codes are packed along: the one its scale divides into
+  blocks (every other dimension of the scale is the kernel's)."""
+  (dim,) = [i for i, (n, m) in enumerate(zip(stored, scale, strict=True)) if n != m]
+  return dim
+
+
+def quantize_kernel(
+  kernel: jax.Array, scale_shape: tuple[int, ...], quantization: str = "int8"
+) -> tuple[jax.Array, jax.Array]:
+  """`(q, scale)` of a float kernel. 'int8': int8 and the float32 absmax scale over the
+  dimensions of size 1 in `scale_shape` (a zero channel gets scale 1). 'nf4': packed codes and
+  the float32 absmax of each block (the dimension `scale_shape` divides into blocks)."""
   w = kernel.astype(jnp.float32)
+  if quantization == "nf4":
+    dim = _packed_dim(w.shape, tuple(scale_shape))
+    n, blocks = w.shape[dim], scale_shape[dim]
+    split = w.reshape(*w.shape[:dim], blocks, n // blocks, *w.shape[dim + 1 :])
+    amax = jnp.max(jnp.abs(split), axis=dim + 1, keepdims=True)
+    scale = jnp.where(amax > 0, amax, 1.0)
+    codes = _nf4_codes(split / scale).reshape(w.shape)
+    return _pack(codes, dim), scale.reshape(scale_shape)
   axes = tuple(i for i, (n, m) in enumerate(zip(w.shape, scale_shape, strict=True)) if m == 1 < n)
   amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
   scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
@@ -141,19 +260,29 @@ def quantize_kernel(kernel: jax.Array, scale_shape: tuple[int, ...]) -> tuple[ja
 
 
 def dequantize_kernel(q: jax.Array, scale: jax.Array) -> jax.Array:
-  """The float32 kernel of an int8 one."""
-  return q.astype(jnp.float32) * scale.astype(jnp.float32)
+  """The float32 kernel of a quantized one: int8 `q` times its scale, or uint8 'nf4' codes
+  unpacked, their levels times their block's scale."""
+  if q.dtype != jnp.uint8:
+    return q.astype(jnp.float32) * scale.astype(jnp.float32)
+  dim = _packed_dim(q.shape, scale.shape)
+  values = jnp.asarray(NF4_LEVELS, jnp.float32)[_unpack(q, dim)]
+  n, blocks = values.shape[dim], scale.shape[dim]
+  split = values.reshape(*values.shape[:dim], blocks, n // blocks, *values.shape[dim + 1 :])
+  scale = jnp.expand_dims(scale.astype(jnp.float32), dim + 1)
+  return (split * scale).reshape(values.shape)
 
 
 def quantize_base(params: Any, like: Any) -> Any:
   """`params` (a float base) with the kernels that `like` (a tree of the quantized layout:
-  arrays or shape structs) holds as int8 quantized (`quantize_kernel`)."""
+  arrays or shape structs) holds quantized (`quantize_kernel`; int8 or, stored as uint8,
+  'nf4')."""
 
   def walk(tree: Any, target: Any) -> Any:
     if not isinstance(tree, dict):
       return tree
     if "kernel" in tree and isinstance(target, dict) and SCALE in target:
-      q, scale = quantize_kernel(tree["kernel"], tuple(target[SCALE].shape))
+      quantization = "nf4" if target["kernel"].dtype == jnp.uint8 else "int8"
+      q, scale = quantize_kernel(tree["kernel"], tuple(target[SCALE].shape), quantization)
       return {**tree, "kernel": q, SCALE: scale}
     return {
       k: walk(v, target.get(k) if isinstance(target, dict) else None) for k, v in tree.items()
@@ -163,7 +292,7 @@ def quantize_base(params: Any, like: Any) -> Any:
 
 
 def dequantized(params: Any) -> Any:
-  """`params` with every int8 kernel dequantized to float32 and its scale dropped."""
+  """`params` with every quantized kernel dequantized to float32 and its scale dropped."""
 
   def fold(proj: dict) -> dict:
     if SCALE not in proj:
@@ -175,13 +304,13 @@ def dequantized(params: Any) -> Any:
 
 
 def without_scales(tree: Any) -> Any:
-  """`tree` (any tree of the parameters' structure) without the int8 kernels' scales: the
+  """`tree` (any tree of the parameters' structure) without the quantized kernels' scales: the
   structure of the dequantized parameters (`dequantized`)."""
   return _map_projections(tree, lambda proj: {k: v for k, v in proj.items() if k != SCALE})
 
 
 def base_layout(tree: Any) -> Any:
-  """`tree` (any tree of the parameters' structure) as a model without adapters or int8
+  """`tree` (any tree of the parameters' structure) as a model without adapters or quantized
   kernels holds it: the structure of `dequantized(base(params))`, what a rollout or an export
   receives."""
   return without_scales(base(tree))

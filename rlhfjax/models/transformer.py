@@ -53,9 +53,10 @@ def _adapted(config: ModelConfig, target: str) -> LoraConfig | None:
   return config.lora if config.lora is not None and target in config.lora.targets else None
 
 
-def _quantized(config: ModelConfig, target: str) -> bool:
-  """Whether projection `target`'s frozen base kernel is stored as int8 (`config.quantized`)."""
-  return target in config.quantized
+def _quantized(config: ModelConfig, target: str) -> str:
+  """How projection `target`'s frozen base kernel is stored: `config.quantization` where
+  `config.quantized` names it, else '' (in the parameters' dtype)."""
+  return config.quantization if target in config.quantized else ""
 
 
 def _projection(
@@ -67,7 +68,7 @@ def _projection(
   bias_axes: tuple[str, ...] | None = None,
 ) -> Linear:
   """The model's projection `target` (one of `LORA_TARGETS`), module `<target>_proj`: its
-  adapters (`_adapted`) and int8 base (`_quantized`) as the config says."""
+  adapters (`_adapted`) and quantized base (`_quantized`) as the config says."""
   return Linear(
     eqn,
     kernel_shape,
@@ -83,8 +84,9 @@ def _projection(
 
 class Linear(nn.Module):
   """`y = einsum(eqn, x, kernel) (+ bias)` with logically named kernel axes; with `lora`, plus
-  `scale * B (A x)` (`lora.adapter_delta`); `quantized`: the kernel is int8 times a float32
-  scale per output channel (`kernel_scale`), dequantized here (`lora.dequantize_kernel`)."""
+  `scale * B (A x)` (`lora.adapter_delta`); `quantized`: the kernel is stored quantized, int8
+  or 'nf4' codes times a float32 scale (`kernel_scale`), dequantized here
+  (`lora.dequantize_kernel`)."""
 
   eqn: str
   kernel_shape: tuple[int, ...]
@@ -94,29 +96,32 @@ class Linear(nn.Module):
   param_dtype: Any = jnp.float32
   lora: LoraConfig | None = None
   """Adapters on this projection (None: none)."""
-  quantized: bool = False
-  """The kernel is stored as int8 with a per-output-channel float32 scale."""
+  quantized: str = ""
+  """How the kernel is stored: '' (in `param_dtype`), 'int8' (a float32 scale per output
+  channel) or 'nf4' (packed 4-bit codes, a float32 scale per block): `lora` explains both."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.quantized:
-      scale_shape, scale_axes = lora.scale_layout(self.eqn, self.kernel_shape, self.kernel_axes)
-      q = _param(
-        self,
-        "kernel",
-        self.kernel_shape,
-        self.kernel_axes,
-        lora.int8_normal_init(_INIT_STD),
-        jnp.int8,
+      scale_shape, scale_axes = lora.scale_layout(
+        self.eqn, self.kernel_shape, self.kernel_axes, self.quantized
       )
-      scale = _param(
-        self,
-        "kernel_scale",
-        scale_shape,
-        scale_axes,
-        lora.int8_scale_init(_INIT_STD),
-        jnp.float32,
-      )
+      if self.quantized == "nf4":
+        dim = lora.packed_dim(self.eqn)
+        init, scale_init, dtype = (
+          lora.nf4_normal_init(_INIT_STD, dim),
+          lora.nf4_scale_init(_INIT_STD),
+          jnp.uint8,
+        )
+      else:
+        init, scale_init, dtype = (
+          lora.int8_normal_init(_INIT_STD),
+          lora.int8_scale_init(_INIT_STD),
+          jnp.int8,
+        )
+      stored = lora.stored_shape(self.eqn, self.kernel_shape, self.quantized)
+      q = _param(self, "kernel", stored, self.kernel_axes, init, dtype)
+      scale = _param(self, "kernel_scale", scale_shape, scale_axes, scale_init, jnp.float32)
       kernel = lora.dequantize_kernel(q, scale)
     else:
       kernel = _param(
@@ -734,7 +739,7 @@ class Transformer(nn.Module):
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.param_dtype),
         lora=_adapted(cfg, "lm_head") if self.head == "lm" else None,
-        quantized=self.head == "lm" and _quantized(cfg, "lm_head"),
+        quantized=_quantized(cfg, "lm_head") if self.head == "lm" else "",
         name="lm_head",
       )(x_btd)
     return out.astype(jnp.float32), new_cache

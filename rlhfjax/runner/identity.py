@@ -105,7 +105,7 @@ def check(meta: Mapping[str, Any], current: Mapping[str, Any], where: str) -> No
     )
 
 
-_RECORDED_LATER = ("param_dtype",)
+_RECORDED_LATER = ("param_dtype", "quantization")
 """Model fields an earlier version's checkpoints do not record."""
 
 

@@ -96,7 +96,7 @@ def load_params(
     load_params, source, head=head, mesh=mesh, layout=layout, rng=rng, items=items, what=what
   )
   if model.lora is None and model.quantized:
-    # QLoRA's base: the source's float weights, then its adapted kernels quantized to int8.
+    # QLoRA's base: the source's float weights, then its adapted kernels quantized.
     float_base = again(model=model.replace(quantized=()), shardings=lora.without_scales(shardings))
     like = models.abstract_params(model, head)
     return programs.jit(
@@ -147,7 +147,9 @@ def _from_checkpoint(source, model, head, mesh, layout, shardings, items, what) 
   adapters = saved_adapters(step_dir, item)
   saved = model.replace(lora=None, quantized=())
   if adapters is not None:
-    saved = saved.replace(lora=adapters.lora, quantized=adapters.quantized)
+    saved = saved.replace(
+      lora=adapters.lora, quantized=adapters.quantized, quantization=adapters.quantization
+    )
   saved_shardings = param_shardings(saved, found_head, mesh, layout)
   abstract = abstract_with_shardings(models.abstract_params(saved, found_head), saved_shardings)
   if adapters is None:
@@ -176,12 +178,21 @@ class SavedAdapters:
   """The base's source ('': random from `rng`)."""
   rng: jax.Array
   quantized: tuple[str, ...] = ()
-  """The base's projections the adapters were trained over as int8 (`ModelConfig.quantized`)."""
+  """The base's projections the adapters were trained over quantized (`ModelConfig.quantized`)."""
+  quantization: str = "int8"
+  """How those were stored (`ModelConfig.quantization`)."""
 
   @classmethod
   def of(cls, model: ModelConfig, source: Any) -> SavedAdapters:
-    """From a role's model (its `lora` and `quantized`) and its `rlhfjax.cluster.WeightSource`."""
-    return cls(lora=model.lora, base=source.source, rng=source.rng, quantized=model.quantized)
+    """From a role's model (its `lora` and quantized base) and its
+    `rlhfjax.cluster.WeightSource`."""
+    return cls(
+      lora=model.lora,
+      base=source.source,
+      rng=source.rng,
+      quantized=model.quantized,
+      quantization=model.quantization,
+    )
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -189,6 +200,7 @@ class SavedAdapters:
       "base": self.base,
       "rng": [int(x) for x in np.asarray(jax.random.key_data(self.rng)).ravel()],
       "quantized": list(self.quantized),
+      "quantization": self.quantization,
     }
 
   @classmethod
@@ -199,6 +211,7 @@ class SavedAdapters:
       base=found["base"],
       rng=jax.random.wrap_key_data(np.asarray(found["rng"], np.uint32)),
       quantized=tuple(found.get("quantized", ())),
+      quantization=found.get("quantization", "int8"),
     )
 
 
