@@ -543,18 +543,10 @@ def test_int8_kernels_are_within_half_a_step_of_the_float_ones_and_run_as_them()
   err = np.abs(np.asarray(lora.dequantize_kernel(q, s)) - w)
   assert np.all(err <= np.asarray(s) / 2 * (1 + 1e-6))
 
-  quantized = ADAPTED.replace(quantized=ADAPTED.lora.targets)
-  params = _with_random_b(models.init_params(quantized, "lm", jax.random.key(0)))
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  int8 = {jax.tree_util.keystr(p) for p, x in leaves if x.dtype == jnp.int8}
-  adapted = {jax.tree_util.keystr(p[:-1]) for p, _ in leaves if str(p[-1]) == "['lora_a']"}
-  assert int8 == {f"{k}['kernel']" for k in adapted} and len(int8) == 7  # q k v o gate up down
+  quantized, params, got = _quantized_model_runs_as_its_floats("int8", jnp.int8)
   tokens = _tokens()
   mask = jnp.ones_like(tokens)
   logits = jax.jit(models.forward_logits, static_argnums=0)
-  got = logits(quantized, params, tokens, mask)
-  want = logits(ADAPTED, lora.dequantized(params), tokens, mask)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
   # Merged, the rollout's weights: float32 kernels, no scales, the same adapted model.
   merged = lora.merged(params, quantized.lora)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(merged))
@@ -591,17 +583,26 @@ def test_nf4_kernels_match_numpy_and_run_as_their_dequantized_floats():
   half_gap = np.max(np.diff(levels)) / 2
   assert np.all(np.abs(got - w) <= (half_gap * amax).repeat(8, axis=2).reshape(w.shape) * 1.0001)
 
-  quantized = ADAPTED.replace(quantized=ADAPTED.lora.targets, quantization="nf4")
+  _quantized_model_runs_as_its_floats("nf4", jnp.uint8)
+
+
+def _quantized_model_runs_as_its_floats(quantization: str, dtype):
+  """`(model, params, logits)` of the adapted tiny model over a `quantization` base (every
+  adapted kernel, and only those, of `dtype`), its logits those of the float model with the
+  dequantized kernels (the forward dequantizes in float32 first)."""
+  quantized = ADAPTED.replace(quantized=ADAPTED.lora.targets, quantization=quantization)
   params = _with_random_b(models.init_params(quantized, "lm", jax.random.key(0)))
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  nf4 = {jax.tree_util.keystr(p) for p, x in leaves if x.dtype == jnp.uint8}
-  assert len(nf4) == 7  # q k v o gate up down
+  stored = {jax.tree_util.keystr(p) for p, x in leaves if x.dtype == dtype}
+  adapted = {jax.tree_util.keystr(p[:-1]) for p, _ in leaves if str(p[-1]) == "['lora_a']"}
+  assert stored == {f"{k}['kernel']" for k in adapted} and len(stored) == 7  # q k v o gate up down
   tokens = _tokens()
   mask = jnp.ones_like(tokens)
   logits = jax.jit(models.forward_logits, static_argnums=0)
   got = logits(quantized, params, tokens, mask)
   want = logits(ADAPTED, lora.dequantized(params), tokens, mask)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  return quantized, params, got
 
 
 @pytest.mark.parametrize("quantization", ["int8", "nf4"])
