@@ -328,11 +328,15 @@ def test_conversations_keep_their_kv_and_equal_no_cache_generation(
 
 def test_conversations_move_to_the_tail_engine_with_their_observations(params):
   """With tail compaction the running conversations move to the tail engine, prefilled again
-  there with their observations: the same tokens. A conversation's next turn queues on its own
+  there with their observations, and go on taking turns there (a turn's observation extends
+  its KV on the tail engine): the same tokens. A conversation's next turn queues on its own
   'data' replica, so the other replica may have a slot no queued request can take: the decode
   call before the move still runs (it once returned at once, with no step, and the stream
   stopped)."""
-  config = dataclasses.replace(TURNS, tail_threshold=0.75)
+  # Room for turns after the move (at 20 new tokens every conversation moved has used its own).
+  config = dataclasses.replace(
+    TURNS, tail_threshold=0.75, max_new_tokens=32, num_pages=4 * (6 * 9 + 1)
+  )
   engine = rollout.Engine.for_role(CONFIG, config, _role([4, 5, 6, 7], 2, 2), params)
   prompts = _prompts(7, (5, 9, 16, 3, 12, 7))
   settings = _turn_settings(params, prompts, dict(temperature=0.0))
@@ -343,6 +347,8 @@ def test_conversations_move_to_the_tail_engine_with_their_observations(params):
   got_turns = _Turns()
   stream, groups = _stream(engine, prompts, sampling=settings, seed=3, turn=got_turns, min_yield=1)
   assert stream.stats.compactions == [3]
+  tail = engine.compactor.engines[3]
+  assert any(name.startswith("extend") for name in tail.compilations), tail.compilations
   for g in groups:
     np.testing.assert_array_equal(g.tokens, want.tokens[g.indices])
     np.testing.assert_array_equal(g.observed, want.observed[g.indices])
