@@ -5,8 +5,9 @@ fraction (from the schedule's table) and its measured step time (`rlhfjax.bench.
   python scripts/bench_pipeline.py --stages=4 --micro_batches=8 --layers=8
 
 Schedules: 'unpipelined' (the baseline, no stage axis), 'gpipe' and '1f1b' (the actor alone),
-'two_1f1b' (actor then critic, 1F1B each), 'fused' (both in one schedule, the critic's stages
-in the reverse device order). On CPU, --devices host devices are emulated: they share the
+'1f1b_recompute' (the same, each backward running its stage's forward again), 'two_1f1b'
+(actor then critic, 1F1B each), 'fused' (both in one schedule, the critic's stages in the
+reverse device order). On CPU, --devices host devices are emulated: they share the
 host's cores, so stages do not run in parallel and the step times say little about pipelining
 (the bubble fractions are the schedules' own); see the module's docstring.
 """
@@ -27,7 +28,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per step after its com
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices: stages x fsdp (emulated on CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the parameters and the batch.")
 _SCHEDULES = flags.DEFINE_list(
-  "schedules", ["unpipelined", "gpipe", "1f1b", "two_1f1b", "fused"], "Schedules to run."
+  "schedules",
+  ["unpipelined", "gpipe", "1f1b", "1f1b_recompute", "two_1f1b", "fused"],
+  "Schedules to run.",
 )
 
 
