@@ -2,6 +2,8 @@
 flow registry, `plan_placement`, `strategy=auto` and the planner's search (`plan_placement.py`:
 test_planner_roles_e2e.py)."""
 
+import dataclasses
+import math
 import pathlib
 
 import pytest
@@ -94,3 +96,63 @@ def test_search_gives_a_critic_free_workload_no_critic_and_no_idle_devices():
   # Without critic and reward, the variants that split them off collapse: fewer candidates.
   assert len(plans) < len(ppo)
   assert all(Role.CRITIC in p.spec.roles for p in ppo)
+
+
+def test_a_judge_is_priced_as_its_engine_generating_verdicts():
+  """A generative judge (`reward.judge`) is priced and held as its engine: a prefill of each
+  judged text and the decode of its verdicts in its slots (`costs.generate_time`), not a
+  scoring forward; its memory is the memory check's (`estimate_placement_memory`)."""
+  from rlhfjax.costmodel import costs
+  from rlhfjax.planner import evaluate
+
+  config = _config(
+    "grpo",
+    model={
+      "size": "tiny",
+      "extra_roles": {"critic_llm": {"kind": "judge", "size": "tiny", "max_new_tokens": 6}},
+    },
+    placement={
+      "strategy": "colocated",
+      "hardware": "h100",
+      "extra_roles": {"critic_llm": {"mode": "own", "devices": 4, "tensor": 2}},
+    },
+    reward={"judge": "critic_llm", "judge_coef": 1.0, "fn_coef": 0.0},
+  )
+  work = auto.workload_of(config)
+  section = config.model.extra_roles["critic_llm"]
+  engine = work.judges["critic_llm"]
+  assert (engine.slots, engine.capacity, engine.verdict) == section.judge_engine(config.rollout, 1)
+  spec = plan_placement(config, 8)
+  hw, eff = auto.load_planner_inputs(config.placement)
+  plan = evaluate.evaluate(spec, work, hw, eff, micro_batch=1)
+  judged = work.scored("critic_llm")
+  slots, capacity, verdict = section.judge_engine(config.rollout, 2)  # 4 devices / tensor 2
+  prefill, decode = costs.generate_time(
+    hw,
+    eff,
+    work.model("critic_llm"),
+    costs.Group(devices=4, tensor=2),
+    sequences=judged,
+    prompt_len=min(capacity, work.prompt_tokens + work.response_len_mean),
+    response_mean=verdict,
+    response_max=verdict,
+    slots=slots // 2,
+    static_batching=False,
+  )
+
+  def judged_seconds(plan):
+    (last, *_) = [r for r in reversed(plan.replay.records) if r.role == "critic_llm"]
+    assert last.stage == "score"
+    return last.end - last.start
+
+  # The replay's times are sums of start times and durations: each end and start is off by at
+  # most a few dozen roundings of the largest time.
+  rounding = 64 * math.ulp(max(r.end for r in plan.replay.records))
+  assert judged_seconds(plan) == pytest.approx(prefill + decode, rel=0, abs=rounding)
+  assert decode > 0 and verdict == 6
+  # Priced as a scorer's forward it would be another number.
+  forward = dataclasses.replace(work, judges={})
+  other = evaluate.evaluate(spec, forward, hw, eff, micro_batch=1)
+  assert judged_seconds(other) != pytest.approx(judged_seconds(plan), rel=1e-3)
+  checked = estimate_placement_memory(spec, config.model, config.rollout)["critic_llm"]
+  assert plan.memory["critic_llm"] == checked

@@ -27,6 +27,18 @@ OFFLOAD_ALL = OffloadSection(params=("reference", "reward"), optimizer=("actor",
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class JudgeEngine:
+  """A generative judge's engine (`rlhfjax.cluster.judge`; `ExtraRoleSection.judge_engine`)."""
+
+  slots: int
+  """Decode slots over all its replicas (rounded up to a multiple of them where it is placed)."""
+  capacity: int
+  """Prompt tokens its pool holds per slot (the filled template)."""
+  verdict: int
+  """Tokens it generates per verdict (greedy, priced whole)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
   """One iteration: `prompts` x `samples_per_prompt` rollouts, scored, then trained on."""
 
@@ -36,8 +48,13 @@ class Workload:
   reference: ModelConfig | None = None
   """Defaults to the actor's shape."""
   extra_rewards: Mapping[str, ModelConfig] = dataclasses.field(default_factory=dict)
-  """Extra reward models by role name (`model.extra_roles` of kind 'reward'): each scores the
-  sequences the reward model scores (`scored('reward')`), a forward like the reward's."""
+  """Extra reward models by role name (`model.extra_roles` of kind 'reward', and a judge):
+  each scores the sequences the reward model scores (`scored('reward')`), a forward like the
+  reward's, or, for a judge (`judges`), generation of its verdicts."""
+  judges: Mapping[str, JudgeEngine] = dataclasses.field(default_factory=dict)
+  """Of `extra_rewards`, the generative judges and their engines: each prefills the judged
+  text (prompt and response, at most its `capacity`) and decodes `verdict` tokens for every
+  sequence it scores, and holds its engine's KV pool."""
   reference_from_base: bool = False
   """The reference scores with the actor's frozen base weights on the actor's devices (an actor
   that trains LoRA adapters): placed as the actor, with no weights of its own."""
@@ -116,6 +133,8 @@ class Workload:
   (`ppo.fuse_actor_critic`, RLHFuse's intra-stage fusion)."""
 
   def __post_init__(self):
+    if not set(self.judges) <= set(self.extra_rewards):
+      raise ValueError(f"judges {sorted(self.judges)} must be extra rewards too")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     for name in ("prompts", "samples_per_prompt", "prompt_len", "response_len_max"):

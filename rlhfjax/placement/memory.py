@@ -251,18 +251,34 @@ def judge_memory(
   mesh's tensor size, data parallel over the rest), with the dense pool of its slots at its
   prompt capacity plus its longest verdict (`ExtraRoleSection.judge_engine`), the reserved page
   included."""
+  data = judge_spec(spec).axis_size("data")
+  slots, capacity, verdict = section.judge_engine(rollout, data)
+  return judge_engine_memory(
+    spec,
+    model,
+    slots=slots,
+    capacity=capacity,
+    verdict=verdict,
+    options=model_options(model, options),
+  )
+
+
+def judge_engine_memory(
+  spec: RoleSpec, model: ModelConfig, *, slots: int, capacity: int, verdict: int, options: Options
+) -> MemoryEstimate:
+  """A judge's engine on `spec`'s devices (`judge_spec`): `slots` over its replicas (rounded up
+  to a multiple of them), a page pool of each slot's `capacity + verdict` tokens plus the
+  reserved page."""
   engine_spec = judge_spec(spec)
   data = engine_spec.axis_size("data")
-  sharding = sharding_of(engine_spec)
-  slots, capacity, verdict = section.judge_engine(rollout, data)
-  per_replica = slots // data
+  per_replica = -(-slots // data)
   pages = -(-(capacity + verdict) // JUDGE_PAGE_SIZE)
   return rollout_memory(
     model,
-    sharding,
+    sharding_of(engine_spec),
     slots=per_replica,
     seq_len=capacity + verdict,
-    options=model_options(model, options),
+    options=options,
     receives_sync=False,
     cache_tokens=(per_replica * pages + 1) * JUDGE_PAGE_SIZE,
   )

@@ -15,7 +15,7 @@ import dataclasses
 
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.costmodel import efficiency, hardware
-from rlhfjax.costmodel.workload import Workload
+from rlhfjax.costmodel.workload import JudgeEngine, Workload
 from rlhfjax.flows.registry import (
   batch_of,
   packs,
@@ -48,13 +48,13 @@ def workload_of(config: ExperimentConfig) -> Workload:
     critic=model.for_role(Role.CRITIC) if Role.CRITIC in roles else None,
     reward=model.for_role(Role.REWARD) if Role.REWARD in roles else None,
     reference=model.for_role(Role.REFERENCE),
-    # A judge is priced as a scorer: its forward over the samples (its verdicts' decode steps,
-    # a few tokens each, are not priced).
+    # A judge generates its verdicts on an engine of its own (`judges`).
     extra_rewards={
       role: model.for_role(role)
       for role in roles
       if role in config.reward.role_coefs or role == config.reward.judge
     },
+    judges={role: _judge_engine(config, role) for role in roles if role == config.reward.judge},
     reference_from_base=reference_from_base(config),
     pricing=pricing,
     prompt_len=rollout.max_prompt_len,
@@ -73,6 +73,13 @@ def workload_of(config: ExperimentConfig) -> Workload:
     pipeline_recompute=config.placement.pipeline_recompute,
     **packing_of(config),
   )
+
+
+def _judge_engine(config: ExperimentConfig, role: str) -> JudgeEngine:
+  """The judge's engine as `ExtraRoleSection.judge_engine` sizes it (its slots not yet rounded
+  to the replicas of a placement)."""
+  slots, capacity, verdict = config.model.extra_roles[role].judge_engine(config.rollout, 1)
+  return JudgeEngine(slots=slots, capacity=capacity, verdict=verdict)
 
 
 def packing_of(config: ExperimentConfig) -> dict:

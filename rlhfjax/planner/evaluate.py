@@ -39,6 +39,8 @@ from rlhfjax.placement.hosts import nodes_of, tensor_spans_hosts
 from rlhfjax.placement.memory import (
   adapters_synced,
   device_totals,
+  judge_engine_memory,
+  judge_spec,
   offload_options,
   sharding_of,
   without_weights,
@@ -145,6 +147,16 @@ def role_memory(
 ) -> memory.MemoryEstimate:
   """Per-device memory of `role` on its group of `spec`."""
   config, rs = model_for(workload, role), spec[role]
+  if role in workload.judges:  # its engine over its devices, in the generation layout
+    judge = workload.judges[role]
+    return judge_engine_memory(
+      rs,
+      config,
+      slots=judge.slots,
+      capacity=judge.capacity,
+      verdict=judge.verdict,
+      options=offload_options(options(workload, hw, eff), role, workload.offload),
+    )
   sharding = sharding_of(rs)
   if (stages := stages_of(rs)) > 1:  # one stage's devices hold its L / P layers
     sharding = dataclasses.replace(
@@ -425,6 +437,9 @@ def _score_costs(spec, w, hw, eff, groups, shape, per_node):
     sequences = w.scored(role)
     if role not in roles or not sequences:
       continue  # e.g. DPO's actor scores its pairs inside its train step
+    if role in w.judges:
+      scores.append(_judge_cost(spec, w, hw, eff, role, sequences))
+      continue
     rows, seq_len, steps = shape(role, sequences, False, w.score_micro_batch)
     args = (hw, eff, model_for(w, role), head_of(w, role), groups[role])
     kwargs = dict(
@@ -450,6 +465,30 @@ def _score_costs(spec, w, hw, eff, groups, shape, per_node):
       StageCost(role=str(role), stage="score", devices=spec[role].devices, seconds=seconds)
     )
   return scores
+
+
+def _judge_cost(spec, w, hw, eff, role, sequences) -> StageCost:
+  """A judge's verdicts on `sequences`: its engine (`judge_spec`: the role's devices, its
+  tensor size, data parallel over the rest) prefills each judged text, prompt and response
+  (at most its capacity; the template's own tokens are not counted), and decodes the verdict's
+  tokens in its slots as a continuous batch."""
+  judge, rs = w.judges[role], spec[role]
+  engine = judge_spec(rs)
+  data, tensor = engine.axis_size("data"), engine.axis_size("tensor")
+  group = costs.Group(devices=len(rs.devices), tensor=tensor)
+  prefill, decode = costs.generate_time(
+    hw,
+    eff,
+    w.model(role),
+    group,
+    sequences=sequences,
+    prompt_len=min(judge.capacity, w.prompt_tokens + w.response_len_mean),
+    response_mean=judge.verdict,
+    response_max=judge.verdict,
+    slots=-(-judge.slots // data),
+    static_batching=False,
+  )
+  return StageCost(role=str(role), stage="score", devices=rs.devices, seconds=prefill + decode)
 
 
 def _train_costs(spec, w, hw, eff, groups, shape, per_node):
