@@ -92,14 +92,10 @@ def conversation_fields(
   convs: Conversations | None, observed: np.ndarray, rows: Any = slice(None)
 ) -> dict[str, Any]:
   """`experience.assemble`'s conversation arguments for `rows` of the batch: the observations
-  and each turn's rewards (final for a finished conversation)."""
+  and the rewards (final for a finished conversation)."""
   if convs is None:
     return {}
-  rewards = convs.turn_rewards()
-  return {
-    "observed": observed[rows],
-    "environment_turn_rewards": [rewards[i] for i in np.arange(len(rewards))[rows]],
-  }
+  return {"observed": observed[rows], "environment_rewards": convs.rewards()[rows]}
 
 
 def conversation_stats(convs: Conversations | None, seqs: Sequences) -> Sequences:
