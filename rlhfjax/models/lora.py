@@ -24,12 +24,12 @@ QLoRA's frozen base (`ModelConfig.quantized`), in one of two forms (`ModelConfig
   ones), `W ~ q * scale` with `scale = max |W| / 127` over the contracted dimensions (symmetric
   absmax, round to nearest: each weight within `scale / 2` of its float value).
 - 'nf4': QLoRA's 4-bit NormalFloat (Dettmers et al., 2023): the weights of one output channel
-  in blocks of `NF4_BLOCK` along the last contracted dimension (fewer where that dimension has
-  fewer: the largest common divisor, at least 4), each block's float32 absmax as its
-  `kernel_scale`, each weight the nearest of the 16 `NF4_LEVELS` times that scale (within half
-  the gap between its two nearest levels), the codes two to a byte along that dimension
-  (uint8, the low nibble first). No double quantization of the scales: 4.5 bits a weight at
-  blocks of 64, where QLoRA's is 4.127.
+  in blocks of 64 (`config.model.nf4_block`) along the last contracted dimension (fewer where
+  that dimension has fewer: the largest common divisor, at least 4), each block's absmax as its
+  float32 `kernel_scale`, each weight the nearest of the 16 `NF4_LEVELS` times that scale
+  (within half the gap between its two nearest levels), the codes two to a byte along that
+  dimension (uint8, the low nibble first). No double quantization of the scales: 4.5 bits a
+  weight at blocks of 64, where QLoRA's is 4.127.
 
 The forward dequantizes in float32 and casts to the compute dtype (`dequantize_kernel`);
 `quantize_base` turns a loaded float base into this form, `dequantized` back (what a rollout
@@ -73,7 +73,6 @@ NF4_LEVELS = (
 )
 """The 16 values of QLoRA's NormalFloat4 (the paper's appendix E; bitsandbytes' `NF4`): quantiles
 of a standard normal scaled to [-1, 1], with an exact 0."""
-NF4_BLOCK = model_config.NF4_BLOCK
 ALWAYS_TRAINED = ("value_head",)
 """Parameters that train with the adapters: a value head is new, no base holds it."""
 
@@ -126,9 +125,6 @@ def _contracted(eqn: str) -> list[int]:
   return [i for i, c in enumerate(rhs) if c in lhs]
 
 
-nf4_block = model_config.nf4_block
-
-
 def scale_layout(
   eqn: str,
   kernel_shape: tuple[int, ...],
@@ -136,12 +132,13 @@ def scale_layout(
   quantization: str = "int8",
 ) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
   """Shape and logical axes of a quantized kernel's scale. 'int8': the kernel's, 1 (unsharded)
-  on the dimensions the einsum contracts; 'nf4': the kernel's, the last contracted dimension
-  divided into blocks (`nf4_block`)."""
+  on the dimensions the einsum contracts; 'nf4': the kernel's, the dimension its codes pack
+  along (`packed_dim`) divided into blocks (`config.model.nf4_block`)."""
   contracted = _contracted(eqn)
   if quantization == "nf4":
-    last = contracted[-1]
-    shape = tuple(n // nf4_block(n) if i == last else n for i, n in enumerate(kernel_shape))
+    last = packed_dim(eqn)
+    block = model_config.nf4_block
+    shape = tuple(n // block(n) if i == last else n for i, n in enumerate(kernel_shape))
     return shape, tuple(kernel_axes)
   shape = tuple(1 if i in contracted else n for i, n in enumerate(kernel_shape))
   axes = tuple(None if i in contracted else a for i, a in enumerate(kernel_axes))
@@ -158,8 +155,8 @@ def stored_shape(eqn: str, kernel_shape: tuple[int, ...], quantization: str) -> 
   last contracted dimension."""
   if quantization != "nf4":
     return tuple(kernel_shape)
-  last = _contracted(eqn)[-1]
-  nf4_block(kernel_shape[last])  # refuses a dimension that does not split into blocks
+  last = packed_dim(eqn)
+  model_config.nf4_block(kernel_shape[last])  # refuses a dimension that splits into no blocks
   return tuple(n // 2 if i == last else n for i, n in enumerate(kernel_shape))
 
 
@@ -168,43 +165,34 @@ def _init_step(std: float) -> float:
   return 4 * std / _INT8_MAX
 
 
-def int8_normal_init(std: float):
-  """A random int8 kernel: a normal draw of `std` quantized with `_init_step(std)` (the scale
-  `int8_scale_init` gives every channel), so `q * scale` is a normal draw rounded."""
+def quantized_init(quantization: str, std: float, eqn: str):
+  """`(kernel init, scale init, kernel dtype)` of a random quantized kernel: a normal draw of
+  `std` over one scale for every channel ('int8', `_init_step(std)`: `q * scale` is the draw
+  rounded) or block ('nf4', 4 std: each weight at its nearest level, packed along
+  `packed_dim(eqn)`)."""
+  if quantization == "nf4":
+    dim, scale = packed_dim(eqn), 4 * std
 
-  def init(key, shape, dtype=jnp.int8):
-    w = jax.random.normal(key, shape, jnp.float32) * std
-    return jnp.clip(jnp.round(w / _init_step(std)), -_INT8_MAX, _INT8_MAX).astype(dtype)
+    def init(key, shape, dtype=jnp.uint8):
+      full = tuple(n * 2 if i == dim else n for i, n in enumerate(shape))
+      w = jax.random.normal(key, full, jnp.float32) * std
+      return _pack(_nf4_codes(w / scale), dim).astype(dtype)
 
-  return init
+    kernel_dtype = jnp.uint8
+  else:
+    scale = _init_step(std)
 
+    def init(key, shape, dtype=jnp.int8):
+      w = jax.random.normal(key, shape, jnp.float32) * std
+      return jnp.clip(jnp.round(w / scale), -_INT8_MAX, _INT8_MAX).astype(dtype)
 
-def int8_scale_init(std: float):
-  def init(key, shape, dtype=jnp.float32):
+    kernel_dtype = jnp.int8
+
+  def scale_init(key, shape, dtype=jnp.float32):
     del key
-    return jnp.full(shape, _init_step(std), dtype)
+    return jnp.full(shape, scale, dtype)
 
-  return init
-
-
-def nf4_normal_init(std: float, dim: int):
-  """A random 'nf4' kernel (codes packed along `dim`): a normal draw of `std` over the scale
-  `nf4_scale_init(std)` gives every block, each weight at its nearest level."""
-
-  def init(key, shape, dtype=jnp.uint8):
-    full = tuple(n * 2 if i == dim else n for i, n in enumerate(shape))
-    w = jax.random.normal(key, full, jnp.float32) * std
-    return _pack(_nf4_codes(w / (4 * std)), dim).astype(dtype)
-
-  return init
-
-
-def nf4_scale_init(std: float):
-  def init(key, shape, dtype=jnp.float32):
-    del key
-    return jnp.full(shape, 4 * std, dtype)
-
-  return init
+  return init, scale_init, kernel_dtype
 
 
 def _nf4_codes(x: jax.Array) -> jax.Array:

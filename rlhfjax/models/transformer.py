@@ -106,19 +106,7 @@ class Linear(nn.Module):
       scale_shape, scale_axes = lora.scale_layout(
         self.eqn, self.kernel_shape, self.kernel_axes, self.quantized
       )
-      if self.quantized == "nf4":
-        dim = lora.packed_dim(self.eqn)
-        init, scale_init, dtype = (
-          lora.nf4_normal_init(_INIT_STD, dim),
-          lora.nf4_scale_init(_INIT_STD),
-          jnp.uint8,
-        )
-      else:
-        init, scale_init, dtype = (
-          lora.int8_normal_init(_INIT_STD),
-          lora.int8_scale_init(_INIT_STD),
-          jnp.int8,
-        )
+      init, scale_init, dtype = lora.quantized_init(self.quantized, _INIT_STD, self.eqn)
       stored = lora.stored_shape(self.eqn, self.kernel_shape, self.quantized)
       q = _param(self, "kernel", stored, self.kernel_axes, init, dtype)
       scale = _param(self, "kernel_scale", scale_shape, scale_axes, scale_init, jnp.float32)

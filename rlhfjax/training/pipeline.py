@@ -53,7 +53,7 @@ from jax.sharding import Mesh, PartitionSpec
 from rlhfjax import schedules
 from rlhfjax.config.model import ModelConfig
 from rlhfjax.mesh import rules
-from rlhfjax.models import lora, transformer
+from rlhfjax.models import head_kind, lora, transformer
 from rlhfjax.placement.spec import Layout
 from rlhfjax.training import steps
 from rlhfjax.training.state import TrainState
@@ -153,22 +153,18 @@ def _stage_split_leaves(config: ModelConfig, params: Any, mesh: Mesh) -> list:
   """Per leaf of `params`' rest (`_split`, in `jax.tree.leaves` order): `(dim, mesh axes of
   that dim)` where the training layout splits the leaf over `stage` (the vocabulary of the
   embedding and the head, `rlhfjax.mesh.rules`), else None."""
-  head = "value" if "value_head" in params else "lm"
-  _, rest_axes = _split(transformer.logical_axes(config, head))
+  _, rest_axes = _split(transformer.logical_axes(config, head_kind(params)))
   _, rest = _split(params)
-  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
-  out = []
-  for logical, leaf in zip(
-    jax.tree.leaves(rest_axes, is_leaf=is_axes), jax.tree.leaves(rest), strict=True
-  ):
-    spec, _ = rules.resolve(logical, Layout.TRAINING, mesh, leaf.shape)
-    found = None
-    for dim, entry in enumerate(spec):
+
+  def where(sharding) -> tuple[int, tuple[str, ...]] | None:
+    for dim, entry in enumerate(sharding.spec):
       names = (entry,) if isinstance(entry, str) else tuple(entry or ())
       if AXIS in names:
-        found = (dim, names)
-    out.append(found)
-  return out
+        return dim, names
+    return None
+
+  shardings = rules.named_shardings(rest_axes, rest, mesh, Layout.TRAINING)
+  return [where(sharding) for sharding in jax.tree.leaves(shardings)]
 
 
 def _reverse_stage_blocks(rest: Any, split: list, mesh: Mesh) -> Any:
@@ -412,18 +408,19 @@ def pipelined_grads(
         kept = [[_read(buf, r_slot) for buf in bufs] for bufs in residuals]
         grads, metrics, finite = acc
         sent = None
-        if not backward and plan is None:  # recomputed in the backward: nothing kept
-          x, loss, mets = _stage_forward(model, place, *map(lora.join, *halves[k]), x_in, micro)
-          y = loss if place == "last" else x
-        elif not backward:
-          y, mets, pull = _stage_vjp(model, place, *halves[k], x_in, micro)
-          leaves = jax.tree.leaves(pull)
-          if len(leaves) != len(plan.sources):
-            raise AssertionError(f"{op}: {len(leaves)} residuals, planned {len(plan.sources)}")
-          for leaf, (from_input, j) in zip(leaves, plan.sources, strict=True):
-            if not from_input:
-              kept[k][owner[j]] = leaf
         if not backward:
+          if plan is None:  # recomputed in the backward: nothing kept
+            joined = map(lora.join, *halves[k])
+            x, loss, mets = _stage_forward(model, place, *joined, x_in, micro)
+            y = loss if place == "last" else x
+          else:
+            y, mets, pull = _stage_vjp(model, place, *halves[k], x_in, micro)
+            leaves = jax.tree.leaves(pull)
+            if len(leaves) != len(plan.sources):
+              raise AssertionError(f"{op}: {len(leaves)} residuals, planned {len(plan.sources)}")
+            for leaf, (from_input, j) in zip(leaves, plan.sources, strict=True):
+              if not from_input:
+                kept[k][owner[j]] = leaf
           if place == "last":
             metrics = list(metrics)
             metrics[k] = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), metrics[k], mets)
