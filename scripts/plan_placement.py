@@ -72,6 +72,14 @@ _OFFLOAD = flags.DEFINE_bool(
   False,
   "Reference and reward parameters and actor and critic moments in host memory while idle.",
 )
+flags.DEFINE_list(
+  "extra_roles",
+  [],
+  "Extra scoring roles, NAME:KIND:MODEL[:MODE[:DEVICES[:TENSOR]]] each (model.extra_roles and "
+  "placement.extra_roles): KIND 'reward' or 'judge', MODEL a size or HF config.json, MODE "
+  "'shared' (default, on the reward's devices), 'interleaved' or 'own'.",
+)
+flags.DEFINE_integer("judge_new_tokens", 8, "A judge's verdict tokens (its max_new_tokens).")
 _EFFICIENCY = flags.DEFINE_string("efficiency", None, "Efficiency JSON (profile or calibration).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the table.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per plan instead of the table.")

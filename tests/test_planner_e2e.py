@@ -40,6 +40,34 @@ def test_plan_placement_script_json(tmp_path):
   assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
+def test_plan_placement_script_places_and_prices_extra_roles():
+  """`--extra_roles`: a second reward model on 4 devices of its own, tensor 2, and a judge on
+  the reward's devices are in every plan's meshes and memory; the judge's stage is its
+  verdicts' generation (`--judge_new_tokens`), which more tokens make longer."""
+
+  def plans(tokens):
+    out = run_plan_placement(
+      "--actor=7b",
+      "--hardware=h100",
+      "--devices=16",
+      "--prompts=256",
+      "--extra_roles=reward2:reward:1b:own:4:2,critic_llm:judge:1b",
+      f"--judge_new_tokens={tokens}",
+      "--strategy=colocated",
+      "--json",
+      check=True,
+    )
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+  short, long = plans(4), plans(64)
+  best = short[0]
+  assert best["mesh"]["reward2"] == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert "critic_llm" in best["mesh"] and best["fits"]
+  # The same winner scores longer with longer verdicts.
+  assert long[0]["label"] == best["label"]
+  assert long[0]["stages"]["score"] > best["stages"]["score"]
+
+
 def test_plan_placement_script_bad_input_is_one_line():
   out = run_plan_placement("--actor=8q")
   assert out.returncode == 2
@@ -55,8 +83,24 @@ def test_plan_placement_script_bad_input_is_one_line():
     (["--devices_per_node=0"], "--devices_per_node must be >= 1, got 0"),
     (["--actor=BAD/hidden_str.json"], "BAD/hidden_str.json: 'hidden_size' must be a whole"),
     (["--actor=BAD/list.json"], "BAD/list.json: a model config must be a JSON object, got list"),
+    (
+      ["--extra_roles=r2:reward:tiny:own:x"],
+      "--extra_roles: 'r2': DEVICES and TENSOR must be whole numbers",
+    ),
+    (
+      ["--extra_roles=j1:judge:tiny,j2:judge:tiny"],
+      "--extra_roles: one judge at most (reward.judge names one)",
+    ),
   ],
-  ids=["tail_fraction", "tail_ratio", "devices_per_node", "string_field", "json_list"],
+  ids=[
+    "tail_fraction",
+    "tail_ratio",
+    "devices_per_node",
+    "string_field",
+    "json_list",
+    "extra_devices",
+    "two_judges",
+  ],
 )
 def test_plan_placement_refuses_meaningless_flags_and_model_files(tmp_path, args, message):
   (tmp_path / "hidden_str.json").write_text(json.dumps({"hidden_size": "4096"}))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhfjax.config import OffloadSection
+from rlhfjax.config import ExtraPlacementSection, OffloadSection
 from rlhfjax.costmodel import efficiency, hardware
-from rlhfjax.costmodel.workload import OFFLOAD_ALL, Workload, resolve_model
+from rlhfjax.costmodel.workload import OFFLOAD_ALL, JudgeEngine, Workload, resolve_model
 from rlhfjax.flows.registry import pricing_by_name
 from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
 from rlhfjax.planner import report, search
@@ -26,8 +26,18 @@ def workload_from_flags(f) -> Workload:
   if not has_critic and critic is not None:
     raise ValueError(f"--algorithm={f.algorithm} has no critic; drop --critic or use ppo")
   reward_name = f.reward if f.reward is not None else (critic_name if critic else "none")
+  extras, judges, _ = extra_roles_from_flags(f)
   # --critic=none plans a critic-free run (no critic mesh or memory), as --algorithm=grpo does.
   return Workload(
+    extra_rewards=extras,
+    judges={
+      name: JudgeEngine(
+        slots=min(f.prompts * f.samples_per_prompt, 64),
+        capacity=f.prompt_len + f.response_len_max + 64,
+        verdict=f.judge_new_tokens,
+      )
+      for name in judges
+    },
     actor=actor,
     critic=critic,
     reward=resolve_model(reward_name),
@@ -52,6 +62,41 @@ def workload_from_flags(f) -> Workload:
     train_tokens=f.max_tokens_per_micro_batch,
     score_tokens=f.max_tokens_per_score_batch,
   )
+
+
+def extra_roles_from_flags(f) -> tuple[dict, set, dict[str, ExtraPlacementSection]]:
+  """`--extra_roles` as (models by name, the judges' names, placements by name), in order;
+  a judge's engine as the config's defaults size it (`ExtraRoleSection.judge_engine`: up to 64
+  slots, the rows' capacity plus 64 template tokens)."""
+  models, judges, placements = {}, set(), {}
+  for entry in f.extra_roles:
+    parts = entry.split(":")
+    if not 3 <= len(parts) <= 6:
+      raise ValueError(
+        f"--extra_roles entry {entry!r} must be NAME:KIND:MODEL[:MODE[:DEVICES[:TENSOR]]]"
+      )
+    name, kind, model, *where = parts
+    if name in models or name in ("actor", "critic", "reference", "reward", "rollout"):
+      raise ValueError(f"--extra_roles: {name!r} is a built-in role or named twice")
+    if kind not in ("reward", "judge"):
+      raise ValueError(f"--extra_roles: {name!r} has kind {kind!r}; use reward or judge")
+    if kind == "judge":
+      if judges:
+        raise ValueError("--extra_roles: one judge at most (reward.judge names one)")
+      judges.add(name)
+    models[name] = resolve_model(model)
+    if models[name] is None:
+      raise ValueError(f"--extra_roles: {name!r} needs a model, not 'none'")
+    mode, devices, tensor = [*where, *("shared", "1", "1")[len(where) :]]
+    if not (devices.isdigit() and tensor.isdigit()):
+      raise ValueError(f"--extra_roles: {name!r}: DEVICES and TENSOR must be whole numbers")
+    try:
+      placements[name] = ExtraPlacementSection(mode=mode, devices=int(devices), tensor=int(tensor))
+    except ValueError as error:  # the config's one line
+      raise ValueError(f"--extra_roles: {name!r}: {error}") from None
+  if f.judge_new_tokens < 1:
+    raise ValueError(f"--judge_new_tokens must be >= 1, got {f.judge_new_tokens}")
+  return models, judges, placements
 
 
 def check_flags(f) -> None:
@@ -94,6 +139,7 @@ def plan_from_flags(f) -> tuple[list[Plan], str]:
     strategy=f.strategy,
     rollout_devices=f.rollout_devices,
     async_rollout=f.async_rollout,
+    extras=extra_roles_from_flags(f)[2],
   )
   if not plans:
     raise ValueError(f"no {f.strategy} placement can be built on {f.devices} devices")
