@@ -140,6 +140,82 @@ def test_gae_and_shaped_rewards_step_over_observations(batch, gamma, lam):
   _close(ret, np.where(mask, want_adv + batch["values"], 0.0))
 
 
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp", "group_relative"])
+def test_turn_rewards_land_on_the_tokens_that_ended_their_turns(estimator):
+  """A conversation's environment rewards, one per turn, are in the score (times
+  `reward.environment_coef`); a token-level estimator reads each on the last token of its
+  turn (GAE and REINFORCE++ against NumPy over the sampled tokens alone, stepping over the
+  observations), a sample-level one reads the score as it was."""
+  from runs_testing import shipped_config
+
+  from rlhfjax.flows import experience
+  from rlhfjax.flows import ppo as ppo_flow
+  from rlhfjax.flows.experience import Experience
+
+  b, t, p, coef, gamma, lam = 4, 9, 2, 0.5, 0.9, 0.8
+  # Turns of sampled tokens (1) with observations (0) between them, then padding.
+  mask = np.array(
+    [
+      [1, 1, 0, 0, 1, 1, 1, 0, 0],
+      [1, 0, 1, 0, 1, 1, 0, 0, 0],
+      [1, 1, 1, 1, 1, 1, 1, 1, 1],
+      [1, 1, 1, 0, 0, 0, 0, 0, 0],
+    ],
+    np.float32,
+  )
+  turns = [[0.5, 2.0], [1.0, -1.0, 3.0], [0.25], [1.0, 2.0]]  # the last: a reward past its turns
+  env_bt = experience.place_turn_rewards(turns, mask)
+  ends = {0: [1, 6], 1: [0, 2, 5], 2: [8], 3: [2, 2]}
+  for i, cols in ends.items():
+    want = np.zeros(t, np.float32)
+    np.add.at(want, cols, turns[i])
+    np.testing.assert_array_equal(env_bt[i], want)
+  rng = np.random.default_rng(4)
+  base = rng.normal(0.0, 1.0, b).astype(np.float32)
+  scores = base + coef * np.asarray([sum(r) for r in turns], np.float32)
+  logp, ref = (rng.normal(-2.0, 0.5, (b, t)).astype(np.float32) for _ in range(2))
+  values = rng.normal(0.0, 1.0, (b, t)).astype(np.float32)
+  changes = {"ppo.gamma": gamma, "ppo.lam": lam, "ppo.group_size": 2, "rollout.batch_size": b}
+  cfg = shipped_config("ppo_tiny", changes)
+  settings = ppo_flow.advantage_settings(cfg.ppo, estimator, environment_coef=coef)
+  fields = dict(
+    tokens_bs=jnp.zeros((b, p + t), jnp.int32),
+    attention_mask_bs=jnp.ones((b, p + t), jnp.int32),
+    response_mask_bt=jnp.asarray(mask),
+    rollout_logprobs_bt=jnp.asarray(logp),
+    old_logprobs_bt=jnp.asarray(logp),
+    ref_logprobs_bt=jnp.asarray(ref),
+    values_bt=jnp.asarray(values),
+    scores_b=jnp.asarray(scores),
+  )
+  got, _ = ppo_flow.compute_advantages(
+    settings, Experience(**fields, environment_rewards_bt=jnp.asarray(env_bt)), jnp.float32(0.05)
+  )
+  plain, _ = ppo_flow.compute_advantages(settings, Experience(**fields), jnp.float32(0.05))
+  if estimator == "group_relative":
+    np.testing.assert_array_equal(np.asarray(got.advantages_bt), np.asarray(plain.advantages_bt))
+    return
+  kl = (logp - ref) * mask  # the k1 estimator of the shipped config
+  want = np.zeros((b, t))
+  for i in range(b):
+    cols = np.flatnonzero(mask[i])
+    r = -0.05 * kl[i, cols] + coef * env_bt[i, cols]
+    r[-1] += base[i]
+    if estimator == "gae":
+      adv, _ = _numpy_gae(r[None], values[i, cols][None], np.array([len(cols)]), gamma, lam)
+    else:  # returns to go, which REINFORCE++ whitens over the batch
+      adv = np.array([[np.sum(r[k:] * gamma ** np.arange(len(r) - k)) for k in range(len(r))]])
+    want[i, cols] = adv[0]
+  if estimator == "gae":
+    if settings.whiten:
+      want = np.asarray(alg.whiten_advantages(jnp.asarray(want, jnp.float32), jnp.asarray(mask)))
+    _close(got.advantages_bt, want)
+  else:
+    _close(got.returns_bt, want)
+  # Without the placement the same rewards sit on the last token: other advantages.
+  assert not np.allclose(np.asarray(got.advantages_bt), np.asarray(plain.advantages_bt))
+
+
 def test_group_relative(batch):
   scores = np.array([1.0, 2.0, 4.0, 0.0, 0.0, 3.0], np.float32)
   mask = np.ones((6, 4), np.float32)

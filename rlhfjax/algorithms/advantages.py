@@ -28,8 +28,21 @@ def last_token_onehot(mask_bt: jax.Array) -> jax.Array:
 def shape_rewards(
   scores_b: jax.Array, kl_bt: jax.Array, mask_bt: jax.Array, kl_coef: float | jax.Array
 ) -> jax.Array:
-  """Per-token rewards `r_t = -beta * kl_t + score * [t is the last response token]`."""
+  """Per-token rewards `r_t = -beta * kl_t + score * [t is the last response token]`; a
+  `[b, t]` `scores_b` is placed on its tokens already: `r_t = -beta * kl_t + score_t`."""
+  if scores_b.ndim == 2:
+    return (-kl_coef * kl_bt + scores_b) * mask_bt
   return (-kl_coef * kl_bt + scores_b[:, None] * last_token_onehot(mask_bt)) * mask_bt
+
+
+def place_on_tokens(
+  scores_b: jax.Array, mask_bt: jax.Array, moved_b: jax.Array, moved_bt: jax.Array
+) -> jax.Array:
+  """`[b, t]`: each score on its last token, but the part `moved_b` of it (included in
+  `scores_b`) on the tokens `moved_bt` says instead (a conversation's turn rewards, whose
+  sum per row is `moved_b`)."""
+  last_bt = last_token_onehot(mask_bt)
+  return (scores_b - moved_b)[:, None] * last_bt + moved_bt
 
 
 def gae(
@@ -111,12 +124,13 @@ def leave_one_out(
 
 
 def discounted_returns(rewards_bt: jax.Array, mask_bt: jax.Array, *, gamma: float) -> jax.Array:
-  """`R_t = sum_{k >= t} gamma^(k - t) r_k` over each row's response tokens."""
+  """`R_t = sum_{k >= t} gamma^(k - t) r_k` over each row's response tokens: as `gae`, the
+  unmasked ones (a conversation's observations) are stepped over, `k` counting masked tokens."""
 
   def step(next_b, xs):
     r_b, m_b = xs
     ret_b = (r_b + gamma * next_b) * m_b
-    return ret_b, ret_b
+    return jnp.where(m_b > 0, ret_b, next_b), ret_b
 
   _, ret_tb = jax.lax.scan(
     step, jnp.zeros_like(rewards_bt[:, 0]), ((rewards_bt * mask_bt).T, mask_bt.T), reverse=True
@@ -165,13 +179,17 @@ class AdvantageEstimator:
   """`fn(scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings) -> (advantages_bt,
   returns_bt)`. The KL to the reference enters as a reward (`kl_coef`, 0 when it is a loss
   term): per token for the token-level estimators (GAE, REINFORCE++), summed per sample for
-  the sample-level ones (GRPO, RLOO)."""
+  the sample-level ones (GRPO, RLOO). With `token_rewards`, `scores_b` may be `[b, t]`: each
+  sample's score placed on its tokens (`shape_rewards`)."""
   critic: bool = False
   """It reads the critic's values: the flow places and trains a critic."""
   per_sequence: bool = False
   """It gives each sample one advantage, on all its tokens (what GSPO reads)."""
   groups: bool = False
   """It compares the samples of a prompt: `ppo.group_size` must be at least 2."""
+  token_rewards: bool = False
+  """It reads rewards per token: a conversation's environment rewards go on the tokens that
+  ended their turns (`scores_b` `[b, t]`) instead of all on the last token."""
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
@@ -180,7 +198,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 def register_estimator(name: str, **properties: bool):
   """Decorator: registers an advantage estimator under `name` with its `AdvantageEstimator`
-  properties (`critic`, `per_sequence`, `groups`)."""
+  properties (`critic`, `per_sequence`, `groups`, `token_rewards`)."""
 
   def wrap(fn: Estimator) -> Estimator:
     if name in ADVANTAGE_ESTIMATORS:
@@ -191,7 +209,7 @@ def register_estimator(name: str, **properties: bool):
   return wrap
 
 
-@register_estimator("gae", critic=True)
+@register_estimator("gae", critic=True, token_rewards=True)
 def _gae_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
   rewards_bt = shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
   return gae(rewards_bt, values_bt, mask_bt, gamma=s.gamma, lam=s.lam)
@@ -211,7 +229,7 @@ def _rloo_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSe
   return leave_one_out(total_b, mask_bt, group_size=s.group_size)
 
 
-@register_estimator("reinforce_pp")
+@register_estimator("reinforce_pp", token_rewards=True)
 def _reinforce_pp_of_scores(scores_b, kl_bt, values_bt, mask_bt, kl_coef, s: EstimatorSettings):
   del values_bt
   rewards_bt = shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)

@@ -173,6 +173,10 @@ class Conversations:
     """`[b]` float32: each trajectory's summed rewards."""
     return np.asarray([sum(t.rewards) for t in self._rows], np.float32)
 
+  def turn_rewards(self) -> list[list[float]]:
+    """Each trajectory's rewards, one per turn its environment stepped, in order."""
+    return [list(t.rewards) for t in self._rows]
+
   def turns(self) -> np.ndarray:
     """`[b]` int32: the model's turns in each trajectory."""
     return np.asarray([max(t.turns, 1) for t in self._rows], np.int32)

@@ -41,6 +41,9 @@ class Sequences:
   environment_rewards: np.ndarray | None = None
   """[b] float32: each conversation's summed environment rewards (`rlhfjax.flows.environments`);
   None without an environment."""
+  environment_rewards_bt: np.ndarray | None = None
+  """[b, t] float32: the same rewards on the tokens that ended their turns (`place_turn_rewards`:
+  what the token-level estimators read); None without an environment."""
   conversation_stats: dict[str, float] = dataclasses.field(default_factory=dict)
   """The batch's turns, limits and environment errors (`Conversations.stats`) and its
   observation share, for the iteration's row; empty without an environment."""
@@ -66,12 +69,13 @@ def assemble(
   pad_id: int,
   records: Sequence[Record] | None = None,
   observed: np.ndarray | None = None,
-  environment_rewards: np.ndarray | None = None,
+  environment_turn_rewards: Sequence[Sequence[float]] | None = None,
 ) -> Sequences:
   """Lays prompts (left padded) and responses (right padded) out as `[b, p + t]` sequences;
   `records` (one per prompt; None: empty ones) ride along. `observed` (`[b, >= t]` bool, like
   the response tokens) marks a conversation's observations: real tokens, out of the response
-  mask."""
+  mask; `environment_turn_rewards`, each row's rewards per turn, are summed and placed on the
+  tokens that ended the turns (`place_turn_rewards`)."""
   b = len(prompts)
   records = list(records) if records is not None else PromptBatch.of(prompts).records
   if len(records) != b:
@@ -102,9 +106,34 @@ def assemble(
     rollout_logprobs_bt=logprobs,
     records=records,
     environment_rewards=(
-      None if environment_rewards is None else np.asarray(environment_rewards, np.float32)
+      None
+      if environment_turn_rewards is None
+      else np.asarray([sum(r) for r in environment_turn_rewards], np.float32)
+    ),
+    environment_rewards_bt=(
+      None
+      if environment_turn_rewards is None
+      else place_turn_rewards(environment_turn_rewards, response_mask)
     ),
   )
+
+
+def place_turn_rewards(
+  turn_rewards: Sequence[Sequence[float]], response_mask_bt: np.ndarray
+) -> np.ndarray:
+  """`[b, t]` float32: row i's k-th turn reward on the last token of its k-th turn, a run of
+  sampled tokens (the response mask's runs of 1: observations and padding are 0); rewards
+  beyond the row's turns (a turn the environment stepped that sampled nothing) on its last
+  sampled token; a row without sampled tokens gets none."""
+  out = np.zeros(response_mask_bt.shape, np.float32)
+  for i, rewards in enumerate(turn_rewards):
+    sampled = response_mask_bt[i] > 0
+    ends = np.flatnonzero(sampled & ~np.append(sampled[1:], False))
+    if not len(ends):
+      continue
+    for k, reward in enumerate(rewards):
+      out[i, ends[min(k, len(ends) - 1)]] += reward
+  return out
 
 
 def merged_conversation_stats(batches: Sequence[Sequences]) -> dict[str, float]:
@@ -135,6 +164,9 @@ def take_rows(parts: Sequence[tuple[Sequences, Sequence[int]]]) -> Sequences:
     environment_rewards=(
       None if parts[0][0].environment_rewards is None else pick("environment_rewards")
     ),
+    environment_rewards_bt=(
+      None if parts[0][0].environment_rewards_bt is None else pick("environment_rewards_bt")
+    ),
   )
 
 
@@ -162,6 +194,10 @@ class Experience:
   """The critic's values (critic-free algorithms: None)."""
   scores_b: jax.Array | None = None
   """The sequence reward."""
+  environment_rewards_bt: jax.Array | None = None
+  """A conversation's environment rewards on the tokens that ended their turns
+  (`Sequences.environment_rewards_bt`, unweighted: their sum is in `scores_b`, times
+  `reward.environment_coef`); None without an environment."""
   advantages_bt: jax.Array | None = None
   returns_bt: jax.Array | None = None
   is_weights_bt: jax.Array | None = None
@@ -171,9 +207,12 @@ class Experience:
   @classmethod
   def from_sequences(cls, seqs: Sequences) -> dict[str, np.ndarray]:
     """The host arrays of a rollout batch, by field: what is uploaded once."""
-    return {
+    out = {
       "tokens_bs": seqs.tokens_bs,
       "attention_mask_bs": seqs.attention_mask_bs,
       "response_mask_bt": seqs.response_mask_bt,
       "rollout_logprobs_bt": seqs.rollout_logprobs_bt,
     }
+    if seqs.environment_rewards_bt is not None:
+      out["environment_rewards_bt"] = seqs.environment_rewards_bt
+    return out

@@ -66,11 +66,16 @@ class AdvantageSettings:
   """`ppo.correction`: the rollout correction's kind (`alg.correction.CORRECTIONS`)."""
   correction_level: str = "token"
   correction_cap: float = 2.0
+  environment_coef: float = 1.0
+  """`reward.environment_coef`: the weight of a conversation's environment rewards in the
+  scores, which a token-level estimator reads on the tokens that ended their turns."""
 
 
-def advantage_settings(ppo, estimator: str) -> AdvantageSettings:
-  """The `compute_advantages` settings of a PPO-family flow: `ppo`'s, with its estimator."""
+def advantage_settings(ppo, estimator: str, environment_coef: float = 1.0) -> AdvantageSettings:
+  """The `compute_advantages` settings of a PPO-family flow: `ppo`'s, with its estimator (and
+  `reward.environment_coef`)."""
   return AdvantageSettings(
+    environment_coef=environment_coef,
     kl_estimator=ppo.kl_estimator,
     estimator=estimator,
     settings=alg.EstimatorSettings(
@@ -94,8 +99,10 @@ def compute_advantages(
 
     kl_t = estimator(logp_t, logp_ref_t);  r_t = -beta * kl_t + score * [t last]
   then the named estimator (`alg.ADVANTAGE_ESTIMATORS`: GAE over `r` with the critic's values,
-  or a critic-free baseline). Also the batch statistics the metrics report (reductions on the
-  devices).
+  or a critic-free baseline). A conversation's environment rewards (their weighted sum a part
+  of the score) go, for an estimator that reads rewards per token (`token_rewards`: GAE,
+  REINFORCE++), on the tokens that ended their turns instead of the last. Also the batch
+  statistics the metrics report (reductions on the devices).
   """
   mask_bt, old_bt = exp.response_mask_bt, exp.old_logprobs_bt
   scores_b = exp.scores_b
@@ -104,12 +111,17 @@ def compute_advantages(
       jnp.sum(mask_bt, -1), max_len=mask_bt.shape[-1], buffer=settings.overlong_buffer
     )
   kl_bt = alg.get_kl_estimator(settings.kl_estimator)(old_bt, exp.ref_logprobs_bt) * mask_bt
-  rewards_bt = alg.shape_rewards(scores_b, kl_bt, mask_bt, kl_coef)
+  estimator = alg.ADVANTAGE_ESTIMATORS[settings.estimator]
+  placed = scores_b
+  if exp.environment_rewards_bt is not None and estimator.token_rewards:
+    turns_bt = settings.environment_coef * exp.environment_rewards_bt * mask_bt
+    placed = alg.place_on_tokens(scores_b, mask_bt, jnp.sum(turns_bt, axis=-1), turns_bt)
+  rewards_bt = alg.shape_rewards(placed, kl_bt, mask_bt, kl_coef)
   # A flow without a critic has no values: zeros here, in the program (made on the host, they
   # would be an unnamed upload each iteration).
   values_bt = jnp.zeros_like(old_bt) if exp.values_bt is None else exp.values_bt
-  advantages_bt, returns_bt = alg.ADVANTAGE_ESTIMATORS[settings.estimator].estimate(
-    scores_b, kl_bt, values_bt, mask_bt, kl_coef, settings.settings
+  advantages_bt, returns_bt = estimator.estimate(
+    placed, kl_bt, values_bt, mask_bt, kl_coef, settings.settings
   )
   if settings.whiten:
     advantages_bt = alg.whiten_advantages(advantages_bt, mask_bt)
@@ -238,7 +250,7 @@ class PPOFlow:
       )
       if self.use_critic:
         self._critic_values = stages.value_scorer(ctx, Role.CRITIC, "critic_values" + tag, rows)
-    settings = advantage_settings(ppo, self.estimator)
+    settings = advantage_settings(ppo, self.estimator, self.ctx.cfg.reward.environment_coef)
     self._advantages = cluster.compile(
       "advantages", functools.partial(compute_advantages, settings)
     )

@@ -92,10 +92,14 @@ def conversation_fields(
   convs: Conversations | None, observed: np.ndarray, rows: Any = slice(None)
 ) -> dict[str, Any]:
   """`experience.assemble`'s conversation arguments for `rows` of the batch: the observations
-  and the rewards (final for a finished conversation)."""
+  and each turn's rewards (final for a finished conversation)."""
   if convs is None:
     return {}
-  return {"observed": observed[rows], "environment_rewards": convs.rewards()[rows]}
+  rewards = convs.turn_rewards()
+  return {
+    "observed": observed[rows],
+    "environment_turn_rewards": [rewards[i] for i in np.arange(len(rewards))[rows]],
+  }
 
 
 def conversation_stats(convs: Conversations | None, seqs: Sequences) -> Sequences:
