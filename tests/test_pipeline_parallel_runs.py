@@ -112,13 +112,15 @@ def test_pipelined_and_fused_ppo_give_the_unpipelined_numbers(tmp_path):
 @pytest.mark.slow
 def test_lora_through_pipeline_stages_gives_the_unpipelined_numbers(tmp_path):
   """Adapters on the actor and the critic, each stage training its own layers' adapters, the
-  reference scoring the actor's base as a forward-only pipeline: the unpipelined LoRA run's
-  numbers (the gradients' tree, adapters alone: `test_pipeline_parallel`)."""
+  reference scoring the actor's base as a forward-only pipeline, the stages running their
+  forwards again in their backwards (`placement.pipeline_recompute`): the unpipelined LoRA
+  run's numbers (the gradients' tree, adapters alone: `test_pipeline_parallel`)."""
   lora = {"model.lora.rank": 4, "ppo.packing": False}
+  recompute = {"placement.pipeline_recompute": True}
   cfg = shipped_config("ppo_tiny", {**_PPO, **_STAGED, **lora})
   assert set(cfg.model.adapted_roles) == {"actor", "critic"} and cfg.model.reference_from_base
   plain, _ = _ppo(tmp_path / "plain", 2, lora)
-  staged, _ = _ppo(tmp_path / "staged", 2, {**_STAGED, **lora})
+  staged, _ = _ppo(tmp_path / "staged", 2, {**_STAGED, **lora, **recompute})
   assert_same_numbers(plain, staged, _COMPARED)
   assert plain[0]["loss/policy"] != plain[1]["loss/policy"]
 
