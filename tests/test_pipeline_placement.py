@@ -339,10 +339,11 @@ def test_a_fused_run_leaves_its_stages_to_auto():
   assert spec[Role.ACTOR].stages > 1 and plans[0].label.endswith("fused")
 
 
-def test_auto_names_pipeline_recompute_where_only_it_fits():
+def test_auto_recomputes_the_stages_where_only_that_fits():
   """A 13B PPO without remat in 8 micro-batches fits no placement on 8 H100 whose pipelines keep
-  every micro-batch's residuals; `auto` says that recomputing the stages' forwards fits, and
-  with `placement.pipeline_recompute` it plans the stages."""
+  every micro-batch's residuals: `auto` plans stages that run their forwards again in their
+  backwards (the spec says so: `Cluster` builds its pipelined steps so), as it does with
+  `placement.pipeline_recompute`; a job no placement fits at all is one line."""
   from rlhfjax.placement.validate import PlacementError
   from rlhfjax.planner import auto
 
@@ -352,11 +353,15 @@ def test_auto_names_pipeline_recompute_where_only_it_fits():
     "ppo": {"micro_batches": 8},
     "placement": {"strategy": "auto", "hardware": "h100"},
   }
-  with pytest.raises(PlacementError, match=r"with placement.pipeline_recompute=True, .*pp=2"):
-    auto.choose(from_config_dict(config), 8)
-  config["placement"]["pipeline_recompute"] = True
   spec, plans = auto.choose(from_config_dict(config), 8)
-  assert spec[Role.ACTOR].stages == 2 and "pp=2" in plans[0].label
+  assert spec.pipeline_recompute and spec[Role.ACTOR].stages == 2
+  assert "pp=2" in plans[0].label and plans[0].label.endswith(" recompute")
+  config["placement"]["pipeline_recompute"] = True
+  asked, plans = auto.choose(from_config_dict(config), 8)
+  assert not asked.pipeline_recompute and asked.roles == spec.roles and "pp=2" in plans[0].label
+  config["rollout"]["max_new_tokens"] = 3072  # 4k-token rows: nothing fits
+  with pytest.raises(PlacementError, match=r"^placement.strategy=auto: no placement fits"):
+    auto.choose(from_config_dict(config), 8)
 
 
 def _shipped_experiments():

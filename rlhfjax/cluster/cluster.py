@@ -407,6 +407,12 @@ class Cluster:
     )
     return _alone(compiled, rt.mesh) if stages > 1 else compiled
 
+  @property
+  def _recompute_stages(self) -> bool:
+    """Pipelined steps run each stage's forward again in its backward: the config asks for it,
+    or `strategy=auto` chose it (`PlacementSpec.pipeline_recompute`)."""
+    return self.cfg.placement.pipeline_recompute or self.placement.pipeline_recompute
+
   def train_step(self, name: str, role: Role, loss_fn: steps.LossFn) -> Callable:
     """`step(state, batch) -> (state, metrics)`: one optimizer update of trained `role` from a
     mini-batch of micro-batches (`steps.accumulate_and_apply`), its state donated. On a mesh
@@ -422,7 +428,7 @@ class Cluster:
         rt.model,
         self.cfg.placement.pipeline_schedule,
         rt.mesh,
-        recompute=self.cfg.placement.pipeline_recompute,
+        recompute=self._recompute_stages,
       )
     else:
       step = functools.partial(steps.accumulate_and_apply, loss_fn, self.tx[role])
@@ -459,7 +465,7 @@ class Cluster:
     for role, rt in zip(roles, (first, second), strict=True):
       check_layers(rt.model, stages, role)
     models = tuple(
-      pipeline.Model(rt.model, loss, recompute=self.cfg.placement.pipeline_recompute)
+      pipeline.Model(rt.model, loss, recompute=self._recompute_stages)
       for rt, loss in zip((first, second), loss_fns, strict=True)
     )
     shardings = (

@@ -591,7 +591,8 @@ class PlacementSection:
   (GPipe's re-materialisation) instead of keeping the residuals of every micro-batch in
   flight (what the role's `remat` policy keeps, per micro-batch, as Megatron's schedules do):
   one micro-batch's residuals per device at a time, for one more forward per backward. For a
-  model whose pipeline does not fit otherwise (`strategy=auto` says when)."""
+  model whose pipeline does not fit otherwise (`strategy=auto` turns it on itself where no
+  placement fits without it: `PlacementSpec.pipeline_recompute`)."""
   extra_roles: dict[str, ExtraPlacementSection] = dataclasses.field(default_factory=dict)
   """Where each extra role (`model.extra_roles`) runs, by name, in their order (one not named
   here shares the reward's devices: `ExtraPlacementSection`'s defaults), e.g. {'reward2':

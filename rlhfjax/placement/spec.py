@@ -122,6 +122,10 @@ class PlacementSpec:
   """By role: a `Role`, or an extra role's name."""
   disjoint: tuple[tuple[str, str], ...] = ()
   """Pairs of roles meant to run at the same time, so they must not share any device."""
+  pipeline_recompute: bool = False
+  """Pipelined roles run each stage's forward again in its backward instead of keeping every
+  micro-batch's residuals: `strategy=auto`'s choice where no placement fits otherwise (the
+  config's `placement.pipeline_recompute` asks for it always)."""
 
   def __getitem__(self, role: str) -> RoleSpec:
     return self.roles[role]

@@ -145,7 +145,9 @@ def load_planner_inputs(section) -> tuple[hardware.Hardware, efficiency.Efficien
 
 
 def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, list[Plan]]:
-  """The fastest placement of `config` on `num_devices` that fits and passes `check_models`.
+  """The fastest placement of `config` on `num_devices` that fits and passes `check_models`;
+  where none fits, the fastest with pipeline stages that run their forwards again in their
+  backwards (`PlacementSpec.pipeline_recompute`, label '... recompute'), if one fits.
 
   Raises:
     PlacementError: the hardware or efficiency file cannot be read, or no placement fits.
@@ -174,18 +176,21 @@ def choose(config: ExperimentConfig, num_devices: int) -> tuple[PlacementSpec, l
     return plans, kept
 
   plans, fitting = usable(workload)
+  if not fitting and not workload.pipeline_recompute:
+    # Pipelines that keep one micro-batch's residuals at a time may fit where none does.
+    _, fitting = usable(dataclasses.replace(workload, pipeline_recompute=True))
+    fitting = [
+      dataclasses.replace(
+        plan,
+        label=f"{plan.label} recompute",
+        spec=dataclasses.replace(plan.spec, pipeline_recompute=True),
+      )
+      for plan in fitting
+      if any(rs.stages > 1 for rs in plan.spec.roles.values())
+    ]
   if not fitting:
     closest = plans[0].why_not if plans else "no candidate"
-    hint = ""
-    if not workload.pipeline_recompute:
-      # Pipelines that keep one micro-batch's residuals at a time may fit where none does.
-      _, recomputing = usable(dataclasses.replace(workload, pipeline_recompute=True))
-      if recomputing:
-        hint = (
-          f"; with placement.pipeline_recompute=True, {recomputing[0].label} fits "
-          f"({recomputing[0].iteration_s:.3g} s/iteration predicted)"
-        )
-    raise PlacementError(f"placement.strategy=auto: no placement fits; closest: {closest}{hint}")
+    raise PlacementError(f"placement.strategy=auto: no placement fits; closest: {closest}")
   return fitting[0].spec, fitting
 
 
