@@ -26,10 +26,10 @@ for _flag in _SUITE_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for the session's processes: the pytest workers and the
-# training runs the end-to-end tests start (kill -9 and rerun, multi-host, the pipeline) compile
-# the same programs. JAX reads these at import and subprocesses inherit them. Entries are keyed
-# by the program, the compile options and the jax/jaxlib versions.
+# A persistent compilation cache for the training runs the end-to-end tests start as
+# subprocesses (kill -9 and rerun, resume, the scripts' runs: they compile the same programs);
+# JAX reads these at import and subprocesses inherit them. The pytest workers themselves do not
+# use it (below, and docs/development.md "Compilation").
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -37,6 +37,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# This process compiles its own programs: no entry read or written (an executable serialized
+# for the cache is where XLA aborted a worker, see docs/development.md).
+jax.config.update("jax_compilation_cache_dir", None)
 
 # Each test file holds one kind of test and says which with a module-level marker, its tier:
 #   pure         no JAX at all: config, schedules, the cost model's arithmetic;
