@@ -39,6 +39,7 @@ def main(argv: list[str]) -> None:
   except (config_lib.ConfigError, placement.PlacementError) as error:
     launch.fail(error)
   train_rows, score_rows = auto.memory_rows(config)
+  pipelining = auto.pipelining(config)
   estimates = placement.estimate_placement_memory(
     spec,
     config.model,
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> None:
     train_rows=train_rows,
     score_rows=score_rows,
     offload=config.offload,
+    pipelining=pipelining,
   )
   budget = config.placement.memory_per_device_gb
   print(placement.format_placement_table(spec, estimates, memory_per_device_gb=budget))
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> None:
   if adapters := placement.format_adapters(config, spec, reference_from_base=from_base):
     print(adapters)
   print()
-  print(placement.option_report(config, spec, train_rows, score_rows))
+  print(placement.option_report(config, spec, train_rows, score_rows, pipelining))
   for line in place.tensor_warnings(config, spec):
     print(f"warning: {line}")
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from rlhfjax.config import ConfigError, ExperimentConfig, from_config_dict
+from rlhfjax.costmodel import memory as memory_model
+from rlhfjax.costmodel import pipeline
 from rlhfjax.placement import (
   Layout,
   PlacementError,
@@ -26,8 +28,15 @@ from rlhfjax.placement import (
   interleaved,
   strategies,
 )
-from rlhfjax.placement.memory import device_totals, option_effects, option_peaks
-from rlhfjax.placement.validate import check_spec
+from rlhfjax.placement.memory import (
+  GIB,
+  Pipelining,
+  device_totals,
+  model_options,
+  option_effects,
+  option_peaks,
+)
+from rlhfjax.placement.validate import check_models, check_spec
 from rlhfjax.planner import auto
 from rlhfjax.planner.place import place, plan_placement
 
@@ -554,6 +563,54 @@ def test_70b_memory_per_device():
   assert estimate.optimizer == params * 4 * 2 // 8
   assert estimate.grads == params * (4 + 4) // 8  # float32 accumulator and gradients
   assert estimate.persistent == estimate.params + estimate.optimizer
+
+
+def test_a_staged_role_keeps_what_its_schedule_holds_for_the_backwards():
+  """An actor on 2 stages of 4 devices, trained in steps of 8 micro-batches of 4 sequences:
+  each device holds its stage's 2 of 4 layers and, for every micro-batch the schedule keeps
+  waiting for its backward, the micro-batch's stage input and what its forward kept (GPipe: all
+  8; 1F1B: 2, the stages; recomputing: the inputs alone, one micro-batch's residuals at a time).
+  The placement check counts it so: a budget between 1F1B's need and GPipe's passes the one
+  and refuses the other (the planner prices the same bytes: `stage_memory`)."""
+  config = _config(model={"size": "tiny", "overrides": {"num_layers": 4}})
+  model, rollout = config.model.for_role(Role.ACTOR), config.rollout
+  spec = RoleSpec(devices=tuple(range(8)), axes=(("stage", 2), ("fsdp", 4)), layout=Layout.TRAINING)
+
+  def need(**run):
+    run = Pipelining(micro_batches=8, **run)
+    return estimate_memory(Role.ACTOR, spec, model, rollout, train_rows=4, pipelining=run)
+
+  one_f_one_b, gpipe, recompute = need(), need(schedule="gpipe"), need(recompute=True)
+  stage = memory_model.Sharding(param_shards=4, batch_shards=4, tensor=1)  # one stage's
+  kept = memory_model.kept_activations(
+    pipeline.stage_config(model, 2),
+    stage,
+    micro_batch=1,
+    seq_len=rollout.max_seq_len,
+    options=model_options(model),
+  )
+  stage_input = rollout.max_seq_len * model.hidden_size * 4  # one sequence per device, fp32
+  assert kept > 0 and stage_input > 0
+  assert gpipe.activations - one_f_one_b.activations == (8 - 2) * (stage_input + kept)
+  assert one_f_one_b.activations - recompute.activations == kept  # 2 - 1 residual sets
+  assert gpipe.params == one_f_one_b.params < estimate_memory(
+    Role.ACTOR, dataclasses.replace(spec, axes=(("fsdp", 4),), devices=tuple(range(4))), model,
+    rollout, train_rows=4,
+  ).params  # fmt: skip
+  placement = PlacementSpec(strategy="explicit", roles={Role.ACTOR: spec})
+  budget = (one_f_one_b.total + gpipe.total) / 2 / GIB
+  check_models(
+    placement, config.model, rollout, budget, train_rows=4, pipelining=Pipelining(micro_batches=8)
+  )
+  with pytest.raises(PlacementError, match="actor"):
+    check_models(
+      placement,
+      config.model,
+      rollout,
+      budget,
+      train_rows=4,
+      pipelining=Pipelining(schedule="gpipe", micro_batches=8),
+    )
 
 
 def test_format_placement_table_lists_every_role():

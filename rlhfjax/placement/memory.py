@@ -7,11 +7,13 @@ the weight sync's temporary buffer from the shapes alone. This module feeds it a
 - the training layout shards parameters (and moments, gradients) over `stage` x `fsdp` x
   `tensor` and splits the batch over `data` x `fsdp` x `stage`; the generation layout shards
   parameters over `tensor` and gives each `data` group its share of the rollout slots. A
-  pipeline stage holds 1/P of the layers and of the embedding's and head's vocabulary, as the
-  training layout splits them (their copy gathered for a step is not counted, a small error)
-  and, at most, the activations of its layers for every micro-batch of the step
-  (GPipe's bound; 1F1B keeps fewer in flight): the whole model's activations for 1/P of the
-  rows;
+  pipeline stage's devices hold 1/P of the layers, sharded over the stage's own axes, and 1/P
+  of the embedding's and head's vocabulary, as the training layout splits them (the rest
+  gathered during a step); a trained role's stage also keeps, for every micro-batch its
+  schedule holds waiting for a backward (`Pipelining`: 1F1B about P, GPipe all of the step's),
+  its stage input and what its forward kept for the backward, as the planner prices it
+  (`rlhfjax.costmodel.pipeline.train_memory`; `stage_memory` is the one implementation both
+  use);
 - actor and critic are trained on micro-batches of `train_rows` sequences (the config's mini-
   batch split into micro-batches); reference and reward score the whole rollout batch at once,
   as the padded trainer does, or `score_rows` rows per call. A packing run passes its token
@@ -38,6 +40,7 @@ from rlhfjax.config import (
   RolloutSection,
 )
 from rlhfjax.config.model import LoraConfig, ModelConfig
+from rlhfjax.costmodel import pipeline
 from rlhfjax.costmodel.memory import (
   MemoryEstimate,
   Options,
@@ -73,6 +76,7 @@ __all__ = [
   "KvPool",
   "MemoryEstimate",
   "OptionEffect",
+  "Pipelining",
   "Options",
   "estimate_memory",
   "estimate_placement_memory",
@@ -80,6 +84,7 @@ __all__ = [
   "offload_options",
   "option_effects",
   "option_peaks",
+  "stage_memory",
 ]
 
 
@@ -90,6 +95,73 @@ def sharding_of(spec: RoleSpec) -> Sharding:
     batch_shards=math.prod(spec.axis_size(a) for a in BATCH_AXES[spec.layout]),
     tensor=spec.axis_size("tensor"),
     context=spec.context,
+  )
+
+
+def stage_sharding(spec: RoleSpec) -> Sharding:
+  """`sharding_of(spec)` for one pipeline stage's devices: its parameters and its micro-batches
+  split over the stage's own axes (the whole of `spec` without a `stage` axis)."""
+  whole = sharding_of(spec)
+  if spec.stages == 1 or spec.layout != Layout.TRAINING:
+    return whole
+  return dataclasses.replace(
+    whole,
+    param_shards=whole.param_shards // spec.stages,
+    batch_shards=whole.batch_shards // spec.stages,
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pipelining:
+  """How trained roles on pipeline stages run a step's micro-batches, which sets what a stage
+  keeps for their backwards: the config's `placement.pipeline_schedule` ('1f1b' or 'gpipe'),
+  `ppo.fuse_actor_critic` (actor and critic in one fused table), the micro-batches of a
+  pipelined step (the flow's micro-batches per mini-batch) and
+  `placement.pipeline_recompute` (stage inputs kept, forwards run again): a config's is
+  `rlhfjax.planner.auto.pipelining(config)`."""
+
+  schedule: str = "1f1b"
+  fused: bool = False
+  micro_batches: int = 1
+  recompute: bool = False
+
+  def slots(self, role: Role | str, stages: int) -> int:
+    """Micro-batches a stage of `role` keeps waiting for their backwards (the most of any
+    stage: `rlhfjax.costmodel.pipeline.stash_slots`)."""
+    if self.fused and role in TRAINED_ROLES:
+      return pipeline.stash_slots("fused", stages, self.micro_batches)[TRAINED_ROLES.index(role)]
+    return pipeline.stash_slots(self.schedule, stages, self.micro_batches)[0]
+
+
+def stage_memory(
+  config: ModelConfig,
+  head: str,
+  sharding: Sharding,
+  *,
+  stages: int,
+  trained: bool,
+  micro_batch: int,
+  seq_len: int,
+  options: Options,
+  slots: int = 1,
+  recompute: bool = False,
+) -> MemoryEstimate:
+  """One device of a trained or scoring role whose mesh has `stages` pipeline stages (1: none),
+  `sharding` being one stage's (`stage_sharding`) and `micro_batch` its sequences per batch
+  shard: the stage's L / P layers with 1/P of the vocabulary kept, and for a trained role
+  `slots` micro-batches in flight (`rlhfjax.costmodel.pipeline.train_memory`). The placement
+  check, `show_placement` and the planner all count a role this way."""
+  kwargs = dict(micro_batch=micro_batch, seq_len=seq_len, options=options)
+  if trained and stages > 1:
+    return pipeline.train_memory(
+      config, head, sharding, stages=stages, slots=slots, recompute=recompute, **kwargs
+    )
+  fn = train_memory if trained else forward_memory
+  if stages == 1:
+    return fn(config, head, sharding, **kwargs)
+  estimate = fn(pipeline.stage_config(config, stages), head, sharding, **kwargs)
+  return pipeline.vocabulary_over_stages(
+    estimate, config, head, sharding, stages=stages, options=options, trained=trained
   )
 
 
@@ -106,6 +178,7 @@ def estimate_memory(
   options: Options | None = None,
   offload: OffloadSection | None = None,
   head: str | None = None,
+  pipelining: Pipelining | None = None,
 ) -> MemoryEstimate:
   """Estimates the bytes one device of `role` needs when placed as `spec`.
 
@@ -127,6 +200,8 @@ def estimate_memory(
       None); `role`'s offloaded parts count in its stage only (`MemoryEstimate.parked`).
     head: the head of `role`'s model; None: a built-in role's (`HEADS`). An extra role's is
       its kind's (`rlhfjax.config.ModelSection.head`).
+    pipelining: how a trained role on pipeline stages runs its micro-batches (`train_rows`
+      sequences each); None: `Pipelining()`, 1F1B over one micro-batch.
   """
   options = offload_options(model_options(model, options), role, offload)
   sharding = sharding_of(spec)
@@ -146,10 +221,19 @@ def estimate_memory(
     )
   trained = role in TRAINED_ROLES
   rows = (train_rows if trained else score_rows) or rollout.batch_size
-  micro_batch = math.ceil(rows / sharding.batch_shards)
-  fn = train_memory if trained else forward_memory
-  head = head or HEADS[role]
-  return fn(model, head, sharding, micro_batch=micro_batch, seq_len=seq_len, options=options)
+  sharding, stages, run = stage_sharding(spec), spec.stages, pipelining or Pipelining()
+  return stage_memory(
+    model,
+    head or HEADS[role],
+    sharding,
+    stages=stages,
+    trained=trained,
+    micro_batch=math.ceil(rows / sharding.batch_shards),
+    seq_len=seq_len,
+    options=options,
+    slots=run.slots(role, stages) if trained and stages > 1 else 1,
+    recompute=run.recompute,
+  )
 
 
 def adapters_synced(actor: ModelConfig, actor_spec: RoleSpec, rollout_spec: RoleSpec):
@@ -197,11 +281,14 @@ def estimate_placement_memory(
   score_rows: int | None = None,
   options: Options | None = None,
   offload: OffloadSection | None = None,
+  pipelining: Pipelining | None = None,
 ) -> dict[Role, MemoryEstimate]:
   """`estimate_memory` of every role of `placement`, with the model each role runs and its own
-  offload in `offload`."""
+  offload in `offload`; its pipelined roles run as `pipelining` says, recomputing their
+  stages' forwards where `placement` asks for it too."""
   actor_devices = set(placement[Role.ACTOR].devices)
   actor = model.for_role(Role.ACTOR)
+  run = with_recompute(pipelining, placement)
   estimates = {
     role: estimate_memory(
       role,
@@ -215,6 +302,7 @@ def estimate_placement_memory(
       options=options,
       offload=offload,
       head=model.head(role),
+      pipelining=run,
     )
     for role, spec in placement.roles.items()
   }
@@ -227,6 +315,15 @@ def estimate_placement_memory(
     # The actor's base weights with the adapters off, beside it: its scoring only.
     estimates[Role.REFERENCE] = without_weights(estimates[Role.REFERENCE])
   return estimates
+
+
+def with_recompute(pipelining: Pipelining | None, placement: PlacementSpec) -> Pipelining:
+  """`pipelining` (default `Pipelining()`) recomputing the stages' forwards when `placement`
+  asks for it (`PlacementSpec.pipeline_recompute`, `strategy=auto`'s choice)."""
+  run = pipelining or Pipelining()
+  if placement.pipeline_recompute and not run.recompute:
+    return dataclasses.replace(run, recompute=True)
+  return run
 
 
 JUDGE_PAGE_SIZE = 16
@@ -338,6 +435,7 @@ def kv_pool(
   score_rows: int | None = None,
   options: Options | None = None,
   offload: OffloadSection | None = None,
+  pipelining: Pipelining | None = None,
 ) -> KvPool:
   """The largest page pool per rollout replica that fits `rollout.kv_memory_fraction` of
   `device_bytes` beside what the rollout's devices hold while it generates (its weights,
@@ -364,6 +462,7 @@ def kv_pool(
     score_rows=score_rows,
     options=options,
     offload=offload,
+    pipelining=pipelining,
   )
   estimates[Role.ROLLOUT] = dataclasses.replace(estimates[Role.ROLLOUT], kv_cache=0)
   rollout_stage = estimates[Role.ROLLOUT].total - estimates[Role.ROLLOUT].persistent
@@ -462,10 +561,12 @@ def option_effects(
   train_rows: int | None,
   score_rows: int | None = None,
   offload: OffloadSection | None = None,
+  pipelining: Pipelining | None = None,
 ) -> dict[Role, OptionEffect]:
   """Each role's `OptionEffect`: `estimate_memory` of its model with and without its remat and
   log-prob chunk, and its idle bytes with and without its own parts of `offload`."""
   actor_devices = set(placement[Role.ACTOR].devices)
+  run = with_recompute(pipelining, placement)
   out = {}
   for role, spec in placement.roles.items():
     config = model.for_role(role)
@@ -481,6 +582,7 @@ def option_effects(
         receives_sync=role == Role.ROLLOUT and not set(spec.devices) <= actor_devices,
         offload=offload,
         head=model.head(role),
+        pipelining=run,
       )
 
     plain = total(config.replace(remat="none", logprob_chunk_size=None)).total

@@ -10,6 +10,7 @@ from rlhfjax.placement.memory import (
   GIB,
   MemoryEstimate,
   OptionEffect,
+  Pipelining,
   adapters_synced,
   device_totals,
   option_effects,
@@ -145,10 +146,15 @@ def format_option_table(
 
 
 def option_report(
-  config: ExperimentConfig, spec: PlacementSpec, train_rows: int, score_rows: int | None = None
+  config: ExperimentConfig,
+  spec: PlacementSpec,
+  train_rows: int,
+  score_rows: int | None = None,
+  pipelining: Pipelining | None = None,
 ) -> str:
   """`format_option_table` of `config`'s per-role models and offload on placement `spec`, its
-  micro-batches of `train_rows` and `score_rows` rows (see `estimate_memory`)."""
+  micro-batches of `train_rows` and `score_rows` rows, pipelined as `pipelining` says (see
+  `estimate_memory`)."""
   off = config.offload
   effects = option_effects(
     spec,
@@ -157,6 +163,7 @@ def option_report(
     train_rows=train_rows,
     score_rows=score_rows,
     offload=off,
+    pipelining=pipelining,
   )
   settings = {}
   for role in effects:

@@ -75,6 +75,7 @@ def check_models(
   score_rows: int | None = None,
   options: memory.Options | None = None,
   offload: OffloadSection | None = None,
+  pipelining: memory.Pipelining | None = None,
 ) -> None:
   """Checks that every role's model can be laid out on its mesh and fits its devices.
 
@@ -88,6 +89,8 @@ def check_models(
     options: backend settings of the memory model (remat and chunks are each model's own).
     offload: the roles whose parameters or moments wait in host memory while idle; a role's
       offloaded parts count during its own stage and not while it is idle.
+    pipelining: how the trained roles on pipeline stages run their micro-batches (see
+      `estimate_memory`).
 
   Raises:
     PlacementError: a `tensor` size does not divide a model's heads or KV heads, a role's
@@ -123,6 +126,7 @@ def check_models(
       score_rows=score_rows,
       options=options,
       offload=offload,
+      pipelining=pipelining,
     )
     _check_memory(spec, estimates, memory_per_device_gb)
 

@@ -24,6 +24,7 @@ from rlhfjax.flows.registry import (
   roles_of,
   train_budget,
 )
+from rlhfjax.placement.memory import Pipelining
 from rlhfjax.placement.spec import PlacementSpec, Role
 from rlhfjax.placement.strategies import build_placement
 from rlhfjax.placement.validate import PlacementError, check_models
@@ -108,6 +109,18 @@ def memory_rows(config: ExperimentConfig) -> tuple[int, int | None]:
   return (
     budget // config.rollout.max_seq_len if budget else rows
   ), config.rollout.score_rows_packed
+
+
+def pipelining(config: ExperimentConfig) -> Pipelining:
+  """How `config`'s trained roles run a step's micro-batches on pipeline stages, for the memory
+  their stages keep: its schedule, fusion, recompute and the flow's micro-batches per
+  mini-batch (the micro-batches of one pipelined step)."""
+  return Pipelining(
+    schedule=config.placement.pipeline_schedule,
+    fused=config.ppo.fuse_actor_critic,
+    micro_batches=batch_of(config).micro_batches,
+    recompute=config.placement.pipeline_recompute,
+  )
 
 
 def train_rows(config: ExperimentConfig) -> int:

@@ -43,6 +43,8 @@ from rlhfjax.placement.memory import (
   judge_spec,
   offload_options,
   sharding_of,
+  stage_memory,
+  stage_sharding,
   without_weights,
 )
 from rlhfjax.placement.spec import Layout, PlacementSpec, Role, RoleSpec
@@ -157,13 +159,7 @@ def role_memory(
       verdict=judge.verdict,
       options=offload_options(options(workload, hw, eff), role, workload.offload),
     )
-  sharding = sharding_of(rs)
-  if (stages := stages_of(rs)) > 1:  # one stage's devices hold its L / P layers
-    sharding = dataclasses.replace(
-      sharding,
-      param_shards=sharding.param_shards // stages,
-      batch_shards=sharding.batch_shards // stages,
-    )
+  sharding, stages = stage_sharding(rs), stages_of(rs)  # a stage's devices: its L / P layers
   opts = offload_options(options(workload, hw, eff), role, workload.offload)
   if role == Role.ROLLOUT:
     return memory.rollout_memory(
@@ -178,34 +174,23 @@ def role_memory(
   trained = role in (Role.ACTOR, Role.CRITIC)
   if workload.packed:
     micro_batch = packed_micro_batch(workload, sharding.batch_shards, micro_batch, trained)
-  kwargs = dict(micro_batch=micro_batch, seq_len=workload.seq_len, options=opts)
+  in_flight = 1
   if trained and stages > 1:
     per_step = math.ceil(workload.trained(role) / workload.optimizer_steps)
     m = max(1, math.ceil(per_step / (micro_batch * sharding.batch_shards)))
     name, model = update_table(spec, workload, role)
-    slots = pipeline.stash_slots(name, stages, m)[model]
-    return pipeline.train_memory(
-      config,
-      HEADS[role],
-      sharding,
-      stages=stages,
-      slots=slots,
-      recompute=workload.pipeline_recompute,
-      **kwargs,
-    )
-  whole = config
-  if stages > 1:
-    config = pipeline.stage_config(config, stages)
-  fn = memory.train_memory if trained else memory.forward_memory
-  estimate = fn(config, head_of(workload, role), sharding, **kwargs)
-  estimate = pipeline.vocabulary_over_stages(
-    estimate,
-    whole,
+    in_flight = pipeline.stash_slots(name, stages, m)[model]
+  estimate = stage_memory(
+    config,
     head_of(workload, role),
     sharding,
     stages=stages,
-    options=opts,
     trained=trained,
+    micro_batch=micro_batch,
+    seq_len=workload.seq_len,
+    options=opts,
+    slots=in_flight,
+    recompute=workload.pipeline_recompute,
   )
   if role is Role.REFERENCE and workload.reference_from_base:
     return without_weights(estimate)

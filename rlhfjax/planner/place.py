@@ -72,6 +72,7 @@ def plan_placement(config: ExperimentConfig, available_devices: int) -> Placemen
     train_rows=train_rows,
     score_rows=score_rows,
     offload=config.offload,
+    pipelining=auto.pipelining(config),
   )
   return spec
 
@@ -111,6 +112,7 @@ def kv_pool(config: ExperimentConfig, spec: PlacementSpec) -> memory.KvPool:
     train_rows=train_rows,
     score_rows=score_rows,
     offload=config.offload,
+    pipelining=auto.pipelining(config),
   )
 
 
