@@ -1,5 +1,6 @@
 """Test session set-up: 8 virtual CPU devices, set once before JAX initialises its backends."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -26,10 +27,10 @@ for _flag in _SUITE_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# A persistent compilation cache for the training runs the end-to-end tests start as
-# subprocesses (kill -9 and rerun, resume, the scripts' runs: they compile the same programs);
-# JAX reads these at import and subprocesses inherit them. The pytest workers themselves do not
-# use it (below, and docs/development.md "Compilation").
+# One persistent compilation cache for the session's processes: the pytest workers and the
+# training runs the end-to-end tests start (kill -9 and rerun, multi-host, the pipeline) compile
+# the same programs. JAX reads these at import and subprocesses inherit them. Entries are keyed
+# by the program, the compile options and the jax/jaxlib versions.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -37,10 +38,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# This process compiles its own programs: no entry read or written (an executable serialized
-# for the cache is where XLA aborted a worker, see docs/development.md).
-jax.config.update("jax_compilation_cache_dir", None)
 
 # Each test file holds one kind of test and says which with a module-level marker, its tier:
 #   pure         no JAX at all: config, schedules, the cost model's arithmetic;
@@ -181,6 +178,39 @@ if _PROFILE_DIR:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(_PROFILE_DIR, f"{worker}.jsonl"), "a") as f:
       f.write(json.dumps(row) + "\n")
+
+
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+
+def _memory_maps() -> tuple[int, int] | None:
+  """(memory mappings of this process, the kernel's limit per process), or None off Linux."""
+  try:
+    with open("/proc/self/maps") as maps, open(_MAX_MAP_COUNT) as limit:
+      return sum(1 for _ in maps), int(limit.read())
+  except OSError:
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs(request):
+  """After each test file, JAX's caches are cleared so that its compiled programs can go.
+
+  Every XLA:CPU executable maps its machine code into the process (about 3 mappings for a
+  small program, far more for the engine's), and JAX's caches keep every executable a worker
+  ever compiled: the rollout, streaming and paged-engine files alone left a worker 23,503
+  mappings (753 with this). Past the kernel's limit (`vm.max_map_count`, 65,530 by default) a
+  mapping fails and XLA aborts or crashes in the compile or serialization at hand, as CI's
+  workers did a third of the way through the suite. A file that leaves more than half the
+  limit behind fails here, naming itself."""
+  yield
+  jax.clear_caches()
+  gc.collect()
+  if (maps := _memory_maps()) and maps[0] > maps[1] // 2:
+    pytest.fail(
+      f"{request.node.path.name} leaves this process {maps[0]} memory mappings, more than half "
+      f"the kernel's limit of {maps[1]} ({_MAX_MAP_COUNT}): release its compiled programs"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

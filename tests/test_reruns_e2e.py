@@ -72,7 +72,7 @@ def stage(request) -> str:
 def uninterrupted(stage, tmp_path_factory) -> tuple[str, str]:
   """(workdir, the start of the script's last line: the held-out metric, first -> last) of the
   uninterrupted run, in this process: the same config and XLA flags give the script's numbers
-  (the same programs, compiled here again: XLA's compiles are deterministic)."""
+  (the same programs, from the persistent compilation cache)."""
   path = str(tmp_path_factory.mktemp(f"uninterrupted_{stage}"))
   runner = Runner(shipped_config(SCRIPTS[stage][1], CHANGES, None), path, show_progress=False)
   runner.run()

@@ -9,7 +9,8 @@ observations in the rollout). It is killed with SIGKILL as soon as its first che
 complete, while the run goes on, so the kill lands anywhere in the iterations or saves after
 it. A rerun in this process resumes from the latest complete checkpoint and must repeat the
 uninterrupted run exactly: every metrics row, the timeline, and the final checkpoint's
-fingerprints. The uninterrupted run and the rerun run in this process, on the same programs.
+fingerprints. The uninterrupted run and the rerun run in this process, on the same programs
+(the persistent compilation cache that conftest sets).
 """
 
 import pathlib
