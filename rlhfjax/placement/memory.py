@@ -125,12 +125,18 @@ class Pipelining:
   micro_batches: int = 1
   recompute: bool = False
 
+  def table(self, role: Role | str) -> tuple[str, int]:
+    """The schedule table a trained `role`'s update runs in and the role's model index in it
+    (`rlhfjax.costmodel.pipeline.table`)."""
+    if self.fused and role in TRAINED_ROLES:
+      return "fused", TRAINED_ROLES.index(role)
+    return self.schedule, 0
+
   def slots(self, role: Role | str, stages: int) -> int:
     """Micro-batches a stage of `role` keeps waiting for their backwards (the most of any
-    stage: `rlhfjax.costmodel.pipeline.stash_slots`)."""
-    if self.fused and role in TRAINED_ROLES:
-      return pipeline.stash_slots("fused", stages, self.micro_batches)[TRAINED_ROLES.index(role)]
-    return pipeline.stash_slots(self.schedule, stages, self.micro_batches)[0]
+    stage: `rlhfjax.costmodel.pipeline.stash_slots`; none without stages)."""
+    name, model = self.table(role)
+    return pipeline.stash_slots(name, stages, self.micro_batches)[model]
 
 
 def stage_memory(
@@ -204,7 +210,7 @@ def estimate_memory(
       sequences each); None: `Pipelining()`, 1F1B over one micro-batch.
   """
   options = offload_options(model_options(model, options), role, offload)
-  sharding = sharding_of(spec)
+  sharding = stage_sharding(spec)  # the whole mesh's but on pipeline stages
   seq_len = rollout.max_seq_len
   if role == Role.ROLLOUT:
     slots = math.ceil(rollout.num_slots / sharding.batch_shards)
@@ -221,17 +227,17 @@ def estimate_memory(
     )
   trained = role in TRAINED_ROLES
   rows = (train_rows if trained else score_rows) or rollout.batch_size
-  sharding, stages, run = stage_sharding(spec), spec.stages, pipelining or Pipelining()
+  run = pipelining or Pipelining()
   return stage_memory(
     model,
     head or HEADS[role],
     sharding,
-    stages=stages,
+    stages=spec.stages,
     trained=trained,
     micro_batch=math.ceil(rows / sharding.batch_shards),
     seq_len=seq_len,
     options=options,
-    slots=run.slots(role, stages) if trained and stages > 1 else 1,
+    slots=run.slots(role, spec.stages),
     recompute=run.recompute,
   )
 

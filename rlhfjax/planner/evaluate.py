@@ -37,6 +37,7 @@ from rlhfjax.costmodel.replay import Replay, StageCost, replay
 from rlhfjax.costmodel.workload import Workload
 from rlhfjax.placement.hosts import nodes_of, tensor_spans_hosts
 from rlhfjax.placement.memory import (
+  Pipelining,
   adapters_synced,
   device_totals,
   judge_engine_memory,
@@ -174,12 +175,8 @@ def role_memory(
   trained = role in (Role.ACTOR, Role.CRITIC)
   if workload.packed:
     micro_batch = packed_micro_batch(workload, sharding.batch_shards, micro_batch, trained)
-  in_flight = 1
-  if trained and stages > 1:
-    per_step = math.ceil(workload.trained(role) / workload.optimizer_steps)
-    m = max(1, math.ceil(per_step / (micro_batch * sharding.batch_shards)))
-    name, model = update_table(spec, workload, role)
-    in_flight = pipeline.stash_slots(name, stages, m)[model]
+  per_step = math.ceil(workload.trained(role) / workload.optimizer_steps) if trained else 0
+  m = max(1, math.ceil(per_step / (micro_batch * sharding.batch_shards)))
   estimate = stage_memory(
     config,
     head_of(workload, role),
@@ -189,7 +186,7 @@ def role_memory(
     micro_batch=micro_batch,
     seq_len=workload.seq_len,
     options=opts,
-    slots=in_flight,
+    slots=pipelining(spec, workload, micro_batches=m).slots(role, stages),
     recompute=workload.pipeline_recompute,
   )
   if role is Role.REFERENCE and workload.reference_from_base:
@@ -217,11 +214,15 @@ def fused(spec: PlacementSpec, workload: Workload) -> bool:
   )
 
 
-def update_table(spec: PlacementSpec, workload: Workload, role: Role) -> tuple[str, int]:
-  """The schedule table a trained role's update runs in and the role's model index in it."""
-  if fused(spec, workload):
-    return "fused", 0 if role == Role.ACTOR else 1
-  return workload.pipeline_schedule, 0
+def pipelining(spec: PlacementSpec, workload: Workload, micro_batches: int = 1) -> Pipelining:
+  """How the trained roles of `workload` on `spec` run `micro_batches` micro-batches through
+  their stages: its schedule, fused where `fused` says."""
+  return Pipelining(
+    schedule=workload.pipeline_schedule,
+    fused=fused(spec, workload),
+    micro_batches=micro_batches,
+    recompute=workload.pipeline_recompute,
+  )
 
 
 def packed_micro_batch(workload: Workload, shards: int, micro_batch: int, trained: bool) -> int:
@@ -511,7 +512,7 @@ def _train_costs(spec, w, hw, eff, groups, shape, per_node):
     works[role] = pipeline.update_work(
       *args, stages=stages, crosses_nodes=crosses, recompute=w.pipeline_recompute, **kwargs
     )
-    name, _ = update_table(spec, w, role)
+    name, _ = pipelining(spec, w).table(role)
     if name != "fused":
       table = pipeline.table(name, stages, works[role].micro_batches)
       seconds[role] = pipeline.priced(table, [works[role]]).seconds
