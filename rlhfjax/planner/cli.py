@@ -13,9 +13,10 @@ from rlhfjax.planner import report, search
 from rlhfjax.planner.evaluate import Plan
 
 
-def workload_from_flags(f) -> Workload:
+def workload_from_flags(f, extra_roles: tuple | None = None) -> Workload:
   """The workload the flags describe, priced as the registered flow `--algorithm` (a critic
-  only for a flow that trains one, as PPO does)."""
+  only for a flow that trains one, as PPO does); `extra_roles`: `extra_roles_from_flags(f)`,
+  when the caller has it already."""
   pricing = pricing_by_name(f.algorithm)
   actor = resolve_model(f.actor)
   if actor is None:
@@ -26,7 +27,7 @@ def workload_from_flags(f) -> Workload:
   if not has_critic and critic is not None:
     raise ValueError(f"--algorithm={f.algorithm} has no critic; drop --critic or use ppo")
   reward_name = f.reward if f.reward is not None else (critic_name if critic else "none")
-  extras, judges, _ = extra_roles_from_flags(f)
+  extras, judges, _ = extra_roles or extra_roles_from_flags(f)
   # --critic=none plans a critic-free run (no critic mesh or memory), as --algorithm=grpo does.
   return Workload(
     extra_rewards=extras,
@@ -124,7 +125,8 @@ def check_flags(f) -> None:
 def plan_from_flags(f) -> tuple[list[Plan], str]:
   """Ranked plans and their table for the flags of `plan_placement.py`."""
   check_flags(f)
-  work = workload_from_flags(f)
+  extra_roles = extra_roles_from_flags(f)
+  work = workload_from_flags(f, extra_roles)
   hw = hardware.load_hardware(f.hardware, f.efficiency)
   if f.devices_per_node is not None:
     hw = dataclasses.replace(hw, devices_per_node=f.devices_per_node)
@@ -139,7 +141,7 @@ def plan_from_flags(f) -> tuple[list[Plan], str]:
     strategy=f.strategy,
     rollout_devices=f.rollout_devices,
     async_rollout=f.async_rollout,
-    extras=extra_roles_from_flags(f)[2],
+    extras=extra_roles[2],
   )
   if not plans:
     raise ValueError(f"no {f.strategy} placement can be built on {f.devices} devices")
