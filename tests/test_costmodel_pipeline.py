@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from rlhfjax import schedules
-from rlhfjax.config.model import param_count
+from rlhfjax.config.model import LoraConfig, param_count
 from rlhfjax.costmodel import costs, efficiency, hardware, memory, pipeline
 from rlhfjax.costmodel.workload import Workload, resolve_model
 from rlhfjax.placement import strategies
@@ -23,6 +23,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 H100 = hardware.load_hardware("h100")
 EFF = efficiency.load_efficiency(None)
 B70 = resolve_model("70b")  # as the planner reads a size: bf16 parameters
+_LORA = LoraConfig(rank=8)
 # 1024 prompts in 8 optimizer steps: 128 sequences per step of 2048 padded tokens.
 WORK = Workload(actor=B70, critic=B70, reward=B70, prompts=1024, optimizer_steps=8, remat="full")
 
@@ -75,6 +76,42 @@ def test_a_send_is_one_micro_batch_of_stage_inputs():
     )
     assert work.send_s == pytest.approx(expected, rel=1e-12)
     assert (work.micro_batches, work.flushes) == (8, 8 * epochs)
+
+
+def test_the_vocabulary_is_gathered_and_its_gradients_reduce_scattered_once_a_step():
+  """Per optimizer step, each device's block of the embedding and the head (vocab x hidden
+  each, over tensor x fsdp) gathered in bf16 and its float32 gradients reduce-scattered, a ring
+  over the stages ((P - 1) / P of the buffer each way); with LoRA only the gather; nothing on
+  one stage, or when the vocabulary does not divide over tensor x stages (whole everywhere)."""
+  group = costs.Group(devices=8, tensor=2)
+  shard = 2 * B70.vocab_size * B70.hidden_size / 8
+  link = H100.inter_node_bw * EFF.collective_bw
+
+  def priced(config, stages=4, crosses_nodes=True):
+    return pipeline.vocabulary_sync_time(
+      H100, EFF, config, "lm", group, stages=stages, crosses_nodes=crosses_nodes
+    )
+
+  assert priced(B70) == pytest.approx(shard * (2 + 4) * 3 / 4 / link, rel=1e-12)
+  lora = B70.replace(lora=_LORA)
+  assert priced(lora) == pytest.approx(shard * 2 * 3 / 4 / link, rel=1e-12)
+  assert priced(B70, crosses_nodes=False) < priced(B70) / 5  # the node's links
+  assert priced(B70, stages=1) == 0.0
+  assert priced(B70.replace(vocab_size=B70.vocab_size + 1)) == 0.0
+  # Charged once per optimizer step, over every epoch.
+  kwargs = dict(sequences=1024, seq_len=2048, optimizer_steps=8, micro_steps=64, remat="none")
+  works = [
+    pipeline.update_work(
+      H100, EFF, B70, "lm", group, stages=4, crosses_nodes=True, **kwargs, epochs=epochs
+    )  # fmt: skip
+    for epochs in (1, 2)
+  ]
+  whole = [costs.train_time(H100, EFF, B70, "lm", group, **kwargs, epochs=e) for e in (1, 2)]
+  for work, flat, epochs in zip(works, whole, (1, 2), strict=True):
+    fixed = (EFF.stage_s + EFF.update_s) * work.flushes * H100.per_device(8)
+    sync = work.flushes * priced(B70)
+    assert work.busy_s == pytest.approx((flat - fixed) / 4 + fixed + sync, rel=1e-9)
+    assert work.flushes == 8 * epochs
 
 
 def test_a_pipeline_that_keeps_residuals_prices_no_recomputed_forward():

@@ -138,16 +138,25 @@ def reference(config, actor_params, batch):
 @pytest.fixture(scope="module")
 def pipelined(config, actor_params, batch):
   """`pipelined(stages, schedule, remat) -> (grads, metrics)`: the actor's pipelined gradients
-  over `_mesh(stages)`, each computed once."""
-  done = {}
+  over `_mesh(stages)`, each computed once; `pipelined.hlo(...)`: its compiled program's
+  text."""
+  done, jitted = {}, {}
+
+  def args(stages):
+    return _on_mesh(actor_params, config, "lm", _mesh(stages)), batch
 
   def run(stages: int, schedule: str, remat: str, recompute: bool = False):
     key = (stages, schedule, remat, recompute)
     if key not in done:
-      step = jax.jit(_grads_fn(config, stages, schedule, remat, recompute))
-      done[key] = step(_on_mesh(actor_params, config, "lm", _mesh(stages)), batch)
+      jitted[key] = jax.jit(_grads_fn(config, stages, schedule, remat, recompute))
+      done[key] = jitted[key](*args(stages))
     return done[key]
 
+  def hlo(stages: int, schedule: str, remat: str, recompute: bool = False) -> str:
+    run(stages, schedule, remat, recompute)
+    return jitted[stages, schedule, remat, recompute].lower(*args(stages)).compile().as_text()
+
+  run.hlo = hlo
   return run
 
 
@@ -189,6 +198,42 @@ def test_pipelined_gradients_match_unpipelined(
   assert kernel.sharding.spec[0] == "stage"
   blocks = {(s.index[0].start, s.index[0].stop) for s in kernel.addressable_shards}
   assert blocks == {(i * 4 // stages, (i + 1) * 4 // stages) for i in range(stages)}
+
+
+def _collectives(hlo: str, kind: str) -> list[tuple[list[tuple[int, ...]], str]]:
+  """The `kind` collectives ('all-reduce', 'reduce-scatter', 'all-gather') of a compiled
+  program's text: the shapes of each one's result (several for a tuple) and its replica
+  groups as written."""
+  import re
+
+  found = []
+  pattern = r"= (\(.*?\)|\w+\[[\d,]*\]\S*) " + kind + r"(?:-start)?\(.*?replica_groups="
+  for result, groups in re.findall(pattern + r"(\{[{}\d,]*\}|[^ ,]+)", hlo):
+    dims = re.findall(r"\[([\d,]*)\]", result)
+    found.append(([tuple(int(n) for n in x.split(",") if n) for x in dims], groups))
+  return found
+
+
+def test_the_vocabulary_gradients_are_reduce_scattered_over_the_stages(config, pipelined):
+  """The embedding's and the head's gradients leave the pipelined step split as the training
+  layout holds them (vocabulary over tensor x stage): over the stages the compiled program
+  reduce-scatters each, every device summing only its own shard and keeping its block, and
+  all-reduces nothing larger than the final norm's gradient (an all-reduce of them moved
+  about 4 times the bytes: the whole vocabulary), nor gathers any gradient first."""
+  stages, fsdp, tensor = 2, 2, 2
+  hlo = pipelined.hlo(stages, "1f1b", "none")
+  ids = np.vectorize(lambda d: d.id)(_mesh(stages).devices)
+  groups = np.moveaxis(ids, 0, -1).reshape(-1, stages)
+  over_stages = "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+  vocab, d = config.vocab_size, config.hidden_size
+  block = vocab // (tensor * stages) * (d // fsdp)  # one device's share of one of them
+  scattered = [s for s, g in _collectives(hlo, "reduce-scatter") if g == over_stages]
+  assert sorted(int(np.prod(s[0])) for s in scattered) == [block, block]
+  reduced = [shape for s, g in _collectives(hlo, "all-reduce") if g == over_stages for shape in s]
+  assert reduced and max(int(np.prod(shape)) for shape in reduced) <= d
+  # The only gathers: the parameters' (each device's block of a stage, gathered whole).
+  gathered = [int(np.prod(shape)) for s, _ in _collectives(hlo, "all-gather") for shape in s]
+  assert gathered and max(gathered) == vocab // tensor * (d // fsdp)
 
 
 def _count(jaxpr, primitive: str) -> int:

@@ -17,7 +17,9 @@ Time of one pipelined update, per device:
   re-materialisation) the backward runs the stage's forward again from its stashed input: one
   pass more (five with full remat, whose layers the recomputed forward's backward runs once
   more again). The embedding and the head are spread over the stages with the layers
-  (on a 70B with a 32k vocabulary they are under 1% of the matmuls).
+  (on a 70B with a 32k vocabulary they are under 1% of the matmuls); their vocabulary, split
+  over the stages between steps, is gathered at each optimizer step's start and its gradients
+  reduce-scattered at the end (`vocabulary_sync_time`), charged whole like the fixed costs.
 - bubbles: one op's seconds are its share of the busy time, a backward costing
   `BACKWARD_COST` = 2 forwards (the two backward matmuls of every forward one), one more for
   each forward run again (full remat's layers, `pipeline_recompute`'s stage): the pass counts
@@ -219,6 +221,40 @@ def send_time(
   return bytes_ / (link * eff.collective_bw)
 
 
+def split_vocabulary(config: ModelConfig, head: str, tensor: int, stages: int) -> int:
+  """Elements of the embedding and the LM head (untied) that the training layout splits over
+  the stages (`rlhfjax.mesh.rules`: where the vocabulary divides over tensor x stages); 0 when
+  it keeps them whole on every stage."""
+  if stages == 1 or config.vocab_size % (tensor * stages):
+    return 0
+  elements = config.vocab_size * config.hidden_size
+  return 2 * elements if head == "lm" and not config.tie_embeddings else elements
+
+
+def vocabulary_sync_time(
+  hw: Hardware,
+  eff: Efficiency,
+  config: ModelConfig,
+  head: str,
+  stage_group: costs.Group,
+  *,
+  stages: int,
+  crosses_nodes: bool,
+) -> float:
+  """Per optimizer step of a pipelined update whose vocabulary is split over the stages
+  (`vocabulary_over_stages`): each device gathers the embedding's and the head's blocks the
+  other stages keep, and at the end reduce-scatters their float32 gradients back (a ring over
+  the stages each way, `rlhfjax.training.pipeline`); with LoRA only the gather (the base is
+  frozen)."""
+  elements = split_vocabulary(config, head, stage_group.tensor, stages)
+  shard = elements / (stage_group.tensor * stage_group.fsdp)  # one device's, whole over stages
+  moved = shard * memory.dtype_bytes(config.param_dtype)
+  if config.lora is None:
+    moved += shard * 4
+  link = hw.inter_node_bw if crosses_nodes else hw.intra_node_bw
+  return moved * (stages - 1) / stages / (link * eff.collective_bw)
+
+
 def update_work(
   hw: Hardware,
   eff: Efficiency,
@@ -250,6 +286,9 @@ def update_work(
   if stages == 1:
     return StageWork(busy_s=whole, send_s=0.0, micro_batches=m, flushes=flushes)
   fixed = (eff.stage_s + eff.update_s) * flushes * hw.per_device(stage_group.devices)
+  vocabulary = flushes * vocabulary_sync_time(
+    hw, eff, config, head, stage_group, stages=stages, crosses_nodes=crosses_nodes
+  )
   send = send_time(
     hw,
     eff,
@@ -261,7 +300,7 @@ def update_work(
     crosses_nodes=crosses_nodes,
   )
   return StageWork(
-    busy_s=(whole - fixed) / stages + fixed,
+    busy_s=(whole - fixed) / stages + fixed + vocabulary,
     send_s=send,
     micro_batches=m,
     flushes=flushes,
@@ -318,11 +357,9 @@ def vocabulary_over_stages(
   vocabulary split over the stages, as the training layout splits it (`rlhfjax.mesh.rules`,
   where the vocabulary divides over tensor x stages): between steps each stage keeps 1/P of
   them and of their moments; during a step the rest comes back gathered."""
-  if stages == 1 or config.vocab_size % (sharding.tensor * stages):
+  elements = split_vocabulary(config, head, sharding.tensor, stages)
+  if not elements:
     return estimate
-  elements = config.vocab_size * config.hidden_size
-  if head == "lm" and not config.tie_embeddings:
-    elements *= 2
   away = 1 - 1 / stages
   params = int(away * elements * memory.dtype_bytes(config.param_dtype) / sharding.param_shards)
   moments = 0

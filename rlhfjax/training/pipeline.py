@@ -8,7 +8,8 @@ blocks (the 'layers' rule), so the device at stage position `i` holds the layers
 of each model. The embedding's and the LM head's vocabulary are split over the stages too (the
 'vocab' rule): between steps each stage keeps 1/p of them and of their optimizer state; the
 step gathers them whole (the first stage looks the tokens up, the last runs the head; the final
-norm is small and whole everywhere) and sums their gradients over the stages. (One SPMD program
+norm is small and whole everywhere) and reduce-scatters their gradients over the stages, each
+stage keeping the sum of the blocks it holds. (One SPMD program
 gives every stage's shard one shape: an embedding kept by the first stage alone would leave a
 block of its size on every other stage; split, each keeps 1/p.) One compiled program runs a
 whole `Schedule`, a `lax.scan` over its ticks inside a `shard_map` that is manual over `stage`
@@ -32,7 +33,8 @@ re-materialisation): one micro-batch's residuals at a time, for one more forward
 Gradients (of the trained leaves: with LoRA the adapters and a value head, `models.lora.split`)
 are summed per stage over the micro-batches in micro-batch order, as
 `steps.accumulate_and_apply`'s scan sums them, then averaged; the parameters outside the layer
-stack are summed over the stages (each stage adds only what it used). A non-finite loss on the
+stack are summed over the stages (each stage adds only what it used; the vocabulary's blocks
+reduce-scattered, the rest all-reduced). A non-finite loss on the
 last stage poisons every stage's gradients, so the optimizer skips the update as unpipelined.
 """
 
@@ -149,18 +151,29 @@ def _param_specs(params: Any) -> Any:
   return specs
 
 
-def _stage_split_leaves(config: ModelConfig, params: Any, mesh: Mesh) -> list:
-  """Per leaf of `params`' rest (`_split`, in `jax.tree.leaves` order): `(dim, mesh axes of
-  that dim)` where the training layout splits the leaf over `stage` (the vocabulary of the
-  embedding and the head, `rlhfjax.mesh.rules`), else None."""
+@dataclasses.dataclass(frozen=True)
+class _StageSplit:
+  """Where the training layout splits a leaf over `stage`."""
+
+  dim: int
+  names: tuple[str, ...]
+  """The mesh axes of that dim, major first (the order of its blocks)."""
+  spec: PartitionSpec
+  """The leaf's whole spec."""
+
+
+def _stage_split_leaves(config: ModelConfig, params: Any, mesh: Mesh) -> list[_StageSplit | None]:
+  """Per leaf of `params`' rest (`_split`, in `jax.tree.leaves` order): where the training
+  layout splits the leaf over `stage` (the vocabulary of the embedding and the head,
+  `rlhfjax.mesh.rules`), else None."""
   _, rest_axes = _split(transformer.logical_axes(config, head_kind(params)))
   _, rest = _split(params)
 
-  def where(sharding) -> tuple[int, tuple[str, ...]] | None:
+  def where(sharding) -> _StageSplit | None:
     for dim, entry in enumerate(sharding.spec):
       names = (entry,) if isinstance(entry, str) else tuple(entry or ())
       if AXIS in names:
-        return dim, names
+        return _StageSplit(dim, names, sharding.spec)
     return None
 
   shardings = rules.named_shardings(rest_axes, rest, mesh, Layout.TRAINING)
@@ -177,11 +190,69 @@ def _reverse_stage_blocks(rest: Any, split: list, mesh: Mesh) -> Any:
   def one(x, where):
     if where is None or x is None:  # (a frozen leaf's place in a gradient tree)
       return x
-    dim, names = where
+    dim, names = where.dim, where.names
     split_sizes = [sizes[n] for n in names]
     inner = x.shape[dim] // int(np.prod(split_sizes))
     blocks = x.reshape(*x.shape[:dim], *split_sizes, inner, *x.shape[dim + 1 :])
     return jnp.flip(blocks, axis=dim + names.index(AXIS)).reshape(x.shape)
+
+  leaves, treedef = jax.tree.flatten(rest, is_leaf=lambda x: x is None)
+  return jax.tree.unflatten(treedef, [one(x, w) for x, w in zip(leaves, split, strict=True)])
+
+
+def _sum_over_stages(rest: Any, split: list, mesh: Mesh) -> Any:
+  """`rest`'s gradients (each stage's own, a frozen leaf None) summed over the stages: a leaf
+  the training layout splits over them (`_stage_split_leaves`: the vocabulary) is
+  reduce-scattered, each device summing only its own shard and keeping the block it holds
+  (on 2 stages with tensor parallelism 2, a third of the all-reduces' bytes); the others are
+  all-reduced. The vocabulary's dim `[n]`, split over mesh axes `(ahead...,
+  stage, behind...)`, comes out as `[before, n / before / p]` on each stage (`before`: the
+  product of the axes ahead), which `_summed_specs` joins over the stages."""
+  sizes = dict(mesh.shape)
+  # The scatter runs on each device's own shard: manual over the other axes too (in a
+  # `shard_map` manual over `stage` alone, XLA gathers the operand over them first).
+  others = {n for n in mesh.axis_names if n != AXIS}
+
+  def one(x, where):
+    if x is None:
+      return x
+    if where is None:
+      return jax.lax.psum(x, AXIS)
+    dim, i = where.dim, where.names.index(AXIS)
+    ahead, behind = where.names[:i] or None, where.names[i + 1 :] or None
+    entries = (*where.spec, *[None] * (x.ndim - len(where.spec)))
+    spec = PartitionSpec(*entries[:dim], ahead, None, behind, *entries[dim + 1 :])
+    before = int(np.prod([sizes[n] for n in ahead or ()]))
+    blocks = x.reshape(*x.shape[:dim], before, sizes[AXIS], -1, *x.shape[dim + 1 :])
+    scatter = functools.partial(
+      jax.lax.psum_scatter, axis_name=AXIS, scatter_dimension=dim + 1, tiled=True
+    )
+    mine = (
+      scatter(blocks)
+      if not others
+      else jax.shard_map(
+        scatter,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=spec,
+        out_specs=spec,
+        axis_names=others,
+        check_vma=False,
+      )(blocks)
+    )
+    return mine.reshape(*x.shape[:dim], before, -1, *x.shape[dim + 1 :])
+
+  leaves, treedef = jax.tree.flatten(rest, is_leaf=lambda x: x is None)
+  return jax.tree.unflatten(treedef, [one(x, w) for x, w in zip(leaves, split, strict=True)])
+
+
+def _summed_specs(rest: Any, split: list) -> Any:
+  """The `shard_map` out-specs of `_sum_over_stages(rest, split, ...)`: a reduce-scattered
+  leaf's stage blocks joined along the dim after `before`, the others whole on every stage."""
+
+  def one(x, where):
+    if x is None:
+      return None
+    return PartitionSpec() if where is None else PartitionSpec(*[None] * (where.dim + 1), AXIS)
 
   leaves, treedef = jax.tree.flatten(rest, is_leaf=lambda x: x is None)
   return jax.tree.unflatten(treedef, [one(x, w) for x, w in zip(leaves, split, strict=True)])
@@ -335,27 +406,33 @@ def pipelined_grads(
   width, dtype = max(x.shape[-1] for x in shapes), shapes[0].dtype
   places = ("first", "last") if p == 2 else ("first", "mid", "last")
   flax_rules = _rules_without_stage(nn.get_logical_axis_rules())
-  # The rest of a model whose stages run in the reverse device order, by leaf: where its
-  # vocabulary is split over the stages in the view's reversed order.
-  reversed_rest = [
-    _stage_split_leaves(model.config, prm, mesh)
-    if schedule.directions[k] is schedules.Direction.REVERSE_ORDER
-    else None
-    for k, (model, prm) in enumerate(zip(models, params, strict=True))
+  # Per model, by leaf of its rest: where the training layout splits it over the stages (the
+  # vocabulary; in the view's reversed order for a model whose stages run in the reverse
+  # device order).
+  stage_split = [
+    _stage_split_leaves(model.config, prm, mesh) for model, prm in zip(models, params, strict=True)
   ]
+  reverse = [d is schedules.Direction.REVERSE_ORDER for d in schedule.directions]
 
   def in_order(k: int, tree: Any) -> Any:
     """Model k's tree (parameters or gradients) with its rest's vocabulary blocks in order."""
-    if reversed_rest[k] is None:
+    if not reverse[k]:
       return tree
     layers, rest = _split(tree)
-    return {**_reverse_stage_blocks(rest, reversed_rest[k], mesh), "layers": layers}
+    return {**_reverse_stage_blocks(rest, stage_split[k], mesh), "layers": layers}
 
   def body(params, batches):
     params = tuple(in_order(k, prm) for k, prm in enumerate(params))
     with nn.logical_axis_rules(flax_rules):
-      grads, metrics = staged(params, batches)
-    return tuple(in_order(k, g) for k, g in enumerate(grads)), metrics
+      grads, metrics, poison = staged(params, batches)
+    out = []
+    for k, g in enumerate(grads):
+      # Back in the view's block order before the sum (a permutation of each stage's own
+      # gradient), so each stage keeps the blocks its devices hold.
+      layers_g, rest_g = _split(in_order(k, g))
+      rest_g = _sum_over_stages(rest_g, stage_split[k], mesh)
+      out.append(jax.tree.map(lambda x: (x + poison) / m, {**rest_g, "layers": layers_g}))
+    return tuple(out), metrics
 
   def staged(params, batches):
     me = jax.lax.axis_index(AXIS)
@@ -523,23 +600,34 @@ def pipelined_grads(
     (_, _, _, (grads, metrics, finite)), _ = jax.lax.scan(tick, carry0, table)
     finite = jax.lax.pmin(finite.astype(jnp.int32), AXIS) > 0
     poison = jnp.where(finite, 0.0, jnp.nan)
-    out_grads, out_metrics = [], []
-    for (layers_g, rest_g), mets in zip(grads, metrics, strict=True):
-      rest_g = jax.lax.psum(rest_g, AXIS)
-      full = {**rest_g, "layers": layers_g}
-      out_grads.append(jax.tree.map(lambda g: (g + poison) / m, full))
-      out_metrics.append(jax.tree.map(lambda v: jax.lax.psum(v, AXIS) / m, mets))
-    return tuple(out_grads), tuple(out_metrics)
+    # Each stage's own sums; `body` adds them up over the stages.
+    out_grads = tuple({**rest_g, "layers": layers_g} for layers_g, rest_g in grads)
+    out_metrics = tuple(jax.tree.map(lambda v: jax.lax.psum(v, AXIS) / m, mets) for mets in metrics)
+    return out_grads, out_metrics, poison
 
+  trained = [lora.split(prm)[0] for prm in params]
   in_specs = (
     tuple(_param_specs(prm) for prm in params),
     jax.tree.map(lambda _: PartitionSpec(), tuple(batches)),
   )
-  out_specs = (tuple(_param_specs(lora.split(prm)[0]) for prm in params), PartitionSpec())
+  out_specs = (
+    tuple(
+      {**_summed_specs(_split(g)[1], split), "layers": _param_specs(g)["layers"]}
+      for g, split in zip(trained, stage_split, strict=True)
+    ),
+    PartitionSpec(),
+  )
   run = jax.shard_map(
     body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False
   )
-  return run(tuple(params), tuple(batches))
+  grads, metrics = run(tuple(params), tuple(batches))
+  # A reduce-scattered leaf comes out as `[..., before, the rest, ...]` (`_sum_over_stages`):
+  # back to the parameter's shape, the blocks already where the training layout keeps them.
+  grads = tuple(
+    jax.tree.map(lambda g, x: g.reshape(x.shape), got, like)
+    for got, like in zip(grads, trained, strict=True)
+  )
+  return grads, metrics
 
 
 def pipelined_update(
