@@ -1,7 +1,7 @@
 """Multi-turn rollouts through a flow (`rollout.environment`): GRPO with the calculator tool of
 examples/calculator.py on the bundled arithmetic sums. Co-located and packed against
-disaggregated, padded and with fused scoring (conversations scored as they finish): the same
-numbers; the engine's log-probs are the trainer's on the
+disaggregated, padded and with fused scoring (conversations scored as they finish), the
+environments on 4 threads: the same numbers; the engine's log-probs are the trainer's on the
 sampled tokens; the trajectories are the sampled tokens and the observations as the environment
 gave them, observations out of the loss mask; the environment's rewards in the score; an
 environment that breaks its protocol, one line. (The engine's KV reuse across turns:
@@ -63,8 +63,9 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """GRPO co-located and packed; disaggregated, padded and fused; PPO (a critic: GAE over the
-  sampled tokens, stepping over observations) co-located."""
+  """GRPO co-located and packed; disaggregated, padded and fused, with 4 environment
+  workers; PPO (a critic: GAE over the sampled tokens, stepping over observations)
+  co-located."""
   out = {}
   for name, config, variant, changes in (
     ("colocated", "grpo_tiny", "colocated", {}),
@@ -72,7 +73,13 @@ def runs(tmp_path_factory):
       "disaggregated, padded, fused",
       "grpo_tiny",
       "disaggregated",
-      {"ppo.packing": False, "rollout.fused_scoring": True, "rollout.score_micro_batch": 4},
+      # Its environments' resets and steps on 4 threads: the same run.
+      {
+        "ppo.packing": False,
+        "rollout.fused_scoring": True,
+        "rollout.score_micro_batch": 4,
+        "rollout.environment_workers": 4,
+      },  # fmt: skip
     ),
     ("ppo", "ppo_tiny", "colocated", {}),
   ):

@@ -3,6 +3,8 @@ factory is given, prompts from `reset` (the record's, ids, or messages through t
 template), observations as ids or text, rewards summed, turn and token limits, and every fault
 an environment can make reported in one line naming it and the record."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,39 @@ def test_a_faulty_environment_is_one_line_naming_it_and_the_record(name, message
   assert convs.turn(1, np.asarray([65]), True, 10) is None
   assert convs.stats()["rollout/environment_errors"] >= 1
   assert "the trajectory ends here" in caplog.text
+
+
+MEETING: list = []  # the barrier `Meets` waits at, set by the test
+
+
+class Meets:
+  """Its reset waits until every row's is running (`MEETING[0]`, a barrier): it returns only
+  when the resets run at the same time."""
+
+  def __init__(self, seed):
+    self.seed = seed
+
+  def reset(self, record):
+    MEETING[0].wait()
+    return [1 + self.seed % 200, 2]
+
+  def step(self, tokens):
+    return [3], 1.0, True
+
+
+def test_workers_reset_the_rows_at_once_with_the_prompts_of_one_by_one():
+  """`rollout.environment_workers` 4: the 4 resets run at once (they meet at a barrier, whose
+  time-out would break it one by one), the prompts are those of one worker, in row order, and
+  the engine is told it may take 4 turns at once (`concurrency`); a fault still stops the run
+  in one line."""
+  batch = _batch({}, {}, {}, {})
+  MEETING[:] = [threading.Barrier(1)]
+  want = _conversations("Meets").start(batch, seed=3, max_prompt_len=8).tokens
+  MEETING[:] = [threading.Barrier(4, timeout=120)]
+  convs = _conversations("Meets", workers=4)
+  assert convs.start(batch, seed=3, max_prompt_len=8).tokens == want
+  assert len(set(map(tuple, want))) == 4 and convs.turn.concurrency == 4
+  assert convs.turn(2, np.asarray([65]), True, 10) is None
+  np.testing.assert_allclose(convs.rewards(), [0, 0, 1, 0])
+  with pytest.raises(EnvironmentFault, match="creating it raised RuntimeError: no tool server"):
+    _conversations("BadInit", workers=4).start(batch, seed=0, max_prompt_len=8)

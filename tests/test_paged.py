@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -324,6 +325,46 @@ def test_conversations_keep_their_kv_and_equal_no_cache_generation(
     assert 0 < got.extend_calls <= sum(turns - 1)
   else:
     assert got.preemptions > 0 or got.prefill_rows > len(prompts)
+
+
+class _Meeting(_Turns):
+  """`_Turns` called from `concurrency` threads (`paging.TurnFn`), whose first call of every
+  request waits until all `parties` requests are in theirs: it returns only if the engine
+  calls them at the same time (one by one, the first waits alone until the barrier's time-out
+  breaks it: a failure, never a pass)."""
+
+  def __init__(self, parties):
+    super().__init__()
+    self.concurrency = parties
+    self.barrier = threading.Barrier(parties, timeout=120)
+    self.lock = threading.Lock()
+    self.threads = set()
+
+  def __call__(self, index, tokens, stopped, room):
+    with self.lock:
+      first = all(c[0] != index for c in self.calls)
+      self.threads.add(threading.get_ident())
+    if first:
+      self.barrier.wait()
+    with self.lock:
+      return super().__call__(index, tokens, stopped, room)
+
+
+def test_turns_ended_in_one_decode_call_are_taken_at_once_with_the_same_result(params):
+  """A `TurnFn` with `concurrency` 4 (an environment waiting on a tool): the 4 requests end
+  their first turn at its 3-token limit in the same decode call, and their 4 calls run at once
+  (they meet at a barrier); the tokens, observations and calls are those of the calls made one
+  by one."""
+  engine = rollout.Engine.for_role(CONFIG, TURNS, _role([1]), params)
+  prompts = _prompts(11, (5, 9, 16, 3))
+  one_by_one, at_once = _Turns(), _Meeting(4)
+  want = engine.generate(prompts, sampling=rollout.GREEDY, seed=3, turn=one_by_one, turn_tokens=3)
+  got = engine.generate(prompts, sampling=rollout.GREEDY, seed=3, turn=at_once, turn_tokens=3)
+  assert len(at_once.threads) == 4
+  _assert_same(got, want)
+  np.testing.assert_array_equal(got.observed, want.observed)
+  assert sorted(at_once.calls) == sorted(one_by_one.calls)
+  assert all(len(c[1]) == 3 for c in one_by_one.calls[:4])  # every first turn at its limit
 
 
 def test_conversations_move_to_the_tail_engine_with_their_observations(params):

@@ -729,6 +729,12 @@ class RolloutSection:
   max_turn_tokens: int = 0
   """With an environment: a turn of the model also ends after this many tokens (0: on a stop
   token or at `max_new_tokens` only); the environment answers it like any turn."""
+  environment_workers: int = 1
+  """With an environment: threads that run the `reset`s of a batch, and the `step`s of the
+  trajectories that ended a turn in the same decode call, at once (environments that wait on a
+  tool, a sandbox or a server); 1: one after another. The run is the same for any count (each
+  trajectory's calls in order, their results applied in trajectory order); environments of
+  different trajectories must then not share unguarded state."""
   on_environment_error: str = "error"
   """An environment that raises or breaks its protocol: 'error' stops the run with one line
   naming it and the record; 'end' ends that trajectory there (its rewards so far kept) and
@@ -755,6 +761,7 @@ class RolloutSection:
       max_tokens_per_score_batch=ranges.NON_NEGATIVE,
       max_turns=ranges.COUNT,
       max_turn_tokens=ranges.NON_NEGATIVE,
+      environment_workers=ranges.COUNT,
     )
     if self.environment and ":" not in self.environment:
       raise ConfigError(f"'rollout.environment' must be 'module:name', got {self.environment!r}")

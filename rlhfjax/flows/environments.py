@@ -23,6 +23,12 @@ one token. A turn ends on a stop token or after `rollout.max_turn_tokens` tokens
 is the sum of its turns' (`rewards`), a part of the sequence score (`reward.environment_coef`,
 `rlhfjax.cluster.rewards`).
 
+`rollout.environment_workers` threads run the `reset`s of a batch, and the `step`s of the
+trajectories that ended a turn in the same decode call, at once (an environment waiting on a
+tool, a sandbox or a server); each trajectory's calls stay in order, and what they return is
+applied in trajectory order, so a run is the same for any number of workers. Environments of
+different trajectories then run on different threads: they must not share unguarded state.
+
 An environment that raises or answers with the wrong types: one line naming it and the record;
 `rollout.on_environment_error='error'` stops the run with it, 'end' ends that trajectory there
 (its rewards so far kept) and counts it (`rollout/environment_errors`).
@@ -30,6 +36,7 @@ An environment that raises or answers with the wrong types: one line naming it a
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import inspect
 import logging
@@ -69,6 +76,17 @@ def load_environment(path: str) -> Callable[..., Any]:
   return tasks.load_callable(path, "environment")
 
 
+@dataclasses.dataclass(frozen=True)
+class _TurnFn:
+  """`Conversations.turn`: the engine's `paging.TurnFn`, with the threads it may use."""
+
+  step: Callable[[int, np.ndarray, bool, int], np.ndarray | None]
+  concurrency: int
+
+  def __call__(self, index: int, tokens: np.ndarray, stopped: bool, room: int):
+    return self.step(index, tokens, stopped, room)
+
+
 class Conversations:
   """One rollout batch's environments: `start` makes the prompts, `turn` is the engine's
   `paging.TurnFn`, then `rewards`, `turns` and `stats` read what happened."""
@@ -82,9 +100,14 @@ class Conversations:
     chat_template: Any = None,
     max_turns: int,
     on_error: str = "error",
+    workers: int = 1,
   ):
     self.path, self.tokenizer, self.template = path, tokenizer, chat_template
     self.max_turns, self.on_error, self.vocab_size = max_turns, on_error, vocab_size
+    self.workers = workers
+    self.turn = _TurnFn(self._turn, workers)
+    """The engine's `paging.TurnFn`: the environment's step, then the observation that
+    continues the trajectory, or None when it ends."""
     factory = load_environment(path)
     try:
       params = inspect.signature(factory).parameters
@@ -106,26 +129,35 @@ class Conversations:
 
   def start(self, batch: PromptBatch, seed: int, max_prompt_len: int) -> PromptBatch:
     """A new environment per row of `batch` and its `reset`: the batch's prompts."""
-    self._rows, prompts = [], []
-    for i, (tokens, record) in enumerate(zip(batch.tokens, batch.records, strict=True)):
-      values = {"tokenizer": self.tokenizer, "seed": (seed * 1_000_003 + i) % 2**31}
-      values["record"] = record
-      self._rows.append(_Trajectory(env=None, record=record))
-      what = "creating it"
-      try:
-        env = self._rows[i].env = self._factory(**{k: values[k] for k in self._keywords})
-        what = "reset"
-        prompt = self._prompt(env.reset(record), tokens)
-      except EnvironmentFault:
-        raise
-      except Exception as e:  # noqa: BLE001 (any fault of user code is reported, one line)
-        self._fail(i, f"{what} raised {type(e).__name__}: {e}")
-        prompt = list(tokens)
-      if not 0 < len(prompt) <= max_prompt_len:
-        self._fail(i, f"reset gave a prompt of {len(prompt)} tokens; 1 to {max_prompt_len} fit")
-        prompt = list(tokens)
-      prompts.append(prompt)
+    self._rows = [_Trajectory(env=None, record=record) for record in batch.records]
+    args = list(zip(range(len(self._rows)), batch.tokens, strict=True))
+    start = lambda a: self._start(*a, seed=seed, max_prompt_len=max_prompt_len)  # noqa: E731
+    if self.workers <= 1 or len(args) <= 1:
+      prompts = [start(a) for a in args]
+    else:
+      with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="env") as pool:
+        prompts = list(pool.map(start, args))  # (an exception raised in row order)
     return PromptBatch(prompts, list(batch.records))
+
+  def _start(self, i: int, tokens: Sequence[int], *, seed: int, max_prompt_len: int) -> list[int]:
+    """Row `i`'s environment made and reset: its prompt."""
+    record = self._rows[i].record
+    values = {"tokenizer": self.tokenizer, "seed": (seed * 1_000_003 + i) % 2**31}
+    values["record"] = record
+    what = "creating it"
+    try:
+      env = self._rows[i].env = self._factory(**{k: values[k] for k in self._keywords})
+      what = "reset"
+      prompt = self._prompt(env.reset(record), tokens)
+    except EnvironmentFault:
+      raise
+    except Exception as e:  # noqa: BLE001 (any fault of user code is reported, one line)
+      self._fail(i, f"{what} raised {type(e).__name__}: {e}")
+      prompt = list(tokens)
+    if not 0 < len(prompt) <= max_prompt_len:
+      self._fail(i, f"reset gave a prompt of {len(prompt)} tokens; 1 to {max_prompt_len} fit")
+      prompt = list(tokens)
+    return prompt
 
   def _prompt(self, value: Any, tokens: Sequence[int]) -> list[int]:
     if value is None:
@@ -136,10 +168,9 @@ class Conversations:
       return list(self.template.encode(self.tokenizer, Conversation(tuple(value))))
     return _token_ids(value, "reset's prompt", self.vocab_size)
 
-  def turn(self, index: int, tokens: np.ndarray, stopped: bool, room: int) -> np.ndarray | None:
-    """The engine's `paging.TurnFn`: the environment's step, then the observation that
-    continues trajectory `index`, or None when it ends. (A turn that ended without a stop
-    token, at `rollout.max_turn_tokens`, is the environment's to answer like any other.)"""
+  def _turn(self, index: int, tokens: np.ndarray, stopped: bool, room: int) -> np.ndarray | None:
+    """`turn` of trajectory `index`. (A turn that ended without a stop token, at
+    `rollout.max_turn_tokens`, is the environment's to answer like any other.)"""
     del stopped
     t = self._rows[index]
     if t.ended:  # (an error at reset: the model's one answer is all)

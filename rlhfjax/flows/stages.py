@@ -74,6 +74,7 @@ def conversations(ctx: FlowContext) -> Conversations | None:
     chat_template=data_template(cfg.data),
     max_turns=cfg.rollout.max_turns,
     on_error=cfg.rollout.on_environment_error,
+    workers=cfg.rollout.environment_workers,
   )
 
 

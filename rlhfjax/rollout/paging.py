@@ -39,6 +39,7 @@ request and is prefilled again.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -195,7 +196,10 @@ TurnFn = Callable[[int, np.ndarray, bool, int], "np.ndarray | None"]
 """`turn(index, tokens, stopped, room) -> observation or None`: called when request `index`
 ends a turn (`tokens`: the turn's sampled tokens, `stopped`: on a stop token, `room`: tokens
 left under its limit); token ids to append (fewer than `room`) continue the sequence, None ends
-it."""
+it. A `TurnFn` with an int attribute `concurrency` above 1 is called from that many threads at
+once for the requests that ended a turn in the same decode call (an environment waiting on a
+tool); their observations are applied in request order, so the run is the same for any
+`concurrency`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -613,8 +617,8 @@ class Scheduler:
       r = by_row[d, int(row_b[i])]
       r.status, r.slot = "running", j
       self.slot_of[d][j] = r
-    finished = []
-    for (d, row), r in sorted(by_row.items()):
+    rows = sorted(by_row.items())
+    for (d, row), r in rows:
       o = d * ro + row
       old, new = len(r.tokens), int(out_num_o[o])
       r.tokens += out_tokens_or[o, old:new].tolist()
@@ -625,7 +629,14 @@ class Scheduler:
         if r.slot >= 0 and self.slot_of[d][r.slot] is r:
           self.slot_of[d][r.slot] = None
         r.slot = -1
-        observation = self._next_turn(r)
+    # The turns that ended, all at once (their environments may wait on tools), then each
+    # request continued or released in row order, as the pages' order needs.
+    observations = self._next_turns([r for (d, row), r in rows if out_done_o[d * ro + row]])
+    finished = []
+    for (d, row), r in rows:
+      o = d * ro + row
+      if out_done_o[o]:
+        observation = observations[r.index]
         if observation is not None:
           self._continue(r, observation)
           continue
@@ -639,10 +650,21 @@ class Scheduler:
         raise RuntimeError(f"request {r.index} left its queue but runs in no slot")
     return finished
 
+  def _next_turns(self, ended: list[Request]) -> dict[int, np.ndarray | None]:
+    """By request index, the observation that continues each of `ended` after the turn it
+    just ended, or None: the `TurnFn` called for each, from `concurrency` threads at once
+    when it has more than one (an exception is raised in request order, as one by one)."""
+    if self._turn is None or not ended:
+      return dict.fromkeys((r.index for r in ended), None)
+    workers = min(int(getattr(self._turn, "concurrency", 1)), len(ended))
+    if workers <= 1:
+      return {r.index: self._next_turn(r) for r in ended}
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="turn") as pool:
+      futures = [pool.submit(self._next_turn, r) for r in ended]
+      return {r.index: f.result() for r, f in zip(ended, futures, strict=True)}
+
   def _next_turn(self, r: Request) -> np.ndarray | None:
     """The observation that continues `r` after the turn it just ended, or None."""
-    if self._turn is None:
-      return None
     room = r.max_new - len(r.tokens)
     turn = np.asarray(r.tokens[r.turn_start :], np.int32)
     observation = self._turn(r.index, turn, r.stopped, room)
