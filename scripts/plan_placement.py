@@ -35,6 +35,14 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Longest prompt tokens (p
 flags.DEFINE_float("prompt_len_mean", 0, "Mean prompt tokens (0: every prompt is --prompt_len).")
 _MEAN = flags.DEFINE_float("response_len_mean", 512, "Mean response tokens.")
 _MAX = flags.DEFINE_integer("response_len_max", 1024, "Longest response tokens.")
+flags.DEFINE_float("turns", 1, "Multi-turn rollouts: the model's turns per conversation (mean).")
+flags.DEFINE_float(
+  "observation_tokens",
+  0,
+  "--turns: the environment's tokens per conversation (mean; counted in the response lengths).",
+)
+flags.DEFINE_float("environment_s", 0, "--turns: seconds one environment step takes.")
+flags.DEFINE_integer("environment_workers", 1, "--turns: environment steps run at once.")
 _EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "PPO epochs per iteration.")
 _STEPS = flags.DEFINE_integer("optimizer_steps", 1, "Optimizer updates per epoch.")
 _MICRO = flags.DEFINE_integer("micro_batch", 0, "Sequences per device per micro-step (0: search).")

@@ -516,6 +516,59 @@ def test_static_waves_of_an_engine_that_frees_finished_answers():
   assert decode(True, 512) == pytest.approx(4 * 1024 * step)
 
 
+def test_a_conversation_prefills_its_observations_and_waits_for_its_environments():
+  """Multi-turn rollouts (`costs.Conversation`): the environment's tokens are written by a
+  forward over them (the prefill's FLOPs per token) instead of decoded; each turn an
+  observation continues costs a share of a decode call's return and an extend call (the engine
+  returns once a quarter of the slots ended a turn: 2 dispatches per return); every turn's
+  environment step waits on the host, `workers` at once at most and at most a quarter of the
+  slots. A config with an environment is priced at its most turns, on its workers."""
+  hw = hardware.load_hardware("h100")
+  eff = efficiency.load_efficiency(None)
+  config = get_model_config("7b").replace(param_dtype="bfloat16", dtype="bfloat16")
+  group = costs.Group(devices=1)
+  kw = dict(sequences=256, prompt_len=512, response_mean=1024, response_max=2048, slots=64)
+
+  def price(**conversation):
+    c = costs.Conversation(**conversation)
+    return costs.generate_time(hw, eff, config, group, static_batching=False, conversation=c, **kw)
+
+  one = price()
+  assert one == costs.generate_time(hw, eff, config, group, static_batching=False, **kw)
+  turns = price(turns=4)
+  returns = -(-256 * 3 // (64 // 4))  # 768 turns continued, 16 a return
+  assert turns[0] == one[0]
+  assert turns[1] - one[1] == pytest.approx(2 * returns * eff.stage_s, rel=1e-12)
+  observed = price(turns=4, observation_tokens=300)
+  flops = 256 * 300 * costs.forward_flops_per_token(config, "lm", 512 + 1024 / 2)
+  assert observed[0] - one[0] == pytest.approx(flops / (hw.flops("bfloat16") * eff.forward_mfu))
+  # 300 of the 1024 tokens not decoded, at the same context: 256 x 724 / 64 steps and the
+  # tail's 1748 - 724 instead of 256 x 1024 / 64 and 2048 - 1024; far more saved than their
+  # forward costs (a decode step reads the weights for 64 tokens).
+  host = 2 * returns * eff.stage_s
+  steps = (256 * 724 / 64 + 1748 - 724) / (256 * 1024 / 64 + 2048 - 1024)
+  assert (observed[1] - host) / (turns[1] - host) == pytest.approx(steps, rel=1e-12)
+  assert sum(observed) < 0.9 * sum(turns)
+  for workers, at_once in ((1, 1), (8, 8), (64, 16)):
+    waiting = price(turns=4, observation_tokens=300, environment_s=0.5, workers=workers)
+    assert waiting[1] - observed[1] == pytest.approx(256 * 4 * 0.5 / at_once, rel=1e-12)
+  for bad, message in (
+    (dict(turns=0.5), "turns must be >= 1"),
+    (dict(turns=1, observation_tokens=10), "needs turns > 1"),
+    (dict(turns=2, workers=0), "workers >= 1"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      costs.Conversation(**bad)
+  with pytest.raises(ValueError, match="observation_tokens=512 must be below response_len_mean"):
+    Workload(actor=config, conversation=costs.Conversation(turns=2, observation_tokens=512))
+  cfg = from_config_dict(
+    {"model": {"size": "tiny"}, "rollout": {"environment": "examples.calculator:Calculator",
+     "max_turns": 3, "environment_workers": 4}}
+  )  # fmt: skip
+  assert auto.workload_of(cfg).conversation == costs.Conversation(turns=3, workers=4)
+  assert auto.workload_of(from_config_dict({"model": {"size": "tiny"}})).conversation.turns == 1
+
+
 def test_prompt_mean_sets_the_real_tokens_and_padding_keeps_the_maximum():
   actor = resolve_model("tiny")
   work = Workload(actor=actor, prompt_len=1024, prompt_len_mean=256, response_len_mean=512)

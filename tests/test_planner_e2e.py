@@ -68,6 +68,31 @@ def test_plan_placement_script_places_and_prices_extra_roles():
   assert long[0]["stages"]["score"] > best["stages"]["score"]
 
 
+def test_plan_placement_script_prices_conversations():
+  """`--turns` with the environment's tokens and its step's seconds: the table's title says
+  so; one worker's steps (4 turns of 1024 conversations at 0.5 s each, one after another)
+  dominate generation, and 64 workers at once take a small part of that."""
+
+  def table(workers):
+    out = run_plan_placement(
+      "--actor=7b", "--algorithm=grpo", "--hardware=h100", "--devices=8", "--prompts=128",
+      "--samples_per_prompt=8", "--continuous_batching", "--turns=4", "--observation_tokens=300",
+      "--environment_s=0.5", f"--environment_workers={workers}", "--strategy=colocated",
+      "--top=1", check=True,
+    )  # fmt: skip
+    title, head, best = out.stdout.splitlines()[:3]
+    assert f"in 4 turns (300 of them the environment's, 0.5 s a step, {workers} at once)" in title
+    # The columns after the groups (whose cells hold spaces).
+    names = ("mb", "generate", "score", "advantages", "update", "sync", "iter s", "tok/s/dev")
+    assert all(name in head for name in names)
+    return dict(zip((*names, "peak"), map(float, best.split()[-9:]), strict=True))
+
+  one, many = table(1), table(64)
+  assert one["generate"] > 1024 * 4 * 0.5  # the steps one after another, and the decoding
+  assert many["generate"] < one["generate"] / 10
+  assert many["update"] == pytest.approx(one["update"])  # the same placement's other stages
+
+
 def test_plan_placement_script_bad_input_is_one_line():
   out = run_plan_placement("--actor=8q")
   assert out.returncode == 2
@@ -91,6 +116,8 @@ def test_plan_placement_script_bad_input_is_one_line():
       ["--extra_roles=j1:judge:tiny,j2:judge:tiny"],
       "--extra_roles: one judge at most (reward.judge names one)",
     ),
+    (["--turns=0.5"], "--turns=0.5 --observation_tokens=0.0 --environment_s=0.0"),
+    (["--fusion", "--turns=2"], "--fusion predicts one answer per prompt: drop --turns"),
   ],
   ids=[
     "tail_fraction",
@@ -100,6 +127,8 @@ def test_plan_placement_script_bad_input_is_one_line():
     "json_list",
     "extra_devices",
     "two_judges",
+    "turns",
+    "fusion_turns",
   ],
 )
 def test_plan_placement_refuses_meaningless_flags_and_model_files(tmp_path, args, message):

@@ -13,6 +13,13 @@ Every function returns seconds for one stage of one iteration on a role's device
   batching a wave of slots decodes for the longest response; with continuous batching the
   slots stay full and only the tail of the longest response runs alone. Tensor parallelism
   adds two all-reduces per layer per step.
+- Conversations (`Conversation`: an environment answers each turn of the model): the
+  observations are the environment's tokens, written into the KV cache by a forward over them
+  (FLOP-bound, as prefill) instead of decoded; every turn's end returns a decode call to the
+  host (the engine returns once a quarter of the slots ended a turn) and runs a program that
+  writes the observations' KV, each a dispatch; the environments' steps run on the host while
+  the device waits, `workers` of them at once at most (and at most as many as ended a turn in
+  one decode call).
 - FSDP gathers the weights in every forward and backward pass of every micro-step and
   reduce-scatters the gradients; data-parallel replicas all-reduce their gradient shard once per
   update; tensor parallelism all-reduces activations twice per layer per pass. A ring
@@ -40,6 +47,36 @@ from rlhfjax.costmodel.hardware import Hardware
 from rlhfjax.costmodel.memory import adapter_bytes, stored_param_bytes
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Conversation:
+  """Multi-turn rollouts: an environment answers each turn of the model (rlhfjax's
+  `rollout.environment`); the default is one answer per prompt."""
+
+  turns: float = 1.0
+  """The model's turns per conversation, on average."""
+  observation_tokens: float = 0.0
+  """The environment's tokens per conversation, on average: part of the response's length
+  (`rollout.max_new_tokens` limits both), written into the cache, never decoded."""
+  environment_s: float = 0.0
+  """Seconds one environment step takes on the host (a tool call, a sandbox)."""
+  workers: int = 1
+  """Environment steps run at once (`rollout.environment_workers`)."""
+
+  def __post_init__(self):
+    if self.turns < 1:
+      raise ValueError(f"conversation turns must be >= 1, got {self.turns}")
+    if self.observation_tokens < 0 or self.environment_s < 0 or self.workers < 1:
+      raise ValueError(
+        "conversation observation_tokens and environment_s must be >= 0 and workers >= 1, got "
+        f"{self.observation_tokens}, {self.environment_s} and {self.workers}"
+      )
+    if self.turns == 1 and self.observation_tokens:
+      raise ValueError("observations come between turns: observation_tokens needs turns > 1")
+
+
+ONE_ANSWER = Conversation()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -286,32 +323,51 @@ def generate_time(
   slots: int,
   static_batching: bool,
   gather_devices: int = 1,
+  conversation: Conversation = ONE_ANSWER,
 ) -> tuple[float, float]:
-  """(prefill, decode) seconds for `sequences` rollouts on `group`, `slots` per data group."""
+  """(prefill, decode) seconds for `sequences` rollouts on `group`, `slots` per data group;
+  with a `conversation`, prefill includes the observations' forward and decode the turns'
+  round trips and the environments' steps. `response_mean` and `response_max` count the
+  observations."""
   replicas = group.replicas
   if hw.host_shared:  # the data groups take turns on the host's cores: one batch of all slots
     slots, replicas = slots * replicas, 1
   per_replica = math.ceil(sequences / replicas)
   slots = max(1, min(slots, per_replica))
+  rate = hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.forward_mfu
   prefill_flops = per_replica * prompt_len * forward_flops_per_token(config, "lm", prompt_len / 2)
-  prefill = prefill_flops / (hw.parallel(group.tensor) * hw.flops(config.dtype) * eff.forward_mfu)
+  prefill = prefill_flops / rate
   prefill += _tensor_allreduce(hw, eff, config, group, per_replica * prompt_len, 1)
+  host, decoded_mean, decoded_max = 0.0, response_mean, response_max
+  if conversation.turns > 1:
+    observed = per_replica * conversation.observation_tokens
+    mid = prompt_len + response_mean / 2
+    prefill += observed * forward_flops_per_token(config, "lm", mid) / rate
+    prefill += _tensor_allreduce(hw, eff, config, group, observed, 1)
+    ended = per_replica * (conversation.turns - 1)  # turns that an observation continues
+    returns = math.ceil(ended / max(1, slots // 4))
+    host = 2 * returns * eff.stage_s * hw.per_device(group.devices)
+    # Every turn is stepped, the last one too; one driver steps every replica's.
+    at_once = min(conversation.workers, max(1, slots * replicas // 4))
+    host += sequences * conversation.turns * conversation.environment_s / at_once
+    decoded_mean -= conversation.observation_tokens
+    decoded_max = max(response_max - conversation.observation_tokens, decoded_mean)
   waves = math.ceil(per_replica / slots)
   if static_batching:
-    steps = waves * response_max
+    steps = waves * decoded_max
   else:
-    steps = math.ceil(per_replica * response_mean / slots) + (response_max - response_mean)
+    steps = math.ceil(per_replica * decoded_mean / slots) + (decoded_max - decoded_mean)
   context = prompt_len + (response_max if static_batching else response_mean) / 2
   live = slots
   if static_batching and eff.frees_finished:
     # The wave lasts as long as its longest answer, but a finished answer leaves the batch:
     # on average `slots * mean / max` slots are live, at the mean answer's context.
-    live, context = slots * response_mean / response_max, prompt_len + response_mean / 2
+    live, context = slots * decoded_mean / decoded_max, prompt_len + response_mean / 2
   step = decode_step_time(hw, eff, config, group, batch=live, context=context)
   if gather_devices > 1:  # weights partitioned over the group: gathered again every step
     weights = matmul_params(config, "lm") * _BYTES[config.param_dtype]
     step += _ring(weights, gather_devices, _link(hw, group) * eff.collective_bw)
-  return prefill + eff.stage_s * hw.per_device(group.devices), steps * step
+  return prefill + eff.stage_s * hw.per_device(group.devices), steps * step + host
 
 
 def decode_step_time(

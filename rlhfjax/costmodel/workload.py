@@ -19,6 +19,7 @@ from rlhfjax import schedules
 from rlhfjax.config import OffloadSection
 from rlhfjax.config.model import ModelConfig, get_model_config, model_sizes
 from rlhfjax.costmodel import fill
+from rlhfjax.costmodel.costs import ONE_ANSWER, Conversation
 from rlhfjax.costmodel.pricing import PPO, Pricing
 
 REMAT_POLICIES = ("none", "dots_saveable", "full")
@@ -68,6 +69,10 @@ class Workload:
   (`padded`) computes on `prompt_len` whatever the real length."""
   response_len_mean: float = 512
   response_len_max: int = 1024
+  conversation: Conversation = ONE_ANSWER
+  """Multi-turn rollouts (an environment answering each turn): turns, the environment's
+  tokens (counted in the response's lengths), its step's seconds and workers; default one
+  answer per prompt."""
   ppo_epochs: int = 1
   optimizer_steps: int = 1
   """Optimizer updates per epoch (mini-batches)."""
@@ -144,6 +149,12 @@ class Workload:
       raise ValueError(
         f"response_len_mean={self.response_len_mean} must be in (0, response_len_max="
         f"{self.response_len_max}]"
+      )
+    if self.conversation.observation_tokens >= self.response_len_mean:
+      raise ValueError(
+        f"observation_tokens={self.conversation.observation_tokens} must be below "
+        f"response_len_mean={self.response_len_mean}, which counts them: the model's own "
+        "tokens are the rest"
       )
     if not 0 <= self.prompt_len_mean <= self.prompt_len:
       raise ValueError(

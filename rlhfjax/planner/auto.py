@@ -15,6 +15,7 @@ import dataclasses
 
 from rlhfjax.config import ExperimentConfig
 from rlhfjax.costmodel import efficiency, hardware
+from rlhfjax.costmodel.costs import ONE_ANSWER, Conversation
 from rlhfjax.costmodel.workload import JudgeEngine, Workload
 from rlhfjax.flows.registry import (
   batch_of,
@@ -63,6 +64,11 @@ def workload_of(config: ExperimentConfig) -> Workload:
     response_len_mean=rollout.max_new_tokens,
     samples_per_prompt=samples,
     response_len_max=rollout.max_new_tokens,
+    # A conversation at its most turns, as the response at its longest; what its
+    # observations hold and how long its environment takes, a config does not say.
+    conversation=Conversation(turns=rollout.max_turns, workers=rollout.environment_workers)
+    if rollout.environment
+    else ONE_ANSWER,
     ppo_epochs=batch.epochs,
     optimizer_steps=batch.mini_batches,
     offload=config.offload,

@@ -6,6 +6,7 @@ import dataclasses
 
 from rlhfjax.config import ExtraPlacementSection, OffloadSection
 from rlhfjax.costmodel import efficiency, hardware
+from rlhfjax.costmodel.costs import Conversation
 from rlhfjax.costmodel.workload import OFFLOAD_ALL, JudgeEngine, Workload, resolve_model
 from rlhfjax.flows.registry import pricing_by_name
 from rlhfjax.placement.hosts import nodes_of, tensor_across_hosts
@@ -50,6 +51,7 @@ def workload_from_flags(f, extra_roles: tuple | None = None) -> Workload:
     prompt_len_mean=f.prompt_len_mean,
     response_len_mean=f.response_len_mean,
     response_len_max=f.response_len_max,
+    conversation=conversation_from_flags(f),
     ppo_epochs=f.ppo_epochs,
     optimizer_steps=f.optimizer_steps,
     micro_batch=f.micro_batch,
@@ -63,6 +65,23 @@ def workload_from_flags(f, extra_roles: tuple | None = None) -> Workload:
     train_tokens=f.max_tokens_per_micro_batch,
     score_tokens=f.max_tokens_per_score_batch,
   )
+
+
+def conversation_from_flags(f) -> Conversation:
+  """`--turns`, `--observation_tokens`, `--environment_s`, `--environment_workers`; one line
+  naming the flag for a bad value."""
+  try:
+    return Conversation(
+      turns=f.turns,
+      observation_tokens=f.observation_tokens,
+      environment_s=f.environment_s,
+      workers=f.environment_workers,
+    )
+  except ValueError as error:
+    raise ValueError(
+      f"--turns={f.turns} --observation_tokens={f.observation_tokens} --environment_s="
+      f"{f.environment_s} --environment_workers={f.environment_workers}: {error}"
+    ) from None
 
 
 def extra_roles_from_flags(f) -> tuple[dict, set, dict[str, ExtraPlacementSection]]:
@@ -112,6 +131,8 @@ def check_flags(f) -> None:
     if getattr(f, name) is not None and getattr(f, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(f, name)}")
   if f.fusion:
+    if f.turns != 1:
+      raise ValueError("--fusion predicts one answer per prompt: drop --turns")
     if not 0 < f.tail_fraction < 0.5:
       raise ValueError(f"--tail_fraction must be in (0, 0.5), got {f.tail_fraction}")
     if not f.tail_ratio > 1:
@@ -148,7 +169,8 @@ def plan_from_flags(f) -> tuple[list[Plan], str]:
   title = (
     f"{f.strategy} placements of {f.algorithm} on {f.devices} x {hw.name} "
     f"({hw.memory_gib:.0f} GiB), {work.sequences} sequences of {_prompt(work)}+"
-    f"{work.response_len_mean:g}/{work.response_len_max} tokens{_lengths(work, plans[0])}, "
+    f"{work.response_len_mean:g}/{work.response_len_max} tokens{_turns(work)}"
+    f"{_lengths(work, plans[0])}, "
     f"efficiency {eff.generation_engine}; stage seconds per iteration"
   )
   text = title + "\n" + report.format_plans(plans, work, top=f.top)
@@ -161,6 +183,17 @@ def plan_from_flags(f) -> tuple[list[Plan], str]:
 def _prompt(work: Workload) -> str:
   """Prompt tokens, mean/longest when they differ."""
   return f"{work.prompt_mean:g}/{work.prompt_len}" if work.prompt_len_mean else str(work.prompt_len)
+
+
+def _turns(work: Workload) -> str:
+  """A conversation's shape, when there are turns."""
+  c = work.conversation
+  if c.turns == 1:
+    return ""
+  return (
+    f" in {c.turns:g} turns ({c.observation_tokens:g} of them the environment's, "
+    f"{c.environment_s:g} s a step, {c.workers} at once)"
+  )
 
 
 def _lengths(work: Workload, best: Plan) -> str:

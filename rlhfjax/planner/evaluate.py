@@ -406,6 +406,7 @@ def _stage_costs(spec, workload, hw, eff, groups, micro_batch, slots, per_node, 
     slots=slots,
     static_batching=w.static_batching,
     gather_devices=len(rollout.devices) if w.decode_gathers_weights else 1,
+    conversation=w.conversation,
   )
   generate = StageCost(
     role="rollout", stage="generate", devices=rollout.devices, seconds=prefill + decode
