@@ -535,7 +535,9 @@ def test_int8_kernels_are_within_half_a_step_of_the_float_ones_and_run_as_them()
   w = rng.normal(size=(3, 56, 4, 12)).astype(np.float32) * 0.02  # stacked q_proj [l, d, h, n]
   shape, axes = lora.scale_layout("btd,dhn->bthn", w.shape[1:], ("embed", "heads", "kv"))
   assert shape == (1, 4, 12) and axes == (None, "heads", "kv")
-  q, s = lora.quantize_kernel(jnp.asarray(w), (3, *shape))
+  stored = lora.quantize_kernel(jnp.asarray(w), (3, *shape))
+  assert set(stored) == {"kernel", lora.SCALE}
+  q, s = stored["kernel"], stored[lora.SCALE]
   amax = np.max(np.abs(w), axis=1, keepdims=True)
   np.testing.assert_allclose(np.asarray(s), amax / 127, rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(q), np.clip(np.round(w / (amax / 127)), -127, 127))
@@ -558,30 +560,47 @@ def test_int8_kernels_are_within_half_a_step_of_the_float_ones_and_run_as_them()
 
 def test_nf4_kernels_match_numpy_and_run_as_their_dequantized_floats():
   """'nf4' against NumPy: in blocks of `gcd(56, 64)` = 8 weights along the contracted width,
-  each block's absmax as its scale and each weight the nearest NF4 level of `w / absmax`
-  (within half the widest gap between levels, 0.139 of the scale), two codes a byte, the
-  even one in the low nibble; a model of 'nf4' kernels computes what the float model with the
-  dequantized kernels computes."""
+  each block's absmax as its scale and each weight the nearest NF4 level of `w / absmax`, two
+  codes a byte, the even one in the low nibble; the scales quantized again (QLoRA's double
+  quantization): per output channel the largest in float32, each block's as the nearest of
+  255ths of it (uint8). So every weight is within half the widest gap between levels (0.139)
+  of its block's scale plus the channel's largest over 510; a zero block keeps no scale.
+  A model of 'nf4' kernels computes what the float model with the dequantized kernels
+  computes."""
   rng = np.random.default_rng(1)
   w = rng.normal(size=(3, 56, 4, 12)).astype(np.float32) * 0.02  # stacked q_proj [l, d, h, n]
+  w[0, :8, 0, 0] = 0  # a zero block
   eqn = "btd,dhn->bthn"
   shape, axes = lora.scale_layout(eqn, w.shape[1:], ("embed", "heads", "kv"), "nf4")
   assert shape == (7, 4, 12) and axes == ("embed", "heads", "kv")
+  top_shape, top_axes = lora.max_layout(eqn, w.shape[1:], ("embed", "heads", "kv"))
+  assert top_shape == (1, 4, 12) and top_axes == (None, "heads", "kv")
   assert lora.stored_shape(eqn, w.shape[1:], "nf4") == (28, 4, 12)
-  q, s = lora.quantize_kernel(jnp.asarray(w), (3, *shape), "nf4")
+  stored = lora.quantize_kernel(jnp.asarray(w), (3, *shape), "nf4", (3, *top_shape))
+  q, s, top = stored["kernel"], stored[lora.SCALE], stored[lora.SCALE_MAX]
   assert q.dtype == jnp.uint8 and q.shape == (3, 28, 4, 12)
+  assert s.dtype == jnp.uint8 and top.dtype == jnp.float32 and top.shape == (3, 1, 4, 12)
   levels = np.asarray(lora.NF4_LEVELS, np.float32)
-  blocks = w.reshape(3, 7, 8, 4, 12)
+  blocks = w.reshape(3, 7, 8, 4, 12).astype(np.float64)
   amax = np.max(np.abs(blocks), axis=2, keepdims=True)
-  codes = np.argmin(np.abs((blocks / amax)[..., None] - levels), axis=-1).reshape(w.shape)
-  np.testing.assert_array_equal(np.asarray(s), amax.reshape(3, 7, 4, 12))
+  normed = blocks / np.where(amax > 0, amax, 1)
+  codes = np.argmin(np.abs(normed[..., None] - levels), axis=-1).reshape(w.shape)
+  channel_max = np.max(amax, axis=1, keepdims=True)  # [3, 1, 1, 4, 12]
+  np.testing.assert_allclose(np.asarray(top), channel_max.reshape(3, 1, 4, 12), rtol=1e-7)
+  fractions = np.round(amax / channel_max * 255)
+  np.testing.assert_array_equal(np.asarray(s), fractions.reshape(3, 7, 4, 12))
+  assert np.asarray(s)[0, 0, 0, 0] == 0 and np.all(np.asarray(s).max(axis=1) == 255)
   packed = np.asarray(q)
   np.testing.assert_array_equal(packed & 15, codes[:, 0::2])
   np.testing.assert_array_equal(packed >> 4, codes[:, 1::2])
-  got = np.asarray(lora.dequantize_kernel(q, s))
-  np.testing.assert_array_equal(got, (levels[codes].reshape(blocks.shape) * amax).reshape(w.shape))
+  got = np.asarray(lora.dequantize_kernel(q, s, top))
+  scale = fractions * (channel_max / 255)
+  want = (levels[codes].reshape(blocks.shape) * scale).reshape(w.shape)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
   half_gap = np.max(np.diff(levels)) / 2
-  assert np.all(np.abs(got - w) <= (half_gap * amax).repeat(8, axis=2).reshape(w.shape) * 1.0001)
+  bound = half_gap * amax + channel_max / 510  # the level's error, the scale's
+  assert np.all(np.abs(got - w) <= np.broadcast_to(bound, blocks.shape).reshape(w.shape) * 1.0001)
+  assert np.all(got[0, :8, 0, 0] == 0)
 
   _quantized_model_runs_as_its_floats("nf4", jnp.uint8)
 
@@ -593,7 +612,9 @@ def _quantized_model_runs_as_its_floats(quantization: str, dtype):
   quantized = ADAPTED.replace(quantized=ADAPTED.lora.targets, quantization=quantization)
   params = _with_random_b(models.init_params(quantized, "lm", jax.random.key(0)))
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  stored = {jax.tree_util.keystr(p) for p, x in leaves if x.dtype == dtype}
+  stored = {
+    jax.tree_util.keystr(p) for p, x in leaves if x.dtype == dtype and p[-1].key != lora.SCALE
+  }
   adapted = {jax.tree_util.keystr(p[:-1]) for p, _ in leaves if str(p[-1]) == "['lora_a']"}
   assert stored == {f"{k}['kernel']" for k in adapted} and len(stored) == 7  # q k v o gate up down
   tokens = _tokens()
@@ -639,9 +660,11 @@ def test_a_float_checkpoint_loads_as_a_quantized_base_with_its_own_scales(tmp_pa
       assert proj["kernel"].dtype == base.dtype and lora.SCALE not in proj
       np.testing.assert_array_equal(np.asarray(proj["kernel"]), np.asarray(base))
       continue
-    q, s = lora.quantize_kernel(base, proj[lora.SCALE].shape, quantization)
-    np.testing.assert_array_equal(np.asarray(proj["kernel"]), np.asarray(q))
-    np.testing.assert_array_equal(np.asarray(proj[lora.SCALE]), np.asarray(s))
+    top = proj[lora.SCALE_MAX].shape if quantization == "nf4" else None
+    want = lora.quantize_kernel(base, proj[lora.SCALE].shape, quantization, top)
+    assert set(want) == {k for k in proj if k not in (*lora.ADAPTER_LEAVES, "bias")}
+    for leaf, value in want.items():
+      np.testing.assert_array_equal(np.asarray(proj[leaf]), np.asarray(value))
     assert proj["kernel"].sharding.is_equivalent_to(base.sharding, base.ndim)
     where = lambda x: {  # noqa: E731
       (d.device.id, tuple((i.start, i.stop) for i in d.index)) for d in x.addressable_shards

@@ -185,8 +185,9 @@ class LoraSection:
   quantize: str = ""
   """'int8': the adapted projections' frozen base kernels are stored as int8 with a float32
   scale per output channel (symmetric, absmax: about a quarter of the float32 bytes, half of
-  bf16's); 'nf4': as QLoRA's 4-bit NormalFloat, two codes a byte with a float32 absmax scale
-  per block of 64 contracted weights (about 4.5 bits a weight); either dequantized in the
+  bf16's); 'nf4': as QLoRA's 4-bit NormalFloat, two codes a byte with an absmax scale per
+  block of 64 contracted weights, quantized again to 8 bits (about 4.13 bits a weight);
+  either dequantized in the
   forward, on every backend (XLA computes the dequantization; no special kernel). ''
   (default): the base in its own dtype. The reference scores the same quantized weights, on
   the base ('base') or as a placed copy of the actor's model ('placed'); the rollout runs the

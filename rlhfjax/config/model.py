@@ -185,8 +185,8 @@ class ModelConfig:
   `model.lora.quantize`, and the same of a reference that scores the actor's base."""
   quantization: str = "int8"
   """How the `quantized` kernels are stored: 'int8' (a float32 scale per output channel) or
-  'nf4' (QLoRA's 4-bit NormalFloat, two codes a byte, a float32 scale per block of up to 64
-  contracted weights); one of `QUANTIZATIONS`."""
+  'nf4' (QLoRA's 4-bit NormalFloat, two codes a byte, a uint8 scale per block of up to 64
+  contracted weights and a float32 one per output channel); one of `QUANTIZATIONS`."""
 
   def __post_init__(self):
     unknown = [t for t in self.quantized if t not in LORA_TARGETS + LORA_EXTRA_TARGETS]

@@ -6,7 +6,8 @@ Counted from the shapes (no JAX): `b` sequences of a micro-batch, `s` tokens eac
 - LoRA (`ModelConfig.lora`): the frozen base in `param_dtype` plus float32 adapters; moments
   and gradients of the adapters only (and of a value head). QLoRA (`ModelConfig.quantized`):
   those projections' base kernels in int8 plus a float32 scale per output channel, or in
-  'nf4' (half a byte a weight plus a float32 scale per block of up to 64).
+  'nf4' (half a byte a weight, a uint8 scale per block of up to 64 and a float32 one per
+  output channel).
 - Persistent (lives between stages): parameters in `param_dtype`, and for trained roles the two
   Adam moments (optax keeps them in the parameters' dtype unless told otherwise), sharded over
   the layout's parameter axes. A part this role offloads (`Options.offload_params`,
@@ -150,8 +151,8 @@ def param_bytes(config: ModelConfig, head: str, shards: int) -> int:
 def stored_param_bytes(config: ModelConfig, head: str) -> int:
   """Bytes of the parameters as stored: `param_dtype`, but for the projections in
   `config.quantized` (QLoRA's base) int8 kernels with a float32 scale per output channel, or
-  'nf4' codes two a byte with a float32 scale per block (`nf4_block` of the last contracted
-  dimension)."""
+  'nf4' codes two a byte with a uint8 scale per block (`nf4_block` of the last contracted
+  dimension) and a float32 one per output channel (double quantization)."""
   total = param_count(config, head) * _BYTES[config.param_dtype]
   if not config.quantized:
     return total
@@ -174,8 +175,8 @@ def stored_param_bytes(config: ModelConfig, head: str) -> int:
       elements, channels, contracted = shapes[target]
       elements, channels = elements * config.num_layers, channels * config.num_layers
     total -= elements * _BYTES[config.param_dtype]
-    if config.quantization == "nf4":
-      total += elements // 2 + 4 * (elements // nf4_block(contracted))
+    if config.quantization == "nf4":  # a uint8 scale per block, a float32 one per channel
+      total += elements // 2 + elements // nf4_block(contracted) + 4 * channels
     else:
       total += elements + 4 * channels
   return total

@@ -25,11 +25,16 @@ QLoRA's frozen base (`ModelConfig.quantized`), in one of two forms (`ModelConfig
   absmax, round to nearest: each weight within `scale / 2` of its float value).
 - 'nf4': QLoRA's 4-bit NormalFloat (Dettmers et al., 2023): the weights of one output channel
   in blocks of 64 (`config.model.nf4_block`) along the last contracted dimension (fewer where
-  that dimension has fewer: the largest common divisor, at least 4), each block's absmax as its
-  float32 `kernel_scale`, each weight the nearest of the 16 `NF4_LEVELS` times that scale
-  (within half the gap between its two nearest levels), the codes two to a byte along that
-  dimension (uint8, the low nibble first). No double quantization of the scales: 4.5 bits a
-  weight at blocks of 64, where QLoRA's is 4.127.
+  that dimension has fewer: the largest common divisor, at least 4), each block's absmax its
+  scale, each weight the nearest of the 16 `NF4_LEVELS` times that scale, the codes two to a
+  byte along that dimension (uint8, the low nibble first). The scales are quantized again
+  (QLoRA's double quantization): each output channel keeps the largest of its blocks' scales
+  in float32 (`kernel_scale_max`, laid out as an 'int8' scale) and each block its scale as a
+  uint8 fraction of it (`kernel_scale`, round to nearest: within `max / 510`; the largest
+  exact), so a weight dequantizes within half the gap between its two nearest levels times its
+  block's scale, plus `max / 510`. 4 + 8 / 64 + 32 / (the channel's contracted weights) bits a
+  weight: 4.133 for a contracted width of 4096, where QLoRA's (FP8 scales in blocks of 256)
+  is 4.127, and 4.5 with float32 scales.
 
 The forward dequantizes in float32 and casts to the compute dtype (`dequantize_kernel`);
 `quantize_base` turns a loaded float base into this form, `dequantized` back (what a rollout
@@ -51,7 +56,12 @@ from rlhfjax.config.model import LoraConfig
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The names of the adapter parameters inside an adapted projection."""
 SCALE = "kernel_scale"
-"""The scale beside a quantized base kernel (per output channel, or per 'nf4' block)."""
+"""The scale beside a quantized base kernel: float32 per output channel ('int8'), or uint8
+codes per block ('nf4', fractions of `SCALE_MAX`)."""
+SCALE_MAX = "kernel_scale_max"
+"""An 'nf4' kernel's second-level scale: the largest block scale of each output channel."""
+_SCALES = (SCALE, SCALE_MAX)
+_SCALE_CODES = 255.0
 _INT8_MAX = 127.0
 NF4_LEVELS = (
   -1.0,
@@ -166,10 +176,10 @@ def _init_step(std: float) -> float:
 
 
 def quantized_init(quantization: str, std: float, eqn: str):
-  """`(kernel init, scale init, kernel dtype)` of a random quantized kernel: a normal draw of
-  `std` over one scale for every channel ('int8', `_init_step(std)`: `q * scale` is the draw
-  rounded) or block ('nf4', 4 std: each weight at its nearest level, packed along
-  `packed_dim(eqn)`)."""
+  """`(kernel init, scale init, scale max init, kernel dtype)` of a random quantized kernel: a
+  normal draw of `std` over one scale for every channel ('int8', `_init_step(std)`: `q *
+  scale` is the draw rounded) or block ('nf4', 4 std, every block's code at its channel's
+  `SCALE_MAX`: each weight at its nearest level, packed along `packed_dim(eqn)`)."""
   if quantization == "nf4":
     dim, scale = packed_dim(eqn), 4 * std
 
@@ -190,9 +200,15 @@ def quantized_init(quantization: str, std: float, eqn: str):
 
   def scale_init(key, shape, dtype=jnp.float32):
     del key
+    if quantization == "nf4":  # every block at the channel's largest scale
+      return jnp.full(shape, _SCALE_CODES, jnp.uint8)
     return jnp.full(shape, scale, dtype)
 
-  return init, scale_init, kernel_dtype
+  def max_init(key, shape, dtype=jnp.float32):
+    del key
+    return jnp.full(shape, scale, dtype)
+
+  return init, scale_init, max_init, kernel_dtype
 
 
 def _nf4_codes(x: jax.Array) -> jax.Array:
@@ -225,39 +241,63 @@ def _packed_dim(stored: tuple[int, ...], scale: tuple[int, ...]) -> int:
   return dim
 
 
+def max_layout(
+  eqn: str, kernel_shape: tuple[int, ...], kernel_axes: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+  """Shape and logical axes of an 'nf4' kernel's `SCALE_MAX`: one per output channel, as an
+  'int8' kernel's scale."""
+  return scale_layout(eqn, kernel_shape, kernel_axes, "int8")
+
+
 def quantize_kernel(
-  kernel: jax.Array, scale_shape: tuple[int, ...], quantization: str = "int8"
-) -> tuple[jax.Array, jax.Array]:
-  """`(q, scale)` of a float kernel. 'int8': int8 and the float32 absmax scale over the
-  dimensions of size 1 in `scale_shape` (a zero channel gets scale 1). 'nf4': packed codes and
-  the float32 absmax of each block (the dimension `scale_shape` divides into blocks)."""
+  kernel: jax.Array,
+  scale_shape: tuple[int, ...],
+  quantization: str = "int8",
+  max_shape: tuple[int, ...] | None = None,
+) -> dict[str, jax.Array]:
+  """The stored leaves of a float kernel. 'int8': `kernel` int8 and `SCALE`, the float32
+  absmax over the dimensions of size 1 in `scale_shape` (a zero channel gets scale 1). 'nf4':
+  `kernel` packed codes, `SCALE` each block's absmax (the dimension `scale_shape` divides into
+  blocks) as uint8 codes of `SCALE_MAX` (of `max_shape`, `max_layout`), the float32 largest of
+  them over the dimensions of size 1 there (a zero block gets scale 0, a zero channel maximum
+  1)."""
   w = kernel.astype(jnp.float32)
   if quantization == "nf4":
     dim = _packed_dim(w.shape, tuple(scale_shape))
     n, blocks = w.shape[dim], scale_shape[dim]
     split = w.reshape(*w.shape[:dim], blocks, n // blocks, *w.shape[dim + 1 :])
     amax = jnp.max(jnp.abs(split), axis=dim + 1, keepdims=True)
-    scale = jnp.where(amax > 0, amax, 1.0)
-    codes = _nf4_codes(split / scale).reshape(w.shape)
-    return _pack(codes, dim), scale.reshape(scale_shape)
+    codes = _nf4_codes(split / jnp.where(amax > 0, amax, 1.0)).reshape(w.shape)
+    amax = amax.reshape(scale_shape)
+    if max_shape is None or len(max_shape) != len(scale_shape):
+      raise ValueError(f"an 'nf4' kernel needs the shape of its {SCALE_MAX}, got {max_shape}")
+    axes = tuple(i for i, (n, m) in enumerate(zip(scale_shape, max_shape, strict=True)) if m < n)
+    top = jnp.max(amax, axis=axes, keepdims=True)
+    top = jnp.where(top > 0, top, 1.0)
+    fraction = jnp.round(amax / top * _SCALE_CODES)
+    return {
+      "kernel": _pack(codes, dim),
+      SCALE: jnp.clip(fraction, 0, _SCALE_CODES).astype(jnp.uint8),
+      SCALE_MAX: top,
+    }
   axes = tuple(i for i, (n, m) in enumerate(zip(w.shape, scale_shape, strict=True)) if m == 1 < n)
   amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
   scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
   q = jnp.clip(jnp.round(w / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
-  return q, scale.reshape(scale_shape)
+  return {"kernel": q, SCALE: scale.reshape(scale_shape)}
 
 
-def dequantize_kernel(q: jax.Array, scale: jax.Array) -> jax.Array:
+def dequantize_kernel(q: jax.Array, scale: jax.Array, scale_max: jax.Array | None = None):
   """The float32 kernel of a quantized one: int8 `q` times its scale, or uint8 'nf4' codes
-  unpacked, their levels times their block's scale."""
+  unpacked, their levels times their block's scale (its code's fraction of `scale_max`)."""
   if q.dtype != jnp.uint8:
     return q.astype(jnp.float32) * scale.astype(jnp.float32)
   dim = _packed_dim(q.shape, scale.shape)
   values = jnp.asarray(NF4_LEVELS, jnp.float32)[_unpack(q, dim)]
   n, blocks = values.shape[dim], scale.shape[dim]
   split = values.reshape(*values.shape[:dim], blocks, n // blocks, *values.shape[dim + 1 :])
-  scale = jnp.expand_dims(scale.astype(jnp.float32), dim + 1)
-  return (split * scale).reshape(values.shape)
+  scale = scale.astype(jnp.float32) * (scale_max.astype(jnp.float32) / _SCALE_CODES)
+  return (split * jnp.expand_dims(scale, dim + 1)).reshape(values.shape)
 
 
 def quantize_base(params: Any, like: Any) -> Any:
@@ -270,8 +310,11 @@ def quantize_base(params: Any, like: Any) -> Any:
       return tree
     if "kernel" in tree and isinstance(target, dict) and SCALE in target:
       quantization = "nf4" if target["kernel"].dtype == jnp.uint8 else "int8"
-      q, scale = quantize_kernel(tree["kernel"], tuple(target[SCALE].shape), quantization)
-      return {**tree, "kernel": q, SCALE: scale}
+      top = tuple(target[SCALE_MAX].shape) if SCALE_MAX in target else None
+      return {
+        **tree,
+        **quantize_kernel(tree["kernel"], tuple(target[SCALE].shape), quantization, top),
+      }
     return {
       k: walk(v, target.get(k) if isinstance(target, dict) else None) for k, v in tree.items()
     }
@@ -285,8 +328,8 @@ def dequantized(params: Any) -> Any:
   def fold(proj: dict) -> dict:
     if SCALE not in proj:
       return proj
-    kernel = dequantize_kernel(proj["kernel"], proj[SCALE])
-    return {**{k: v for k, v in proj.items() if k != SCALE}, "kernel": kernel}
+    kernel = dequantize_kernel(proj["kernel"], proj[SCALE], proj.get(SCALE_MAX))
+    return {**{k: v for k, v in proj.items() if k not in _SCALES}, "kernel": kernel}
 
   return _map_projections(params, fold)
 
@@ -294,7 +337,7 @@ def dequantized(params: Any) -> Any:
 def without_scales(tree: Any) -> Any:
   """`tree` (any tree of the parameters' structure) without the quantized kernels' scales: the
   structure of the dequantized parameters (`dequantized`)."""
-  return _map_projections(tree, lambda proj: {k: v for k, v in proj.items() if k != SCALE})
+  return _map_projections(tree, lambda proj: {k: v for k, v in proj.items() if k not in _SCALES})
 
 
 def base_layout(tree: Any) -> Any:

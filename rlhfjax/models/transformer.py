@@ -85,8 +85,8 @@ def _projection(
 class Linear(nn.Module):
   """`y = einsum(eqn, x, kernel) (+ bias)` with logically named kernel axes; with `lora`, plus
   `scale * B (A x)` (`lora.adapter_delta`); `quantized`: the kernel is stored quantized, int8
-  or 'nf4' codes times a float32 scale (`kernel_scale`), dequantized here
-  (`lora.dequantize_kernel`)."""
+  or 'nf4' codes times a scale (`kernel_scale`; for 'nf4' uint8 fractions of a float32
+  `kernel_scale_max` per output channel), dequantized here (`lora.dequantize_kernel`)."""
 
   eqn: str
   kernel_shape: tuple[int, ...]
@@ -98,7 +98,8 @@ class Linear(nn.Module):
   """Adapters on this projection (None: none)."""
   quantized: str = ""
   """How the kernel is stored: '' (in `param_dtype`), 'int8' (a float32 scale per output
-  channel) or 'nf4' (packed 4-bit codes, a float32 scale per block): `lora` explains both."""
+  channel) or 'nf4' (packed 4-bit codes, a scale per block quantized again): `lora` explains
+  both."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -106,11 +107,16 @@ class Linear(nn.Module):
       scale_shape, scale_axes = lora.scale_layout(
         self.eqn, self.kernel_shape, self.kernel_axes, self.quantized
       )
-      init, scale_init, dtype = lora.quantized_init(self.quantized, _INIT_STD, self.eqn)
+      init, scale_init, max_init, dtype = lora.quantized_init(self.quantized, _INIT_STD, self.eqn)
       stored = lora.stored_shape(self.eqn, self.kernel_shape, self.quantized)
       q = _param(self, "kernel", stored, self.kernel_axes, init, dtype)
-      scale = _param(self, "kernel_scale", scale_shape, scale_axes, scale_init, jnp.float32)
-      kernel = lora.dequantize_kernel(q, scale)
+      scale_dtype = jnp.uint8 if self.quantized == "nf4" else jnp.float32
+      scale = _param(self, lora.SCALE, scale_shape, scale_axes, scale_init, scale_dtype)
+      top = None
+      if self.quantized == "nf4":
+        top_shape, top_axes = lora.max_layout(self.eqn, self.kernel_shape, self.kernel_axes)
+        top = _param(self, lora.SCALE_MAX, top_shape, top_axes, max_init, jnp.float32)
+      kernel = lora.dequantize_kernel(q, scale, top)
     else:
       kernel = _param(
         self,
