@@ -124,6 +124,8 @@ def train_step(
     steps.actor_loss, config=config, prompt_len=prompt_len, clip_eps=0.2, entropy_coef=0.01
   )
   step = jax.jit(functools.partial(steps.accumulate_and_apply, loss, tx), donate_argnums=0)
+  step = step.lower(state, data).compile()  # compiled once, its memory read from XLA
+  memory = step.memory_analysis()
   holder = [state]
 
   def run(batch_):
@@ -147,6 +149,22 @@ def train_step(
     "tokens_per_s": round(batch * seq_len / seconds, 1),
     "model_tflops_per_step": round(flops / 1e12, 2),
     "mfu": round(flops / seconds / peaks()[0], 4),
+    **_memory_gb(memory),
+  }
+
+
+def _memory_gb(analysis: Any) -> dict[str, float]:
+  """A compiled program's memory in GB by XLA's own analysis: its arguments (the train state
+  and the batch), its temporaries (activations and workspace), and the peak both make (less
+  what the outputs reuse of the donated arguments); empty where the backend gives none."""
+  if analysis is None:
+    return {}
+  args, temp = analysis.argument_size_in_bytes, analysis.temp_size_in_bytes
+  peak = args + temp + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+  return {
+    "xla_args_gb": round(args / 1e9, 3),
+    "xla_temp_gb": round(temp / 1e9, 3),
+    "xla_peak_gb": round(peak / 1e9, 3),
   }
 
 
