@@ -36,7 +36,6 @@ An environment that raises or answers with the wrong types: one line naming it a
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import inspect
 import logging
@@ -49,6 +48,7 @@ import numpy as np
 from rlhfjax import errors, tasks
 from rlhfjax.data.records import PromptBatch, Record
 from rlhfjax.data.tokenizer import Conversation
+from rlhfjax.rollout import paging
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,6 @@ class Conversations:
   ):
     self.path, self.tokenizer, self.template = path, tokenizer, chat_template
     self.max_turns, self.on_error, self.vocab_size = max_turns, on_error, vocab_size
-    self.workers = workers
     self.turn = _TurnFn(self._turn, workers)
     """The engine's `paging.TurnFn`: the environment's step, then the observation that
     continues the trajectory, or None when it ends."""
@@ -130,13 +129,9 @@ class Conversations:
   def start(self, batch: PromptBatch, seed: int, max_prompt_len: int) -> PromptBatch:
     """A new environment per row of `batch` and its `reset`: the batch's prompts."""
     self._rows = [_Trajectory(env=None, record=record) for record in batch.records]
-    args = list(zip(range(len(self._rows)), batch.tokens, strict=True))
     start = lambda a: self._start(*a, seed=seed, max_prompt_len=max_prompt_len)  # noqa: E731
-    if self.workers <= 1 or len(args) <= 1:
-      prompts = [start(a) for a in args]
-    else:
-      with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="env") as pool:
-        prompts = list(pool.map(start, args))  # (an exception raised in row order)
+    rows = list(enumerate(batch.tokens))
+    prompts = paging.map_in_order(start, rows, self.turn.concurrency, "env")
     return PromptBatch(prompts, list(batch.records))
 
   def _start(self, i: int, tokens: Sequence[int], *, seed: int, max_prompt_len: int) -> list[int]:

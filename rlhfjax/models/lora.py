@@ -274,10 +274,9 @@ def quantize_kernel(
     axes = tuple(i for i, (n, m) in enumerate(zip(scale_shape, max_shape, strict=True)) if m < n)
     top = jnp.max(amax, axis=axes, keepdims=True)
     top = jnp.where(top > 0, top, 1.0)
-    fraction = jnp.round(amax / top * _SCALE_CODES)
     return {
       "kernel": _pack(codes, dim),
-      SCALE: jnp.clip(fraction, 0, _SCALE_CODES).astype(jnp.uint8),
+      SCALE: jnp.round(amax / top * _SCALE_CODES).astype(jnp.uint8),  # 0 to 255: amax <= top
       SCALE_MAX: top,
     }
   axes = tuple(i for i, (n, m) in enumerate(zip(w.shape, scale_shape, strict=True)) if m == 1 < n)

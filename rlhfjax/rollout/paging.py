@@ -43,6 +43,7 @@ import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -190,6 +191,15 @@ class ExtendItem:
   pages: list[int]
   """The sequence's pages in logical order (covering the new tokens)."""
   replica: int
+
+
+def map_in_order(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, name: str) -> list:
+  """`[fn(x) for x in items]`, from up to `workers` threads (named `name`) at once; an
+  exception is raised in item order, as one by one."""
+  if min(workers, len(items)) <= 1:
+    return [fn(x) for x in items]
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
+    return list(pool.map(fn, items))
 
 
 TurnFn = Callable[[int, np.ndarray, bool, int], "np.ndarray | None"]
@@ -652,16 +662,12 @@ class Scheduler:
 
   def _next_turns(self, ended: list[Request]) -> dict[int, np.ndarray | None]:
     """By request index, the observation that continues each of `ended` after the turn it
-    just ended, or None: the `TurnFn` called for each, from `concurrency` threads at once
-    when it has more than one (an exception is raised in request order, as one by one)."""
-    if self._turn is None or not ended:
+    just ended, or None: the `TurnFn` called for each, from its `concurrency` threads."""
+    if self._turn is None:
       return dict.fromkeys((r.index for r in ended), None)
-    workers = min(int(getattr(self._turn, "concurrency", 1)), len(ended))
-    if workers <= 1:
-      return {r.index: self._next_turn(r) for r in ended}
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="turn") as pool:
-      futures = [pool.submit(self._next_turn, r) for r in ended]
-      return {r.index: f.result() for r, f in zip(ended, futures, strict=True)}
+    workers = int(getattr(self._turn, "concurrency", 1))
+    observations = map_in_order(self._next_turn, ended, workers, "turn")
+    return {r.index: o for r, o in zip(ended, observations, strict=True)}
 
   def _next_turn(self, r: Request) -> np.ndarray | None:
     """The observation that continues `r` after the turn it just ended, or None."""
