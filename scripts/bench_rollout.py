@@ -2,6 +2,7 @@ r"""Rollout engine throughput: one JSON line per (size, batch, prompt length, ne
 
   python scripts/bench_rollout.py --size=small --batch=8 --prompt_len=64 --new_tokens=128
   python scripts/bench_rollout.py --size=1b --batch=1,16,64 --copy_mib=4096 --matmul_n=8192
+  python scripts/bench_rollout.py --size=small --batch=64 --temperature=1 --nono_cache
 
 With `--engines`, one line per engine instead: a dense KV cache (the engine with a page per
 slot) and small pages on a long-tailed length mix in the same KV memory
@@ -44,6 +45,9 @@ _DENSE_SLOTS = flags.DEFINE_integer(
 _PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 32, "--engines: the paged engines' slots.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "--engines: tokens per page.")
 _DECODE_CHUNK = flags.DEFINE_integer("decode_chunk", 64, "--engines: decode steps per call.")
+_TEMPERATURE = flags.DEFINE_float(
+  "temperature", 0.0, "Sampling temperature of the decode rows (0: greedy; a run's 1 draws)."
+)
 _DTYPE = flags.DEFINE_enum(
   "dtype", None, ["float32", "bfloat16"], "Override compute and parameter dtype."
 )
@@ -88,6 +92,7 @@ def main(argv):
           new_tokens=int(new_tokens),
           repeats=_REPEATS.value,
           no_cache=_NO_CACHE.value,
+          temperature=_TEMPERATURE.value,
         )
         record = rollout_bench.run(
           bench,

@@ -32,7 +32,7 @@ from rlhfjax.config.model import (
   param_count,
 )
 from rlhfjax.rollout.engine import Engine, EngineConfig
-from rlhfjax.rollout.sampling import GREEDY
+from rlhfjax.rollout.sampling import GREEDY, SamplingParams
 
 BENCH_SIZES = {
   "small": ModelConfig(
@@ -71,6 +71,9 @@ class BenchConfig:
   """Timed runs of each generator after a warm-up run; the median is reported."""
   no_cache: bool = True
   """Also time the no-cache generator (slow by design: it is the baseline)."""
+  temperature: float = 0.0
+  """The engine's sampling temperature: 0 decodes greedily (and compares its tokens with the
+  no-cache generator's), above 0 draws every token as a run does."""
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -85,7 +88,8 @@ def _timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
-  """Bytes per second read plus written (the STREAM convention) by an in-place pass.
+  """Bytes per second read plus written (the STREAM convention) by an in-place pass, the
+  fastest of `repeats` (like `matmul_rate`).
 
   The buffer is donated so every pass writes memory that is already mapped: a fresh output
   each time would measure page faults on the CPU, not bandwidth.
@@ -97,14 +101,22 @@ def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
     start = time.perf_counter()
     x = add(x).block_until_ready()
     times.append(time.perf_counter() - start)
-  return 2 * x.nbytes / statistics.median(times)
+  return 2 * x.nbytes / min(times)
 
 
-def matmul_rate(n: int, dtype, repeats: int = 5) -> float:
-  """FLOP/s of an `n x n` by `n x n` matmul in `dtype`."""
+def matmul_rate(n: int, dtype, repeats: int = 10) -> float:
+  """FLOP/s of an `n x n` by `n x n` matmul in `dtype`, its fastest run: on a shared machine
+  the median of a few runs moved by half between runs (296 to 507 GFLOP/s on 2 cores), and a
+  slower probe would make the decode step look closer to its roofline than it is."""
   a = jnp.ones((n, n), dtype)
   mm = jax.jit(lambda a: a @ a)
-  return 2 * n**3 / _timed(lambda: mm(a), repeats)
+  jax.block_until_ready(mm(a))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(mm(a))
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / min(times)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -159,11 +171,12 @@ def run(
   prompts_bp = np.random.default_rng(seed).integers(0, config.vocab_size, (b, p), np.int32)
   prompts = list(prompts_bp)
 
-  engine_s = _timed(lambda: engine.generate(prompts, sampling=GREEDY).tokens, bench.repeats)
-  out = engine.generate(prompts, sampling=GREEDY)
+  sampling = SamplingParams(temperature=bench.temperature) if bench.temperature else GREEDY
+  engine_s = _timed(lambda: engine.generate(prompts, sampling=sampling).tokens, bench.repeats)
+  out = engine.generate(prompts, sampling=sampling)
 
   def decode_only():
-    state = engine.insert(engine.prefill(prompts, GREEDY), engine.init_decode_state(), range(b))
+    state = engine.insert(engine.prefill(prompts, sampling), engine.init_decode_state(), range(b))
     jax.block_until_ready(state)
     start = time.perf_counter()
     state, steps = engine.generate_steps(state)
@@ -181,6 +194,7 @@ def run(
     "batch": b,
     "prompt_len": p,
     "new_tokens": r,
+    "temperature": bench.temperature,
     "device": device.device_kind,
     "engine_tokens_per_s": b * r / engine_s,
   }
@@ -190,7 +204,8 @@ def run(
     naive = np.asarray(no_cache_generate(config, params, prompts_dev, r))
     record["no_cache_tokens_per_s"] = b * r / no_cache_s
     record["speedup"] = no_cache_s / engine_s
-    record["greedy_tokens_equal"] = float(np.mean(naive == out.tokens))
+    if not bench.temperature:
+      record["greedy_tokens_equal"] = float(np.mean(naive == out.tokens))
 
   bandwidth = copy_bandwidth(copy_bytes)
   flop_rate = matmul_rate(matmul_n, jnp.dtype(config.dtype))

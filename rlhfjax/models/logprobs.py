@@ -42,8 +42,19 @@ def stats_from_logits(logits_btv: jax.Array, targets_bt: jax.Array) -> TokenStat
   logp_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0] - lse_bt
   probs_btv = jnp.exp(logits_btv - lse_bt[..., None])
   entropy_bt = lse_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
-  argmax_bt = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)
-  return TokenStats(logp_bt=logp_bt, entropy_bt=entropy_bt, argmax_bt=argmax_bt)
+  return TokenStats(logp_bt=logp_bt, entropy_bt=entropy_bt, argmax_bt=first_argmax(logits_btv))
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)` as int32 (the first largest entry; the first NaN if there is one),
+  as a max and a min of indices.
+
+  XLA's CPU backend runs `argmax`'s reduction of (value, index) pairs element by element: over a
+  batch of 64 rows of an 8192-token vocabulary it took 1.16 ms, this 0.27 ms (2 cores,
+  `docs/benchmarks.md`); accelerators run both as one pass."""
+  v = x.shape[-1]
+  hit = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
+  return jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
 def chunked_stats(

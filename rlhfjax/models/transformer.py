@@ -314,8 +314,10 @@ def decode_attention_over_pages(
 
   XLA's attention transposes the gathered keys and values into its `[b, k, n, s]` layout and
   runs `b * k` matmuls of `h / k` query rows, which on a CPU took 40% of a 16M-parameter
-  model's decode step at batch 64; here XLA fuses each gather into the product and the sum
-  that reads it. The same fp32 softmax as `attention.einsum_attention`."""
+  model's decode step at batch 64; here the products and sums read the pages in their own
+  layout. (jax 0.10.2's CPU backend runs them as YNNPACK dots of the gathered pages, copied
+  out; einsums over other layouts ran no faster: docs/benchmarks.md.) The same fp32 softmax as
+  `attention.einsum_attention`."""
   _, _, k, _, e, n = cache.k.shape
   b, w = cache.table_bw.shape
   g = q_b1hn.shape[2] // k
