@@ -191,30 +191,20 @@ def test_sampling_functions_match_numpy_and_draw_from_the_truncated_distribution
   np.testing.assert_allclose(greedy_logprobs, _log_softmax(logits).max(-1), atol=1e-6)
 
 
-def test_the_draw_and_the_argmax_agree_with_numpy_on_a_vocabulary_of_padded_blocks():
+def test_the_argmax_and_the_draw_are_numpys_and_jaxs_own():
   x = np.array([[1, 3, 3, 0], [np.nan, 1, np.nan, 2], [-np.inf] * 4, [0, 0, 0, 5]], np.float32)
   np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), [1, 0, 0, 3])  # as jnp.argmax
+  x = np.random.default_rng(1).normal(size=(3, 2, 1000)).astype(np.float32)
+  np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), x.argmax(-1))
 
-  # 1000 tokens: blocks of 32, the last padded; every third token masked out.
-  n, v = 20000, 1000
-  logits = np.random.default_rng(1).normal(size=v).astype(np.float32) * 2
-  logits[::3] = -np.inf
-  draw = jax.jit(sampling.inverse_cdf_draw)
+  # The same tokens as jax.random.categorical from the same keys, masked tokens never drawn.
+  n, v = 4000, 1000
+  logits = np.random.default_rng(2).normal(size=(n, v)).astype(np.float32) * 3
+  logits[:, ::3] = -np.inf
   keys = jax.random.split(jax.random.key(2), n)
-  tokens = np.asarray(draw(keys, jnp.broadcast_to(jnp.asarray(logits), (n, v))))
-  probs = np.exp(_log_softmax(logits))
-  assert tokens.min() >= 0 and tokens.max() < v and not np.any(tokens % 3 == 0)
-  # Total variation of the empirical frequencies: each |freq - p| of n draws has mean
-  # sqrt(2 p (1 - p) / (pi n)) and variance p (1 - p) (1 - 2 / pi) / n.
-  variance = probs * (1 - probs) / n
-  mean_tv = 0.5 * np.sum(np.sqrt(2 * variance / np.pi))
-  sd_tv = 0.5 * np.sqrt(np.sum(variance * (1 - 2 / np.pi)))
-  tv = 0.5 * np.abs(np.bincount(tokens, minlength=v) / n - probs).sum()
-  assert tv < mean_tv + 6 * sd_tv, (tv, mean_tv, sd_tv)
-
-  only_last = np.full((4, v), -np.inf, np.float32)
-  only_last[:, v - 1] = 0.0  # the one token with mass sits beside the padding
-  np.testing.assert_array_equal(draw(keys[:4], jnp.asarray(only_last)), [v - 1] * 4)
+  tokens = np.asarray(jax.jit(sampling.gumbel_max_draw)(keys, logits))
+  np.testing.assert_array_equal(tokens, jax.jit(jax.vmap(jax.random.categorical))(keys, logits))
+  assert not np.any(tokens % 3 == 0) and len(np.unique(tokens)) > 100
 
 
 def test_tensor2_data2_mesh_gives_the_same_outputs_as_one_device(engine, engine_2x2):
