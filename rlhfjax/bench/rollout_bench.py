@@ -76,15 +76,16 @@ class BenchConfig:
   no-cache generator's), above 0 draws every token as a run does."""
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall time of `fn()` (run once first to compile), waiting for its results."""
+def _timed(fn: Callable[[], object], repeats: int, pick=statistics.median) -> float:
+  """Median (or `pick`) wall time of `fn()` (run once first to compile), waiting for its
+  results."""
   jax.block_until_ready(fn())
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return pick(times)
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -110,13 +111,7 @@ def matmul_rate(n: int, dtype, repeats: int = 10) -> float:
   slower probe would make the decode step look closer to its roofline than it is."""
   a = jnp.ones((n, n), dtype)
   mm = jax.jit(lambda a: a @ a)
-  jax.block_until_ready(mm(a))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(mm(a))
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / min(times)
+  return 2 * n**3 / _timed(lambda: mm(a), repeats, min)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
