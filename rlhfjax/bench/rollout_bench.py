@@ -32,7 +32,7 @@ from rlhfjax.config.model import (
   param_count,
 )
 from rlhfjax.rollout.engine import Engine, EngineConfig
-from rlhfjax.rollout.sampling import GREEDY, SamplingParams
+from rlhfjax.rollout.sampling import SamplingParams
 
 BENCH_SIZES = {
   "small": ModelConfig(
@@ -166,7 +166,7 @@ def run(
   prompts_bp = np.random.default_rng(seed).integers(0, config.vocab_size, (b, p), np.int32)
   prompts = list(prompts_bp)
 
-  sampling = SamplingParams(temperature=bench.temperature) if bench.temperature else GREEDY
+  sampling = SamplingParams(temperature=bench.temperature)  # 0: greedy
   engine_s = _timed(lambda: engine.generate(prompts, sampling=sampling).tokens, bench.repeats)
   out = engine.generate(prompts, sampling=sampling)
 
