@@ -163,9 +163,12 @@ def _fingerprint(x: jax.Array) -> jax.Array:
   return jnp.stack([h1, h2])
 
 
-@jax.jit
-def _fingerprint_all(leaves: list[jax.Array]) -> list[jax.Array]:
-  return [_fingerprint(x) for x in leaves]
+_fingerprint_leaf = jax.jit(_fingerprint)
+"""One program per leaf shape, dtype and sharding, not one per tree: a model's stacked layers
+have a few distinct shapes, which every tree of the model shares (its parameters, its Adam
+moments, another role's body). One jit over the whole tree compiled a new program for each
+tree and grew with it: 0.59 s for the tiny model's parameters and moments (37 leaves, 10
+distinct), against 0.47 s leaf by leaf and 0.03 s for those leaves again."""
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
@@ -188,7 +191,7 @@ def _fingerprints(tree: Any) -> dict[str, list[int]]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   paths, leaves = [p for p, _ in flat], [x for _, x in flat]
   # Read on every process, also where the tree lives on other processes' devices.
-  hashes = transfer.to_host(_fingerprint_all(leaves)) if leaves else []
+  hashes = transfer.to_host([_fingerprint_leaf(x) for x in leaves])
   return {_leaf_name(p): [int(v) for v in h] for p, h in zip(paths, hashes, strict=True)}
 
 
