@@ -27,6 +27,12 @@ for _flag in _SUITE_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Python's bytecode cached beside the sources (`__pycache__/`, ignored by git), also where the
+# environment turns it off (PYTHONDONTWRITEBYTECODE, as container images often do): the suite
+# starts about 190 Python processes, and without the cache each compiles the package's
+# sources again (0.23 CPU-s more for a training script that stops at a bad config).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+  sys.dont_write_bytecode = False
 # One persistent compilation cache for the session's processes: the pytest workers and the
 # training runs the end-to-end tests start (kill -9 and rerun, multi-host, the pipeline) compile
 # the same programs. JAX reads these at import and subprocesses inherit them. Entries are keyed
@@ -192,25 +198,60 @@ def _memory_maps() -> tuple[int, int] | None:
     return None
 
 
+_RELEASE_AT = 4
+"""JAX's caches are cleared after a test file that leaves the worker more than 1/_RELEASE_AT of
+the kernel's limit of memory mappings (`_free_compiled_programs`)."""
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs(request):
-  """After each test file, JAX's caches are cleared so that its compiled programs can go.
+  """JAX's caches are cleared after a test file that leaves the worker more than a quarter of
+  the kernel's limit of memory mappings, so that the compiled programs can go.
 
   Every XLA:CPU executable maps its machine code into the process (about 3 mappings for a
   small program, far more for the engine's), and JAX's caches keep every executable a worker
   ever compiled: the rollout, streaming and paged-engine files alone left a worker 23,503
-  mappings (753 with this). Past the kernel's limit (`vm.max_map_count`, 65,530 by default) a
-  mapping fails and XLA aborts or crashes in the compile or serialization at hand, as CI's
-  workers did a third of the way through the suite. A file that leaves more than half the
-  limit behind fails here, naming itself."""
+  mappings (753 after clearing). Past the kernel's limit (`vm.max_map_count`, 65,530 by
+  default) a mapping fails and XLA aborts or crashes in the compile or serialization at hand,
+  as CI's workers did a third of the way through the suite.
+
+  Cleared after every file, the next file traced, lowered and loaded again every program it
+  shared with the files before (the PPO-family runs' programs, the engines' of one config):
+  seven integration files in one worker took 211.6 and 220.4 CPU-s so against 170.6 and 184.2
+  cleared at a quarter (runs interleaved). Then a worker starts each file below 16,383
+  mappings, and a crash needs a file that adds 49,000 more: a file that adds half the limit,
+  or leaves more than half after clearing, fails here, naming itself."""
+  before = _memory_maps()
   yield
-  jax.clear_caches()
-  gc.collect()
-  if (maps := _memory_maps()) and maps[0] > maps[1] // 2:
+  maps = _memory_maps()
+  if maps is None or maps[0] > maps[1] // _RELEASE_AT:  # off Linux: after every file
+    jax.clear_caches()
+    gc.collect()
+  if not maps:
+    return
+  added = maps[0] - before[0]
+  left = _memory_maps()[0]
+  if added > maps[1] // 2 or left > maps[1] // 2:
     pytest.fail(
-      f"{request.node.path.name} leaves this process {maps[0]} memory mappings, more than half "
-      f"the kernel's limit of {maps[1]} ({_MAX_MAP_COUNT}): release its compiled programs"
+      f"{request.node.path.name} adds {added} memory mappings to this process and leaves "
+      f"{left} (the kernel's limit is {maps[1]}, {_MAX_MAP_COUNT}): release its compiled "
+      "programs (half the limit added, or left, fails)"
     )
+
+
+@pytest.fixture
+def attention_block(monkeypatch):
+  """Sets `rlhfjax.models.attention.BLOCK`, which programs read when traced, not from their
+  arguments: JAX's caches are cleared before (traces made with the default) and after (those
+  made with this size), since they outlive a test file (`_free_compiled_programs`)."""
+  from rlhfjax.models import attention
+
+  def set_block(size: int) -> None:
+    jax.clear_caches()
+    monkeypatch.setattr(attention, "BLOCK", size)
+
+  yield set_block
+  jax.clear_caches()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -48,11 +48,11 @@ def _assert_close(got, want, what):
 
 
 @pytest.mark.parametrize("impl,window", [("blockwise", None), ("blockwise", 11), ("einsum", 5)])
-def test_attention_over_a_context_axis_equals_the_reference(impl, window, monkeypatch):
+def test_attention_over_a_context_axis_equals_the_reference(impl, window, attention_block):
   """data=2 x context=2 x tensor=2: each shard holds a quarter of its rows' tokens, gathers the
   keys of the whole rows, and the outputs and the gradients of q, k and v equal attention on
   one device; blocks of 16 make the blockwise kernel loop over a shard's 48 queries."""
-  monkeypatch.setattr(attention, "BLOCK", 16)
+  attention_block(16)
   rng = np.random.default_rng(0)
   segments, positions = _packed_ids(rng, B, T)
   q, k, v = (jnp.asarray(rng.normal(size=(B, T, heads, N)), jnp.float32) for heads in (H, K, K))
@@ -98,12 +98,12 @@ def _update_fn(config, tx):
   return step
 
 
-def test_a_context_parallel_actor_update_equals_the_update_without_it(monkeypatch):
+def test_a_context_parallel_actor_update_equals_the_update_without_it(attention_block):
   """The tiny actor (3 layers, full remat, log-probs in chunks of 4, blocks of 8) updated once
   on packed rows of 64 tokens: fsdp=2 x context=4 against fsdp=8. The new parameters, the loss
   and the log-probs agree at 1e-5 of their scale (fp32: only the order of sums differs); the
   log-probs come out split over 'context' (each device a quarter of each row)."""
-  monkeypatch.setattr(attention, "BLOCK", 8)
+  attention_block(8)
   config = get_model_config("tiny", remat="full", logprob_chunk_size=4)
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, config.vocab_size, (B, 64)).astype(np.int32)

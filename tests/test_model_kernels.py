@@ -8,7 +8,6 @@ import pytest
 from rlhfjax import models, rollout
 from rlhfjax.config import ConfigError, ModelSection, RoleModelSection
 from rlhfjax.config.model import REMAT_POLICIES, get_model_config
-from rlhfjax.models import attention
 from rlhfjax.placement.spec import RoleSpec
 
 pytestmark = pytest.mark.unit
@@ -38,10 +37,10 @@ def _loss(config, params, tokens, mask):
 
 @pytest.mark.parametrize("impl", ["xla", "blockwise"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_attention_kernels_equal_einsum_through_the_model(params, window, impl, monkeypatch):
+def test_attention_kernels_equal_einsum_through_the_model(params, window, impl, attention_block):
   """The whole model's logits and parameter gradients on a left-padded batch."""
   # 17 tokens in blocks of 5: three full blocks and a padded one, by queries and by keys.
-  monkeypatch.setattr(attention, "BLOCK", 5)
+  attention_block(5)
   tokens, mask = _batch()
   plain = CONFIG.replace(sliding_window=window)
   fused = plain.replace(attention=impl)
