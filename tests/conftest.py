@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 _FLAG = "--xla_force_host_platform_device_count=8"
-# XLA's CPU code generation in the two-worker suite (pytest-xdist workers, where nothing is
+# XLA's CPU code generation in the suite's pytest-xdist workers (where nothing is
 # timed): LLVM at -O0 and the loop emitters instead of the fusion emitters. The tiny configs'
 # programs then compile about 5x faster and run about 2x slower (PPO's programs, no cache:
 # 6.4 s of compiles against 33.6 s; SFT steps 0.18 s against 0.095 s), and most of the suite's
@@ -15,7 +15,7 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 # accelerator runs this code. Speed is measured by the `scripts/bench_*.py` scripts outside the
 # suite (CI runs the planner's timed check, `scripts/bench_ppo.py --check=6`, after it); a check
 # of the CPU backend's fusions pins the defaults (test_decode_cache).
-# One LLVM module per program instead of several compiled in parallel: on 2 cores shared by two
+# One LLVM module per program instead of several compiled in parallel: on 2 cores shared by the
 # workers the split only adds work (a 1-step PPO run: 23.5-25.8 CPU-s against 27.1-29.9 s).
 _FAST_CODEGEN = (
   "--xla_backend_optimization_level=0",
@@ -61,10 +61,12 @@ _SUBPROCESS_TIERS = ("e2e", "multiprocess")
 def pytest_configure(config):
   for tier in TIERS:
     config.addinivalue_line("markers", f"{tier}: test tier (tests/conftest.py TIERS)")
-  # `-n 2 --dist loadfile` hands whole files to the two workers in collection order, which
+  # `-n 3 --dist loadfile` hands whole files to the workers in collection order, which
   # `pytest_collection_modifyitems` sorts by tier, heaviest first: a long file handed out last
-  # would keep one worker busy while the other idles. (pytest-xdist would otherwise reorder the
-  # files by their number of tests.)
+  # would keep one worker busy while the others idle. (pytest-xdist would otherwise reorder the
+  # files by their number of tests.) Three workers on the 2 cores: the e2e tests wait on the
+  # processes they start (peers, signals, a lock), and a third worker runs meanwhile
+  # (docs/development.md).
   if hasattr(config.option, "loadscopereorder"):
     config.option.loadscopereorder = False
 

@@ -728,7 +728,7 @@ def test_decode_call_writes_the_pool_in_place(live, attention):
   """A decode call updates the pool in place: donated, aliased, never copied whole (also by a
   live batch of half the slots and half the table width, whose rows are gathered from the
   state and scattered back, and with the CPU's decode attention over the pages, 'auto'), in
-  XLA's default CPU code generation, which users' runs get (the two-worker suite compiles with
+  XLA's default CPU code generation, which users' runs get (the suite's workers compile with
   faster settings, tests/conftest.py)."""
   layers, b, length, e = 5, 4, 512, 16
   w = length // e
